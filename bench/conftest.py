@@ -34,6 +34,16 @@ MIN_ROUND_S = float(os.environ.get("AGGSRV_BENCH_MIN_ROUND_S", "0.02"))
 RESULTS: list[str] = []
 
 
+def emit(benchmark: Any, line: str, info: dict) -> None:
+    """Print a result line with the load average, keep it for the summary and in extra_info."""
+    info.setdefault("loadavg_1m", round(os.getloadavg()[0], 2))
+    line += f"  (load {info['loadavg_1m']:.1f})"
+    print("\n" + line)
+    RESULTS.append(line)
+    benchmark.extra_info.update(info)
+    benchmark.extra_info["line"] = line
+
+
 def scaled(D: int) -> int:
     """D multiplied by AGGSRV_BENCH_SCALE (at least 1)."""
     return max(1, round(D * SCALE))

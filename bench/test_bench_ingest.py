@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import REPS, RESULTS, SCALE, fmt_size, median_ratio, rescale_sizes, scaled
+from conftest import REPS, SCALE, emit, fmt_size, median_ratio, rescale_sizes, scaled
 from ingest_helpers import (
     AggsrvServer,
     BareReceiver,
@@ -82,18 +82,6 @@ def _bare_client(address: str, client_id: str, layout: ModelLayout) -> Client:
     c.layout = layout  # what register() would set; the receiver implements PushUpdate only
     c.chunk_bytes = 1 << 20
     return c
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def _emit(benchmark, line: str, info: dict) -> None:
-    line += f"  (load {info['loadavg_1m']:.1f})"
-    print("\n" + line)
-    RESULTS.append(line)
-    benchmark.extra_info.update(info)
-    benchmark.extra_info["line"] = line
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +168,6 @@ def test_bench_ingest_push(benchmark) -> None:
         "ours_vs_bare": vs_bare,
         "speedup_vs_flower": vs_flower,
         "targets_met": ok_bare and ok_flower,
-        "loadavg_1m": _load(),
     }
     line = (
         f"ingest fedasync D={fmt_size(D)} ({nbytes / MB:.0f} MB, 1 MiB chunks, "
@@ -191,7 +178,7 @@ def test_bench_ingest_push(benchmark) -> None:
         f"[>=0.7x bare {'ok' if ok_bare else 'MISSED'}; >=2x vs flower "
         f"{'ok' if ok_flower else 'MISSED'}]"
     )
-    _emit(benchmark, line, info)
+    emit(benchmark, line, info)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +310,6 @@ def test_bench_small_updates(benchmark) -> None:
         "bare_MBps": ups["bare"] * D * 4 / MB,
         "server_updates_applied": int(status.updates_applied),
         "server_updates_rejected": int(status.updates_rejected),
-        "loadavg_1m": _load(),
     }
     line = (
         f"small updates fedasync {n_cl} clients x {per} D={fmt_size(D)} "
@@ -333,7 +319,7 @@ def test_bench_small_updates(benchmark) -> None:
         f"(p50 {p['bare'][0] * 1e3:.1f} ms p99 {p['bare'][1] * 1e3:.1f} ms) "
         f"-> {ratio:.2f}x bare rate"
     )
-    _emit(benchmark, line, info)
+    emit(benchmark, line, info)
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +430,6 @@ def test_bench_fedbuff_memory(benchmark) -> None:
         "end_rss_bytes": end["VmRSS"] * kb,
         "elapsed_s": elapsed,
         "targets_met": ok,
-        "loadavg_1m": _load(),
     }
     per_phase = ", ".join(f"{k} {(v * kb - idle_rss) / MB:.0f} MB" for k, v in phases.items())
     line = (
@@ -454,4 +439,4 @@ def test_bench_fedbuff_memory(benchmark) -> None:
         f"vs budget (K+S+2)xDx4 + 300 MB = {budget / MB:.0f} MB "
         f"[{'ok' if ok else 'MISSED'}; {used / budget:.2f}x budget]"
     )
-    _emit(benchmark, line, info)
+    emit(benchmark, line, info)

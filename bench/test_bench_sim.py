@@ -13,21 +13,12 @@ extra and the Debian package dataset-fashion-mnist).
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 
-from conftest import RESULTS
+from conftest import emit
 
 from aggsrv.sim import run
-
-
-def _emit(benchmark, line: str, info: dict) -> None:
-    line += f"  (load {os.getloadavg()[0]:.1f})"
-    print("\n" + line)
-    RESULTS.append(line)
-    benchmark.extra_info.update(info)
-    benchmark.extra_info["line"] = line
 
 
 def test_bench_sim_overhead(benchmark) -> None:
@@ -56,7 +47,7 @@ def test_bench_sim_overhead(benchmark) -> None:
         f"[<10% {'ok' if ok else 'MISSED'}]; final accuracy {s['final_accuracy']:.3f}; "
         f"setup (data, split, model) {s['wall_time'] - s['run_wall_time']:.2f} s"
     )
-    _emit(benchmark, line, {**{k: s[k] for k in (
+    emit(benchmark, line, {**{k: s[k] for k in (
         "updates_applied", "run_wall_time", "train_seconds", "eval_seconds", "overhead_share",
         "updates_per_second", "final_accuracy", "wall_time")}, "targets_met": ok})  # fmt: skip
 
@@ -88,4 +79,4 @@ def test_bench_grpc_vs_inproc(benchmark) -> None:
         f"{gap * 100:.1f} points [<=3 {'ok' if ok else 'MISSED'}]; wall per run inproc "
         f"{statistics.fmean(walls['inproc']):.1f} s, grpc {statistics.fmean(walls['grpc']):.1f} s"
     )
-    _emit(benchmark, line, {"finals": finals, "walls": walls, "gap": gap, "targets_met": ok})
+    emit(benchmark, line, {"finals": finals, "walls": walls, "gap": gap, "targets_met": ok})

@@ -20,6 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_helpers import RunningServer, flat, raw_push, tiny_model, update_messages
+from state_helpers import assert_same_state as _assert_same
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client
@@ -60,26 +61,6 @@ def _register_messages(client_id: str, layout: ModelLayout, layout_hash: str | N
         layout_hash=layout.hash if layout_hash is None else layout_hash,
     )
     return [pb.RegisterRequest(header=header)]
-
-
-def _assert_same(a, b, path: str = "state") -> None:
-    """Bit-identity of two nested state dicts: tensors byte for byte, everything else ==."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
-            f"{path}: tensor values differ"
-        )
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} / {b}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {a!r} != {b!r}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def _close(got: torch.Tensor, want64: torch.Tensor, atol: float = ATOL) -> None:

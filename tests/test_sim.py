@@ -49,8 +49,6 @@ def test_budgets_parse_in_three_units() -> None:
     assert (parse_budget("50r").amount, parse_budget("50r").unit) == (50.0, "rounds")
     assert parse_budget(90).unit == "seconds" and str(parse_budget("2.5s")) == "2.5s"
     for bad in ("10", "-3s", "0v", "1.5r", "ten rounds", "5x"):
-        if bad == "10":
-            continue  # a bare number string is seconds, like a bare number
         with pytest.raises(ValueError, match="budget"):
             parse_budget(bad)
 
@@ -288,10 +286,12 @@ def test_user_strategy_plugs_in_as_module_callable(tmp_path, monkeypatch) -> Non
 )
 def test_seed_strategies_run_over_grpc(tmp_path, strategy, settings) -> None:
     """One short run of each paper's strategy against a real server process: every update is
-    accepted and the global model's test loss goes down."""
+    accepted and the global model's test loss goes down. The budget counts versions, not
+    seconds, so a loaded CI machine (training lagging the virtual clock) still ends on a model
+    that has moved."""
     r = run(
         _config(tmp_path, strategy, strategy=strategy, strategy_config=settings,
-                transport="grpc", budget="8s", eval_every="4s", time_scale=0.25),
+                transport="grpc", budget="6v", eval_every="4s", time_scale=0.25),
         progress=False,
     )  # fmt: skip
     s = r.summary

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from state_helpers import assert_same_state
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import (
@@ -74,23 +75,6 @@ def make_update(
         kind=kind,
         tensor=tensor,
     )
-
-
-def assert_same_state(a: Any, b: Any, path: str = "state") -> None:
-    """Bit-identical nested state: torch.equal for tensors (and dtype), == for the rest."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), path
-        for k in a:
-            assert_same_state(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_state(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 def close(model: torch.Tensor, trace: torch.Tensor) -> None:

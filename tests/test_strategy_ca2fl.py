@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from state_helpers import assert_same_state as _same
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.base import Job, Status, Update, UpdateKind
@@ -134,21 +134,6 @@ def test_random_trace_matches_oracle(gen: torch.Generator) -> None:
         assert out.status is (Status.APPLIED if not o.buf else Status.BUFFERED)
         torch.testing.assert_close(s.global_model().to(F64), o.x, rtol=1e-5, atol=1e-5)
     assert s.buffered == len(o.buf) == 1
-
-
-def _same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == b
 
 
 def _drive(s: CA2FL, g: torch.Generator, steps: int, start: int = 0) -> None:

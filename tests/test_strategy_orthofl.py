@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from state_helpers import assert_same_state as _same
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.base import Job, Status, Update, UpdateKind
@@ -326,21 +327,6 @@ def _drive(s: OrthoFL, g: torch.Generator, steps: int, start: int) -> None:
         s.on_update(make_update(job, x, UpdateKind.DELTA if i % 2 else UpdateKind.WEIGHTS), i)
         if c != "C":  # C asks late: its pending Y waits without a job
             s.job_for(c, float(i))
-
-
-def _same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == b
 
 
 @pytest.mark.parametrize("variant", ["ma_global", "client_chain"])

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aggsrv.client import Client
 from aggsrv.server.config import ServerConfig
-from aggsrv.sim.inproc import Counters
+from aggsrv.sim.inproc import Counters, is_round_based
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
 from aggsrv.strategies import Status, UpdateKind, strategy_class
@@ -69,9 +69,8 @@ class GrpcRun:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
-        cls = strategy_class(cfg.strategy)
-        self.round_based = getattr(cls.config_class.from_dict(cfg.strategy_config), "mode", None)
-        self.round_based = self.round_based == "sync"
+        settings = strategy_class(cfg.strategy).config_class.from_dict(cfg.strategy_config)
+        self.round_based = is_round_based(settings)
         self.t0 = 0.0
         self.wall0 = time.perf_counter()
 
@@ -216,18 +215,10 @@ class GrpcRun:
         acc, loss = evaluator(weights)
         self.counters.eval_seconds += time.perf_counter() - t0
         with self._lock:
-            c = self.counters
-            row = {
-                "version": version,
-                "virtual_time": round(vt, 6),
-                "wall_time": time.perf_counter() - self.wall0,
-                "test_accuracy": acc,
-                "test_loss": loss,
-                "updates_applied": c.applied,
-                "updates_rejected": c.rejected,
-                "bytes_received": c.bytes_received,
-                "rounds": self._rounds_done(version),
-            }
+            row = self.counters.metric_row(
+                version, round(vt, 6), time.perf_counter() - self.wall0, acc, loss,
+                self._rounds_done(version),
+            )  # fmt: skip
         self.metrics.append(row)
         self.on_metric(row)
         if self.progress is not None:

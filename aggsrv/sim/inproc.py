@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 ARRIVE, TIMER, READY, EVAL = 0, 1, 2, 3
 
 
-def is_round_based(strategy) -> bool:
+def is_round_based(strategy_config) -> bool:
     """Round-based strategies make one version per round (FedAvg/FedProx in sync mode)."""
-    return getattr(strategy.config, "mode", None) == "sync"
+    return getattr(strategy_config, "mode", None) == "sync"
 
 
 @dataclass
@@ -52,6 +52,23 @@ class Counters:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     rejected_by: dict[str, int] = field(default_factory=dict)
+
+    def metric_row(
+        self, version: int, virtual_time: float, wall_time: float, accuracy: float, loss: float,
+        rounds: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One metrics.jsonl line (both transports write the same fields)."""
+        return {
+            "version": version,
+            "virtual_time": virtual_time,
+            "wall_time": wall_time,
+            "test_accuracy": accuracy,
+            "test_loss": loss,
+            "updates_applied": self.applied,
+            "updates_rejected": self.rejected,
+            "bytes_received": self.bytes_received,
+            "rounds": rounds,
+        }
 
 
 class InprocRun:
@@ -77,7 +94,7 @@ class InprocRun:
         self.progress = progress
         self.budget: Budget = cfg.budget_spec()
         self.every: Budget = cfg.eval_spec()
-        self.round_based = is_round_based(self.strategy)
+        self.round_based = is_round_based(self.strategy.config)
         self.counters = Counters()
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
@@ -138,18 +155,10 @@ class InprocRun:
         t0 = time.perf_counter()
         acc, loss = self.evaluate(self.strategy.global_model())
         self.counters.eval_seconds += time.perf_counter() - t0
-        c = self.counters
-        row = {
-            "version": self.strategy.version,
-            "virtual_time": round(self.now, 9),
-            "wall_time": time.perf_counter() - self.wall0,
-            "test_accuracy": acc,
-            "test_loss": loss,
-            "updates_applied": c.applied,
-            "updates_rejected": c.rejected,
-            "bytes_received": c.bytes_received,
-            "rounds": self.rounds_done(),
-        }
+        row = self.counters.metric_row(
+            self.strategy.version, round(self.now, 9), time.perf_counter() - self.wall0, acc, loss,
+            self.rounds_done(),
+        )  # fmt: skip
         self.metrics.append(row)
         self.on_metric(row)
         if self.progress is not None:
