@@ -64,6 +64,13 @@ class TomlConfig:
             lines.append("")
             lines.append(f"[{name}]")
             for key, value in sorted(table.items()):
+                if value is None:
+                    # TOML has no null, and dropping the key would silently bring back its
+                    # default (e.g. a 60 s round_timeout instead of none).
+                    raise ValueError(
+                        f"[{name}] {key} = None cannot be written as TOML (it has no null); "
+                        "leave the key out for its default or give a value"
+                    )
                 lines.append(f"{key} = {toml_value(value)}")
         return "\n".join(lines) + "\n"
 

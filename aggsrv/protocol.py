@@ -3,7 +3,7 @@ server and the client: wire dtypes, layouts, recipes, chunked tensor streams, ti
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -75,8 +75,13 @@ def layout_to_pb(layout: ModelLayout) -> tpb.ModelLayout:
 
 
 def layout_from_pb(msg: tpb.ModelLayout) -> ModelLayout:
-    """A server-side layout (trainable tensors only) from its proto description."""
-    return ModelLayout.from_named_shapes([(t.name, tuple(t.shape)) for t in msg.tensors])
+    """A layout from its proto description: trainable tensors with their norm flags (ORTHOFL
+    leaves norm segments uncalibrated, so the flags must survive the wire) and float buffers."""
+    return ModelLayout(
+        [(t.name, tuple(t.shape)) for t in msg.tensors],
+        [(b.name, tuple(b.shape)) for b in msg.buffers],
+        norm_flags=[bool(t.is_norm) for t in msg.tensors],
+    )
 
 
 def recipe_to_pb(recipe: Recipe) -> pb.Recipe:
@@ -175,13 +180,17 @@ def sparse_infos(
     return out
 
 
-def byte_stream(name: str, payload: memoryview, chunk_bytes: int, message_cls: type) -> Iterator:
-    """Chunks of one tensor's raw wire bytes (a sparse section), then the trailer."""
+def byte_stream(
+    sections: Iterable[tuple[str, memoryview]], chunk_bytes: int, message_cls: type
+) -> Iterator:
+    """Chunks of named raw wire-byte sections (a sparse update, then e.g. the dense buffers'
+    bytes) in order, then the trailer with the CRC-32C over all of them."""
     crc = Crc32c()
-    for start in range(0, payload.nbytes, chunk_bytes):
-        piece = bytes(payload[start : start + chunk_bytes])
-        crc.update(piece)
-        yield message_cls(chunk=tpb.TensorChunk(tensor=name, offset=start, data=piece))
+    for name, payload in sections:
+        for start in range(0, payload.nbytes, chunk_bytes):
+            piece = bytes(payload[start : start + chunk_bytes])
+            crc.update(piece)
+            yield message_cls(chunk=tpb.TensorChunk(tensor=name, offset=start, data=piece))
     yield message_cls(trailer=tpb.StreamTrailer(crc32c=crc.value, payload_bytes=crc.nbytes))
 
 

@@ -424,6 +424,33 @@ def test_batchnorm_buffers_are_returned_and_changed() -> None:
     assert int(num_batches) == 2  # integer buffers stay outside the flat section but advance
 
 
+def test_start_buffers_are_loaded_before_training() -> None:
+    """The job's statistics replace the model's own; the first BatchNorm layer's running mean
+    after one step is the momentum mix of them and the batch mean (checked by hand)."""
+    batches = batch_list("cnn", [10], seed=95)
+    model = cnn(6)
+    layout = ModelLayout.from_module(model)
+    g = torch.Generator().manual_seed(7)
+    job_buffers = torch.rand(layout.buffer_numel, generator=g) + 0.5
+    start = start_for(model, 8)
+    recipe = Recipe(local_epochs=None, local_steps=1, learning_rate=0.05, batch_size=10)
+    res = train(model, batches, recipe, start, start_buffers=job_buffers, max_steps=0)
+    assert torch.equal(res.buffers, job_buffers)  # no step: exactly what the job sent
+    res = train(model, batches, recipe, start, start_buffers=job_buffers)
+    with torch.no_grad():
+        conv = torch.nn.functional.conv2d(batches[0][0], start[: 6 * 27].view(6, 3, 3, 3),
+                                          start[6 * 27 : 6 * 28])  # fmt: skip
+    batch_mean = conv.mean(dim=(0, 2, 3))
+    want = 0.9 * job_buffers[:6] + 0.1 * batch_mean
+    torch.testing.assert_close(res.buffers[:6], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="start_buffers"):
+        train(model, batches, recipe, start, start_buffers=job_buffers[:-1])
+    mlp_model = mlp(1)
+    with pytest.raises(ValueError, match="no float buffers"):
+        train(mlp_model, batch_list("mlp", [4], seed=1), recipe, start_for(mlp_model, 1),
+              start_buffers=job_buffers)  # fmt: skip
+
+
 def test_mlp_without_buffers_returns_none() -> None:
     recipe = Recipe(local_epochs=None, local_steps=1, learning_rate=0.05, batch_size=4)
     _, _, res = run("mlp", recipe, batch_list("mlp", [4], seed=94))

@@ -69,6 +69,9 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path) -> None:
         __import__("tomllib").loads(cfg.to_toml())
     )  # the printed config loads back to the same config
     assert again == cfg
+    no_timeout = SimConfig(strategy="fedavg", strategy_config={"round_timeout": None})
+    with pytest.raises(ValueError, match="round_timeout = None cannot be written"):
+        no_timeout.to_toml()  # not silently the 60 s default in a grpc run's server.toml
 
 
 # ----------------------------------------------------------------------------- inproc
@@ -298,3 +301,23 @@ def test_seed_strategies_run_over_grpc(tmp_path, strategy, settings) -> None:
     assert s["updates_applied"] >= 5 and s["updates_rejected"] == 0, s
     assert r.metrics[-1]["version"] >= 1
     assert r.metrics[-1]["test_loss"] < r.metrics[0]["test_loss"]
+
+
+def test_batchnorm_model_runs_with_its_statistics_on_both_transports(tmp_path) -> None:
+    """A model with BatchNorm buffers: the statistics travel with jobs and updates, the
+    evaluation loads the global ones, and sync FedAvg gives the same curve on both transports
+    (each round averages the same updates; only the summation order may differ)."""
+    curves = {}
+    for transport in ("inproc", "grpc"):
+        r = run(
+            _config(tmp_path, transport, strategy="fedavg", model="small_cnn_bn",
+                    strategy_config={"learning_rate": 0.1, "round_timeout": 1000.0},
+                    transport=transport, budget="3v", eval_every="1v"),
+            progress=False,
+        )  # fmt: skip
+        assert r.summary["updates_rejected"] == 0
+        curves[transport] = {m["version"]: m["test_loss"] for m in r.metrics}
+    assert set(curves["inproc"]) == set(curves["grpc"]) == {0, 1, 2, 3}
+    for v, loss in curves["inproc"].items():
+        assert abs(curves["grpc"][v] - loss) < 1e-4, (v, curves)
+    assert curves["inproc"][3] < curves["inproc"][0]

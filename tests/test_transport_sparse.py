@@ -167,7 +167,7 @@ def test_malformed_sparse_push_is_refused_and_changes_nothing(server) -> None:
                                     nnz=2)],
         )  # fmt: skip
         payload = memoryview(np.array([5, 5], "<u4").tobytes() + np.ones(2, "<f4").tobytes())
-        body = list(P.byte_stream("update", payload, 1 << 20, pb.UpdateMessage))
+        body = list(P.byte_stream([("update", payload)], 1 << 20, pb.UpdateMessage))
         before = server.state()
         result = raw_push(server.address, [pb.UpdateMessage(header=header), *body])
         assert isinstance(result, grpc.RpcError)

@@ -24,6 +24,8 @@ from aggsrv.transport import (
     WireDtype,
     choose_encoding,
     encode_sparse,
+    to_wire,
+    wire_view,
 )
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
@@ -42,11 +44,18 @@ class ClientJob:
     base_version: int
     deadline: float | None  # unix seconds on the server's clock
     recipe: Recipe
-    tensors: Mapping[str, torch.Tensor]  # flat float32 tensors ("weights", maybe "basis")
+    # flat float32 tensors: "weights", and "buffers" (float buffers to load) when the model has
+    # any, "basis" for Fed-OGD
+    tensors: Mapping[str, torch.Tensor]
 
     @property
     def weights(self) -> torch.Tensor:
         return self.tensors["weights"]
+
+    @property
+    def buffers(self) -> torch.Tensor | None:
+        """The float buffers (BatchNorm statistics) to train from, None without any."""
+        return self.tensors.get("buffers")
 
 
 @dataclass(frozen=True)
@@ -164,18 +173,27 @@ class Client:
         *,
         layout: ModelLayout | None = None,
         initial: torch.Tensor | None = None,
+        initial_buffers: torch.Tensor | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> pb.RegisterResponse:
-        """Register with a model (or a layout plus flat initial weights).
+        """Register with a model (or a layout plus flat initial weights and, when the layout has
+        float buffers, ``initial_buffers``).
 
-        The initial weights travel only if the server has no model yet (checked with GetStatus
-        first), and are adopted only by an empty server.
+        The initial model travels only if the server has no model yet (checked with GetStatus
+        first), and is adopted only by an empty server.
         """
         if model is not None:
             layout = ModelLayout.from_module(model)
             initial = layout.flatten(model, dtype=torch.float32)
+            if layout.buffer_numel:
+                initial_buffers = layout.flatten_buffers(model, dtype=torch.float32)
         if layout is None:
             raise ValueError("register needs a model or a layout")
+        if initial is not None and layout.buffer_numel and initial_buffers is None:
+            raise ValueError(
+                f"the layout has {layout.buffer_numel} float buffer elements (BatchNorm "
+                "statistics): pass initial_buffers with the initial weights"
+            )
         self.layout = layout
         header = pb.RegisterHeader(
             client_id=self.client_id,
@@ -193,17 +211,20 @@ class Client:
         offer = initial is not None and not status.has_model
         if offer and status.limits.chunk_bytes:
             self.chunk_bytes = int(status.limits.chunk_bytes)  # the weights travel in its chunks
+        offered = {"weights": initial}
+        if layout.buffer_numel:
+            offered["buffers"] = initial_buffers
 
         def messages() -> Iterator[pb.RegisterRequest]:
             h = pb.RegisterHeader()
             h.CopyFrom(header)
             if offer:
                 h.initial_dtype = P.WIRE_TO_PB[WireDtype.FLOAT32]
-                h.initial_tensors.append(tpb.TensorInfo(name="weights", numel=layout.numel))
+                h.initial_tensors.extend(P.tensor_infos(offered))
             yield pb.RegisterRequest(header=h)
             if offer:
                 yield from P.chunk_stream(
-                    {"weights": initial}, WireDtype.FLOAT32, self.chunk_bytes, pb.RegisterRequest
+                    offered, WireDtype.FLOAT32, self.chunk_bytes, pb.RegisterRequest
                 )
 
         resp = self._retry(
@@ -248,15 +269,26 @@ class Client:
         complete: bool = True,
         update_id: str | None = None,
         encoding: Encoding | str = "auto",
+        buffers: torch.Tensor | None = None,
     ) -> PushResult:
         """Stream one update (the flat [D] delta or final weights); retries keep the update id.
 
         ``encoding``: "dense", "coo", "bitmap", or "auto" (by the share of non-zero elements:
         sparse updates such as FedEN's proximal ones travel in a fraction of the bytes).
+        ``buffers``: the client's flat [B] float buffers after training (absolute values), which
+        every update of a model with float buffers must carry.
         """
         layout = self._require_layout()
         if tensor.numel() != layout.numel:
             raise ValueError(f"update has {tensor.numel()} elements, the layout {layout.numel}")
+        if layout.buffer_numel and (buffers is None or buffers.numel() != layout.buffer_numel):
+            got = "none" if buffers is None else f"{buffers.numel()} elements"
+            raise ValueError(
+                f"the model has {layout.buffer_numel} float buffer elements (BatchNorm "
+                f"statistics): pass them as buffers= (got {got})"
+            )
+        if not layout.buffer_numel and buffers is not None:
+            raise ValueError("buffers= given but the model has no float buffers")
         update_id = update_id or uuid.uuid4().hex
         header = pb.UpdateHeader(
             client_id=self.client_id,
@@ -270,6 +302,11 @@ class Client:
             layout_hash=layout.hash,
             tensors=[tpb.TensorInfo(name="update", numel=layout.numel)],
         )
+        if buffers is not None:
+            header.tensors.append(tpb.TensorInfo(name="buffers", numel=layout.buffer_numel))
+            extra = {"buffers": buffers.detach().reshape(-1)}
+        else:
+            extra = {}
         flat = tensor.detach().reshape(-1)
         if encoding == "auto":
             # A dense update (no zeros among ~1024 strided samples) skips the counting pass.
@@ -289,10 +326,13 @@ class Client:
         def messages() -> Iterator[pb.UpdateMessage]:
             yield pb.UpdateMessage(header=header)
             if payload is not None:
-                yield from P.byte_stream("update", payload, self.chunk_bytes, pb.UpdateMessage)
+                sections = [("update", payload)]
+                for name, t in extra.items():
+                    sections.append((name, wire_view(to_wire(t, self.upload_dtype))))
+                yield from P.byte_stream(sections, self.chunk_bytes, pb.UpdateMessage)
                 return
             yield from P.chunk_stream(
-                {"update": flat}, self.upload_dtype, self.chunk_bytes, pb.UpdateMessage
+                {"update": flat, **extra}, self.upload_dtype, self.chunk_bytes, pb.UpdateMessage
             )
 
         resp = self._retry("push", lambda: self._stub.PushUpdate(messages(), timeout=self.timeout))
@@ -304,10 +344,15 @@ class Client:
             original=P.PB_TO_STATUS.get(resp.original_outcome),
         )
 
-    def get_model(self, version: int | None = None) -> tuple[int, torch.Tensor]:
-        """(version, flat float32 weights) of the latest or a retained version."""
+    def get_model(
+        self, version: int | None = None, *, include_buffers: bool = False
+    ) -> tuple[int, torch.Tensor] | tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(version, flat float32 weights) of the latest or a retained version; with
+        ``include_buffers`` (version, weights, float buffers or None without any)."""
         request = pb.GetModelRequest(
-            dtype=P.WIRE_TO_PB[self.download_dtype], client_id=self.client_id
+            dtype=P.WIRE_TO_PB[self.download_dtype],
+            client_id=self.client_id,
+            include_buffers=include_buffers,
         )
         if version is not None:
             request.version = version
@@ -317,6 +362,8 @@ class Client:
 
         header, tensors = self._retry("get_model", call)
         self.last_model_layout = P.layout_from_pb(header.layout)
+        if include_buffers:
+            return int(header.version), tensors["weights"], tensors.get("buffers")
         return int(header.version), tensors["weights"]
 
     def heartbeat(self, job_id: str = "") -> pb.HeartbeatResponse:

@@ -92,6 +92,11 @@ class TrainResult:
     complete: bool
     buffers: torch.Tensor | None = None
 
+    @property
+    def payload_bytes(self) -> int:
+        """float32 bytes of what an update carries: the delta and the float buffers."""
+        return 4 * (self.delta.numel() + (0 if self.buffers is None else self.buffers.numel()))
+
     def work_done(self, recipe: Recipe) -> float:
         """The work to report to the server: epochs if the recipe counts epochs, else steps."""
         return self.epochs if recipe.local_epochs is not None else float(self.steps)
@@ -377,6 +382,7 @@ def train(
     loss_fn: Callable[..., torch.Tensor] = torch.nn.functional.cross_entropy,
     layout: ModelLayout | None = None,
     basis: torch.Tensor | None = None,
+    start_buffers: torch.Tensor | None = None,
     device: torch.device | str | None = None,
     max_steps: int | None = None,
     stop: Callable[[], bool] | None = None,
@@ -396,6 +402,9 @@ def train(
     deterministic (on CUDA see ``torch.use_deterministic_algorithms``). ``basis`` is the job's
     Fed-OGD basis, used when ``recipe.projection`` is not NONE (module docstring);
     ``elastic_exclude_biases`` leaves biases and normalisation parameters unpenalised.
+    ``start_buffers`` (the job's flat float buffers, e.g. BatchNorm running statistics) are
+    loaded into the model first; without them the model keeps its own. The result's
+    ``buffers`` are the model's float buffers after training.
     """
     _check_recipe(recipe)
     if layout is None:
@@ -406,6 +415,10 @@ def train(
     _check_flat("start", start, dim)
     if basis is not None:
         _check_flat("basis", basis, dim)
+    if start_buffers is not None:
+        if not layout.buffer_numel:
+            raise ValueError("start_buffers given but the model has no float buffers")
+        _check_flat("start_buffers", start_buffers, layout.buffer_numel)
     if max_steps is not None and max_steps < 0:
         raise ValueError(f"max_steps must be >= 0, got {max_steps}")
 
@@ -447,6 +460,9 @@ def train(
     device = torch.device(device)
     was_training = model.training
     model.to(device)  # buffers (BatchNorm statistics) too; must precede bind_flat
+    if start_buffers is not None:
+        with torch.no_grad():
+            layout.unflatten_buffers(start_buffers.to(device), model)
     flat_p, flat_g = layout.bind_flat(model)
     flat_p.copy_(start)
     start_w = start.to(device=flat_p.device, dtype=flat_p.dtype)

@@ -40,11 +40,20 @@ class ClientRecord:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One retained version: an immutable [D] tensor readers can stream without locks."""
+    """One retained version: immutable [D] weights (and [B] float buffers, None without any)
+    that readers can stream without locks."""
 
     version: int
     weights: torch.Tensor
     created_at: float
+    buffers: torch.Tensor | None = None
+
+    def tensors(self, include_buffers: bool) -> dict[str, torch.Tensor]:
+        """The named flat tensors GetModel streams."""
+        out = {"weights": self.weights}
+        if include_buffers and self.buffers is not None:
+            out["buffers"] = self.buffers
+        return out
 
 
 class Federation:
@@ -85,7 +94,14 @@ class Federation:
         if strategy is None:
             return
         if not self.snapshots or next(reversed(self.snapshots)) != strategy.version:
-            self._retain(Snapshot(strategy.version, strategy.global_model(), self.clock()))
+            self._retain(
+                Snapshot(
+                    strategy.version,
+                    strategy.global_model(),
+                    self.clock(),
+                    strategy.global_buffers(),
+                )
+            )
             self._changed.set()
             self._changed = asyncio.Event()
         self._arm_timer()
@@ -121,13 +137,17 @@ class Federation:
 
     # ------------------------------------------------------------------ model and versions
 
-    def adopt(self, layout: ModelLayout, weights: torch.Tensor) -> None:
-        """Create the strategy from the first model (initial weights become version 0)."""
+    def adopt(
+        self, layout: ModelLayout, weights: torch.Tensor, buffers: torch.Tensor | None = None
+    ) -> None:
+        """Create the strategy from the first model (initial weights and float buffers become
+        version 0)."""
         cfg = self.config
         self.strategy = make_strategy(
             cfg.strategy,
             layout=layout,
             initial=weights,
+            initial_buffers=buffers,
             config=cfg.strategy_config,
             device=self.device,
             max_clients=cfg.max_clients,
@@ -135,12 +155,25 @@ class Federation:
         self.layout = layout
         self._slots = asyncio.Queue()
         for _ in range(cfg.max_concurrent_uploads):
-            self._slots.put_nowait(StagingSlot(layout.numel, pin_memory=self.device.type == "cuda"))
-        self._retain(Snapshot(0, self.strategy.global_model(), self.clock()))
+            self._slots.put_nowait(
+                StagingSlot(
+                    layout.numel,
+                    {"buffers": layout.buffer_numel} if layout.buffer_numel else None,
+                    pin_memory=self.device.type == "cuda",
+                )
+            )
+        self._retain(
+            Snapshot(0, self.strategy.global_model(), self.clock(), self.strategy.global_buffers())
+        )
         log.info(
             "model adopted: %d parameters in %d tensors, layout %s, strategy %s",
             layout.numel, len(layout.names), layout.hash[:12], self.strategy.name,
         )  # fmt: skip
+
+    def payload_sizes(self, main: str) -> dict[str, int]:
+        """:func:`payload_sizes` of the server's model."""
+        assert self.layout is not None
+        return payload_sizes(self.layout, main)
 
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
@@ -188,6 +221,13 @@ class Federation:
         if self._timer is not None:
             self._timer.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+
+def payload_sizes(layout: ModelLayout, main: str) -> dict[str, int]:
+    """Name -> elements of an upload: ``main`` ("update" or "weights", D) and, when the model has
+    float buffers, "buffers" (B): every update and initial model must carry the statistics."""
+    b = layout.buffer_numel
+    return {main: layout.numel, **({"buffers": b} if b else {})}
 
 
 def _resolve_device(name: str) -> torch.device:

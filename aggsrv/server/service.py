@@ -14,8 +14,8 @@ import grpc
 import torch
 
 from aggsrv import protocol as P
-from aggsrv.layout import LayoutMismatchError
-from aggsrv.server.federation import ClientRecord, Federation
+from aggsrv.layout import LayoutMismatchError, ModelLayout
+from aggsrv.server.federation import ClientRecord, Federation, payload_sizes
 from aggsrv.strategies import (
     InvalidUpdate,
     JobSuperseded,
@@ -88,6 +88,23 @@ class AggregationService(pb_grpc.AggregationServicer):
                 SC.FAILED_PRECONDITION,
                 f"layout hash {layout_hash[:16]!r}... does not match the server's model "
                 f"({layout.hash[:16]}...): the client's model has other tensor names or shapes",
+            )
+
+    async def _require_same_buffers(
+        self, layout: ModelLayout, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The layout hash covers the trainable tensors only; the float buffers must match too."""
+        ours = self.fed.layout
+        assert ours is not None
+        mine = list(zip(ours.buffer_names, ours.buffer_shapes, strict=True))
+        theirs = list(zip(layout.buffer_names, layout.buffer_shapes, strict=True))
+        if mine != theirs:
+            await self._abort(
+                context,
+                SC.FAILED_PRECONDITION,
+                f"the client's float buffers ({len(theirs)} tensors, {layout.buffer_numel} "
+                f"elements) differ from the server's model ({len(mine)} tensors, "
+                f"{ours.buffer_numel} elements): the client runs another model architecture",
             )
 
     def _limits(self) -> pb.ServerLimits:
@@ -171,13 +188,6 @@ class AggregationService(pb_grpc.AggregationServicer):
             layout = P.layout_from_pb(header.layout)
         except (ValueError, LayoutMismatchError) as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, f"bad layout: {exc}")
-        if header.layout.buffers:
-            await self._abort(
-                context,
-                SC.UNIMPLEMENTED,
-                "models with float buffers (BatchNorm running statistics) are not aggregated "
-                "yet; register the trainable tensors only",
-            )
         if header.layout_hash != layout.hash:
             await self._abort(
                 context,
@@ -194,20 +204,25 @@ class AggregationService(pb_grpc.AggregationServicer):
                     SC.FAILED_PRECONDITION,
                     "server has no model yet: register with initial weights (initial_tensors)",
                 )
-            slot = StagingSlot(layout.numel)
+            extras = {"buffers": layout.buffer_numel} if layout.buffer_numel else None
+            slot = StagingSlot(layout.numel, extras)
             try:
                 dtype = P.wire_dtype(header.initial_dtype)
             except ValueError as exc:
                 await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
             decoded = await self._decode(
                 request_iterator, slot, list(header.initial_tensors),
-                {"weights": layout.numel}, dtype, context,
+                payload_sizes(layout, "weights"), dtype, context,
             )  # fmt: skip
             if fed.strategy is None:  # another client may have won the race meanwhile
-                fed.adopt(layout, decoded["weights"])
+                try:
+                    fed.adopt(layout, decoded["weights"], decoded.get("buffers"))
+                except ValueError as exc:  # e.g. a negative running_var in the initial model
+                    await self._abort(context, SC.INVALID_ARGUMENT, f"initial model: {exc}")
                 adopted = True
         if not adopted:
             await self._require_hash(header.layout_hash, context)
+            await self._require_same_buffers(layout, context)
             await self._check_offered_weights(header, request_iterator, context)
         if header.client_id not in fed.clients and len(fed.clients) >= fed.config.max_clients:
             await self._abort(
@@ -261,7 +276,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         slot = await fed.acquire_slot()
         try:
             await self._decode(
-                stream, slot, list(header.initial_tensors), {"weights": fed.layout.numel},
+                stream, slot, list(header.initial_tensors), fed.payload_sizes("weights"),
                 dtype, context,
             )  # fmt: skip
         finally:
@@ -305,6 +320,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             tensors=P.tensor_infos(job.tensors),
             update_kind=pb.UPDATE_KIND_DELTA,
             upload_dtype=P.WIRE_TO_PB[WireDtype.FLOAT32],
+            send_buffers=fed.layout.buffer_numel > 0,
         )
         if job.deadline is not None:
             header.deadline.CopyFrom(P.timestamp(job.deadline))
@@ -358,9 +374,10 @@ class AggregationService(pb_grpc.AggregationServicer):
             slot = await fed.acquire_slot()
             fed.uploads_in_progress += 1
             views = await self._decode(
-                request_iterator, slot, list(h.tensors), {"update": fed.layout.numel}, dtype,
+                request_iterator, slot, list(h.tensors), fed.payload_sizes("update"), dtype,
                 context,
             )  # fmt: skip
+            buffers = views.get("buffers")
             update = Update(
                 client_id=h.client_id,
                 job_id=job_id,
@@ -370,6 +387,7 @@ class AggregationService(pb_grpc.AggregationServicer):
                 work_done=_work_done(h.work, fed.strategy.make_recipe().local_steps is not None),
                 kind=kind,
                 tensor=_on_device(views["update"], fed.strategy.device),
+                buffers=None if buffers is None else _on_device(buffers, fed.strategy.device),
             )
             strategy = fed.strategy
 
@@ -430,7 +448,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             dtype = P.wire_dtype(request.dtype)
         except ValueError as exc:
             await context.abort(SC.INVALID_ARGUMENT, str(exc))
-        tensors = {"weights": snap.weights}
+        tensors = snap.tensors(request.include_buffers)
         yield pb.ModelMessage(
             header=pb.ModelHeader(
                 version=snap.version,
@@ -497,6 +515,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         if fed.layout is not None:
             resp.layout_hash = fed.layout.hash
             resp.numel = fed.layout.numel
+            resp.buffer_numel = fed.layout.buffer_numel
             resp.oldest_retained_version = next(iter(fed.snapshots))
         return resp
 

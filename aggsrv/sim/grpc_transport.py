@@ -158,7 +158,8 @@ class GrpcRun:
                 plan = self.profile.plan(c, rounds)
                 t_train = time.perf_counter()
                 result = trainer.run(c, rounds, job.weights, job.recipe, plan.work_fraction,
-                                     basis=job.tensors.get("basis"))  # fmt: skip
+                                     basis=job.tensors.get("basis"),
+                                     buffers=job.buffers)  # fmt: skip
                 with self._lock:
                     self.counters.train_seconds += time.perf_counter() - t_train
                 rounds += 1
@@ -186,11 +187,12 @@ class GrpcRun:
                         epochs=result.epochs,
                         complete=result.complete,
                         update_id=f"{client_id(c)}-{rounds - 1}",
+                        buffers=result.buffers,
                     )
                     ok = res.status in (Status.APPLIED, Status.BUFFERED)
                     with self._lock:
                         self.counters.applied += ok
-                        self.counters.bytes_received += result.delta.numel() * 4 if ok else 0
+                        self.counters.bytes_received += result.payload_bytes if ok else 0
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                         if self._stop.is_set():
@@ -209,10 +211,10 @@ class GrpcRun:
     # ------------------------------------------------------------------ evaluation
 
     def _evaluate(self, evaluator, observer: Client) -> dict[str, Any]:
-        version, weights = observer.get_model()
+        version, weights, buffers = observer.get_model(include_buffers=True)
         vt = self.vnow()
         t0 = time.perf_counter()
-        acc, loss = evaluator(weights)
+        acc, loss = evaluator(weights, buffers)
         self.counters.eval_seconds += time.perf_counter() - t0
         with self._lock:
             row = self.counters.metric_row(
@@ -248,7 +250,11 @@ class GrpcRun:
                 client = Client(address, client_id(c), timeout=120)
                 clients.append(client)
                 if c == 0:
-                    resp = client.register(layout=self.setup.layout, initial=self.setup.initial)
+                    resp = client.register(
+                        layout=self.setup.layout,
+                        initial=self.setup.initial,
+                        initial_buffers=self.setup.initial_buffers,
+                    )
                     if not resp.initial_model_adopted:
                         raise RuntimeError("the fresh server did not adopt the initial model")
                 else:

@@ -83,6 +83,7 @@ class InprocRun:
             cfg.strategy,
             layout=setup.layout,
             initial=setup.initial,
+            initial_buffers=setup.initial_buffers,
             config=cfg.effective_strategy_config(),
             device="cpu",
             max_clients=max(cfg.clients, 1),
@@ -153,7 +154,7 @@ class InprocRun:
 
     def _evaluate(self) -> None:
         t0 = time.perf_counter()
-        acc, loss = self.evaluate(self.strategy.global_model())
+        acc, loss = self.evaluate(self.strategy.global_model(), self.strategy.global_buffers())
         self.counters.eval_seconds += time.perf_counter() - t0
         row = self.counters.metric_row(
             self.strategy.version, round(self.now, 9), time.perf_counter() - self.wall0, acc, loss,
@@ -196,7 +197,8 @@ class InprocRun:
         plan = self.profile.plan(c, r)
         t0 = time.perf_counter()
         result = self.trainer.run(c, r, job.weights, job.recipe, plan.work_fraction,
-                                  basis=job.tensors.get("basis"))  # fmt: skip
+                                  basis=job.tensors.get("basis"),
+                                  buffers=job.tensors.get("buffers"))  # fmt: skip
         self.counters.train_seconds += time.perf_counter() - t0
         self._inflight[c] = _InFlight(job, result, t, r)
         self._push(t + plan.duration, ARRIVE, c)
@@ -220,12 +222,13 @@ class InprocRun:
             work_done=result.work_done(job.recipe),
             kind=UpdateKind.DELTA,
             tensor=result.delta,
+            buffers=result.buffers,
         )
         self._sent[c] += 1
         try:
             self.strategy.on_update(update, t)
             self.counters.applied += 1
-            self.counters.bytes_received += result.delta.numel() * 4
+            self.counters.bytes_received += result.payload_bytes
         except StrategyError as exc:
             self.counters.rejected += 1
             name = type(exc).__name__

@@ -90,9 +90,10 @@ class LocalTrainer:
         recipe,
         work_fraction: float = 1.0,
         basis: torch.Tensor | None = None,
+        buffers: torch.Tensor | None = None,
     ) -> TrainResult:
-        """Train ``client``'s job number ``round_`` from ``weights`` (the result owns its
-        tensors)."""
+        """Train ``client``'s job number ``round_`` from ``weights`` (and the job's float
+        ``buffers``, when the model has any); the result owns its tensors."""
         recipe = partial_recipe(recipe, work_fraction)
         batches = ClientBatches(
             self._xs[client],
@@ -101,8 +102,9 @@ class LocalTrainer:
             draw_seed(self.seed, client, round_, BATCH_STREAM),
         )
         return train(
-            self.model, batches, recipe, weights, layout=self.layout, basis=basis, device="cpu"
-        )
+            self.model, batches, recipe, weights, layout=self.layout, basis=basis,
+            start_buffers=buffers, device="cpu",
+        )  # fmt: skip
 
 
 class Evaluator:
@@ -122,8 +124,12 @@ class Evaluator:
         self.batch_size = batch_size
 
     @torch.no_grad()
-    def __call__(self, weights: torch.Tensor) -> tuple[float, float]:
+    def __call__(
+        self, weights: torch.Tensor, buffers: torch.Tensor | None = None
+    ) -> tuple[float, float]:
         self.layout.unflatten(weights, self.model)
+        if buffers is not None:
+            self.layout.unflatten_buffers(buffers, self.model)
         self.model.eval()
         correct = 0
         loss = 0.0

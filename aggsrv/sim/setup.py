@@ -36,6 +36,7 @@ class RunSetup:
     layout: ModelLayout
     initial: torch.Tensor  # flat float32 [D], the seeded model's weights
     profile: Any  # aggsrv.sim.profiles.Profile
+    initial_buffers: torch.Tensor | None = None  # flat float32 [B] (BatchNorm statistics)
 
     def trainer(self) -> LocalTrainer:
         return LocalTrainer(
@@ -72,12 +73,10 @@ def prepare(config: SimConfig) -> RunSetup:
     torch.manual_seed(config.seed)
     model = build_model(config.model, ds.input_shape, ds.num_classes, **config.model_config)
     layout = ModelLayout.from_module(model)
-    if layout.buffer_numel:
-        raise ValueError(
-            f"model {config.model!r} has float buffers (BatchNorm running statistics), which the "
-            "server does not aggregate yet; pick a model without BatchNorm"
-        )
     initial = layout.flatten(model, dtype=torch.float32).clone()
+    initial_buffers = (
+        layout.flatten_buffers(model, dtype=torch.float32).clone() if layout.buffer_numel else None
+    )
     profile = make_profile(config.profile, config.clients, config.seed, base_time=config.base_time)
     return RunSetup(
         config=config,
@@ -89,4 +88,5 @@ def prepare(config: SimConfig) -> RunSetup:
         layout=layout,
         initial=initial,
         profile=profile,
+        initial_buffers=initial_buffers,
     )

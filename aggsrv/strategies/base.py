@@ -49,6 +49,7 @@ import torch
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.buffers import VersionBuffers
+from aggsrv.strategies.float_buffers import FloatBuffers
 
 __all__ = [
     "InvalidUpdate",
@@ -233,6 +234,8 @@ class Update:
 
     ``tensor`` is the flat [D] float32 staging slot on the strategy's device, reused once
     ``on_update`` returns. ``work_done`` counts completed epochs or steps (as the recipe does).
+    ``buffers`` is the client's flat [B] float buffers (absolute values, never a delta): required
+    when the layout has float buffers, None otherwise; also a staging view.
     """
 
     client_id: str
@@ -243,6 +246,7 @@ class Update:
     work_done: float
     kind: UpdateKind
     tensor: torch.Tensor
+    buffers: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -395,6 +399,9 @@ class Strategy(ABC):
 
     name: ClassVar[str] = "base"
     config_class: ClassVar[type[StrategyConfig]] = StrategyConfig
+    # How clients' float buffers (BatchNorm statistics) fold into the global ones: see
+    # aggsrv/strategies/float_buffers.py. "mean" strategies call self.float_buffers.add().
+    buffer_rule: ClassVar[str] = "mean"
 
     def __init__(
         self,
@@ -403,8 +410,10 @@ class Strategy(ABC):
         config: StrategyConfig | Mapping[str, Any] | None = None,
         device: torch.device | str | None = None,
         max_clients: int = 1024,
+        initial_buffers: torch.Tensor | None = None,
     ) -> None:
-        """Start at version 0 from ``initial`` ([D], copied to float32 on ``device``)."""
+        """Start at version 0 from ``initial`` ([D], copied to float32 on ``device``) and, when
+        the layout has float buffers, ``initial_buffers`` ([B])."""
         if isinstance(config, StrategyConfig):
             if not isinstance(config, self.config_class):
                 raise TypeError(
@@ -427,6 +436,18 @@ class Strategy(ABC):
         self.device = self._model.device  # normalised ("cuda" -> "cuda:0") for comparisons
         self.version = 0
         self._versions = VersionBuffers(layout.numel, self.device)
+        self.float_buffers = FloatBuffers(
+            initial_buffers, layout.buffer_numel, self.device, self.buffer_rule
+        )
+        # Elements that are variances (BatchNorm running_var): a negative one is refused.
+        self._variance_index = torch.cat(
+            [
+                torch.arange(s.offset, s.end, device=self.device)
+                for s in layout.buffer_specs
+                if s.name.rpartition(".")[2] == "running_var"
+            ]
+            or [torch.zeros(0, dtype=torch.int64, device=self.device)]
+        )
         self.ledger = UpdateLedger()
         self._clients: dict[str, float] = {}  # client id -> registration time, in join order
         self._jobs: dict[int, Job] = {}  # outstanding jobs by id
@@ -453,6 +474,10 @@ class Strategy(ABC):
     def global_model(self) -> torch.Tensor:
         """The current version's [D] weights: an immutable snapshot, never written again."""
         return self._model
+
+    def global_buffers(self) -> torch.Tensor | None:
+        """The current version's [B] float buffers (immutable snapshot), None without any."""
+        return self.float_buffers.current
 
     def make_recipe(self) -> Recipe:
         """The recipe this strategy's jobs carry (FedProx adds its proximal term)."""
@@ -553,6 +578,7 @@ class Strategy(ABC):
         if model is not self._model:
             self._versions.retire(self._model)
         self._model = model
+        self.float_buffers.commit()
         self.version += 1
         return self.version
 
@@ -575,7 +601,7 @@ class Strategy(ABC):
             base_version=self.version,
             deadline=deadline,
             recipe=self._recipe,
-            tensors=types.MappingProxyType(self._job_tensors(client_id)),
+            tensors=types.MappingProxyType(self._with_buffers(self._job_tensors(client_id))),
         )
         self._next_job_id += 1
         self._jobs[job.job_id] = job
@@ -585,6 +611,14 @@ class Strategy(ABC):
     def _job_tensors(self, client_id: str) -> dict[str, torch.Tensor]:
         """Named snapshots a new job carries; "weights" is the current model (shared)."""
         return {"weights": self._model}
+
+    def _with_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Add the global float buffers as "buffers" unless the strategy chose the job's own
+        (ORTHOFL hands a client its own statistics back, spec G6)."""
+        current = self.float_buffers.current
+        if current is not None:
+            tensors.setdefault("buffers", current)
+        return tensors
 
     def _retire_job(self, job: Job) -> None:
         """Forget an outstanding job; its start weights go with the last job referring to them."""
@@ -604,6 +638,7 @@ class Strategy(ABC):
             raise InvalidUpdate(f"update tensor is on {t.device}, the strategy on {self.device}")
         if not isinstance(update.kind, UpdateKind):
             raise InvalidUpdate(f"update kind must be WEIGHTS or DELTA, got {update.kind!r}")
+        self._validate_buffers(update.buffers)
         if update.num_samples < 0 or not math.isfinite(update.work_done) or update.work_done < 0:
             raise InvalidUpdate(
                 f"num_samples ({update.num_samples}) and work_done ({update.work_done}) must be "
@@ -635,6 +670,29 @@ class Strategy(ABC):
                 f"version {self.version} (max_staleness={bound}); ask for a new job"
             )
         return job
+
+    def _validate_buffers(self, b: torch.Tensor | None) -> None:
+        """The update's float buffers: present exactly when the layout has some, [B] float32
+        on the strategy's device, finite, and no negative variance."""
+        n = self.float_buffers.numel
+        if n == 0:
+            if b is not None:
+                raise InvalidUpdate("the update carries float buffers but the model has none")
+            return
+        if b is None:
+            raise InvalidUpdate(
+                f"the model has {n} float buffer elements (BatchNorm running statistics): the "
+                'update must carry the client\'s as "buffers"'
+            )
+        if b.dim() != 1 or b.numel() != n or b.dtype != torch.float32 or b.device != self.device:
+            raise InvalidUpdate(
+                f"update buffers must be flat float32 [{n}] on {self.device}, got {b.dtype} "
+                f"{tuple(b.shape)} on {b.device}"
+            )
+        if not bool(torch.isfinite(b).all()):
+            raise InvalidUpdate("update buffers contain NaN or Inf")
+        if self._variance_index.numel() and bool((b[self._variance_index] < 0).any()):
+            raise InvalidUpdate("update buffers hold a negative running_var")
 
     def _check(self, update: Update, job: Job, staleness: int, now: float) -> None:
         """Strategy-specific refusals; must not change state (default: none)."""
@@ -676,6 +734,7 @@ class Strategy(ABC):
             "next_job_id": self._next_job_id,
             "rng": self._rng.get_state(),
             "ledger": self.ledger.state_dict(),
+            "float_buffers": self.float_buffers.state_dict(),
             "extra": self._extra_state(),
         }
         return _clone_tensors(state)
@@ -719,6 +778,7 @@ class Strategy(ABC):
         self._next_job_id = int(state["next_job_id"])
         self._rng.set_state(state["rng"].clone())
         self.ledger.load_state_dict(state["ledger"])
+        self.float_buffers.load_state_dict(state["float_buffers"])
         self._load_extra_state(state["extra"])
 
     def _extra_state(self) -> dict[str, Any]:

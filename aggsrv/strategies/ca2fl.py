@@ -127,6 +127,8 @@ class CA2FL(Strategy):
         self._acc.add_(delta).sub_(h)
         h.copy_(delta)
         self._count += 1
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, 1.0)  # the buffer's uniform mean
         if self._count < k:
             return Outcome(Status.BUFFERED, self.version)
         new = self._new_model_buffer()

@@ -77,6 +77,7 @@ class FedAsync(Strategy):
     name = "fedasync"
     config_class = FedAsyncConfig
     config: FedAsyncConfig
+    buffer_rule = "own"  # the same moving average as the weights
 
     def mixing_weight(self, staleness: int) -> float:
         """``alpha_s = alpha * f(s)`` for an update of staleness ``s``."""
@@ -99,6 +100,9 @@ class FedAsync(Strategy):
             # (1-a) x + a (base + delta) = lerp(x, base, a) + a delta, no [D] temporary.
             torch.lerp(x, job.weights, a, out=new)
             new.add_(update.tensor, alpha=a)
+        if update.buffers is not None:
+            assert self.float_buffers.current is not None
+            self.float_buffers.set(torch.lerp(self.float_buffers.current, update.buffers, a))
         version = self._publish(new)
         logger.debug("fedasync: %s s=%d alpha=%.4g -> v%d", update.client_id, staleness, a, version)
         return Outcome(Status.APPLIED, version)

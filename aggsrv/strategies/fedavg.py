@@ -206,6 +206,8 @@ class FedAvg(Strategy):
         kernels.weighted_sum(delta.unsqueeze(0), n, out=self._acc, beta=beta)
         self._acc_weight += update.num_samples
         self._acc_count += 1
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, update.num_samples)
 
     def _aggregate(self) -> int:
         """Server step with the mean delta of the running sum; publishes and returns a version."""

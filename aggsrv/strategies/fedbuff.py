@@ -90,6 +90,8 @@ class FedBuff(Strategy):
         if update.kind is UpdateKind.WEIGHTS:
             self._sum.sub_(job.weights, alpha=w)
         self._weights.append(w)
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, w)
         m = self.config.buffer_size
         if len(self._weights) < m:
             return Outcome(Status.BUFFERED, self.version)

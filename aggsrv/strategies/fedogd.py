@@ -165,6 +165,7 @@ class CachedEpochs(Strategy):
     """
 
     config: CachedEpochConfig
+    buffer_rule = "latest"  # the statistics' mean over every client's latest upload, like the cache
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Start with an empty cache, both bases zero and no epoch open."""
@@ -249,6 +250,8 @@ class CachedEpochs(Strategy):
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         cid = update.client_id
         self._ingest(update, job)
+        if update.buffers is not None:
+            self.float_buffers.remember(cid, update.buffers)
         row = self._row[cid]
         self._valid[row] = True
         self._base_version[row] = job.base_version

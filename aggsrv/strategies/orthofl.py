@@ -58,10 +58,16 @@ change the algorithm, so it is only done on request: :meth:`OrthoFL.release_clie
 client that has no outstanding job (a client that will not come back); if it does come back it
 starts again from the global model, like a new client.
 
-BatchNorm buffers (spec G6, "included in the moving average"): the server refuses models with
-float buffers (UNIMPLEMENTED), so only trained tensors are in the flat vector. Normalisation
-*parameters* are excluded from the calibration (``calibrate_norm = False``) and are averaged
-like every other tensor; averaging the running statistics awaits buffer support in the server.
+BatchNorm buffers (spec G6). The float buffers (running_mean/running_var, the layout's [B]
+section) go through the same arithmetic as the weights, with one segment per buffer tensor:
+they enter the moving average with the same ``beta_t`` (the global model's statistics), and
+they are normalisation state, so by default they are not calibrated: a client's next job
+carries its own uploaded statistics back (``Y = X`` on those segments, the released code's
+FedBN-like behaviour), exactly as for the norm *parameters*. Per client the strategy keeps the
+[B] counterparts of ``C_m``/``G_m`` (variant C: ``S_m`` and the chain ``V``), so with
+``calibrate_norm = True`` (the pure-paper reading: every float tensor calibrated) the buffers
+are calibrated by the same formula, and negative calibrated variances are clamped to 0 (spec
+G6). Integer buffers (num_batches_tracked) never travel: each client keeps its own.
 """
 
 from __future__ import annotations
@@ -134,6 +140,7 @@ class OrthoFL(Strategy):
     name = "orthofl"
     config_class = OrthoFLConfig
     config: OrthoFLConfig
+    buffer_rule = "own"  # the moving average of the weights, see the module docstring
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Set up the segment tables, per-client snapshot maps and (variant C) the chain V."""
@@ -154,6 +161,15 @@ class OrthoFL(Strategy):
         self._scratch: torch.Tensor | None = None  # X for DELTA updates
         # Variant C: the chain of calibrated client models V (starts at the initial model).
         self._chain: torch.Tensor | None = self._model if self.chain_mode else None
+        # The float buffers' counterparts ([B] each): C_m (S_m), G_m and V; one segment per
+        # buffer tensor, calibrated only with calibrate_norm.
+        self._b_offsets = self.layout.buffer_offsets
+        nb = self._b_offsets.numel() - 1
+        self._b_mask = torch.full((nb,), bool(self.config.calibrate_norm), dtype=torch.bool)
+        self._b_no_mask = torch.zeros(nb, dtype=torch.bool)
+        self._b_sent: dict[str, torch.Tensor] = {}
+        self._b_snap: dict[str, torch.Tensor] = {}
+        self._b_chain = self.float_buffers.current if self.chain_mode else None
         self.last_coeffs: torch.Tensor | None = None  # c_l of the last arrival (diagnostics)
 
     # ----------------------------------------------------------------------- public helpers
@@ -174,10 +190,12 @@ class OrthoFL(Strategy):
         return self._tau.get(client_id)
 
     def snapshot_bytes(self) -> int:
-        """Bytes held in per-client snapshots (C_m and G_m), counting shared tensors once."""
+        """Bytes held in per-client snapshots (C_m and G_m, and their [B] float-buffer
+        counterparts), counting shared tensors once."""
         seen: set[int] = set()
         total = 0
-        for t in (*self._sent.values(), *self._snap.values()):
+        snapshots = (self._sent, self._snap, self._b_sent, self._b_snap)
+        for t in (t for snaps in snapshots for t in snaps.values()):
             key = t.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
@@ -192,8 +210,8 @@ class OrthoFL(Strategy):
         if self.outstanding_job(client_id) is not None:
             return False
         found = client_id in self._tau
-        self._sent.pop(client_id, None)
-        self._snap.pop(client_id, None)
+        for snapshots in (self._sent, self._snap, self._b_sent, self._b_snap):
+            snapshots.pop(client_id, None)
         self._tau.pop(client_id, None)
         return found
 
@@ -209,8 +227,17 @@ class OrthoFL(Strategy):
             else:
                 self._sent[client_id] = self._model
                 self._snap[client_id] = self._host_copy(self._model, None)
+            if self.float_buffers.enabled:
+                current = self.float_buffers.current
+                if self.chain_mode:
+                    self._b_sent[client_id] = self._b_chain
+                else:
+                    self._b_sent[client_id] = self._b_snap[client_id] = current
             self._tau[client_id] = self.version
-        return {"weights": self._sent[client_id]}
+        tensors = {"weights": self._sent[client_id]}
+        if self.float_buffers.enabled:
+            tensors["buffers"] = self._b_sent[client_id]
+        return tensors
 
     def _host_copy(self, src: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
         """G_m for ``src`` (a published version): the tensor itself on a CPU device, else a
@@ -271,6 +298,10 @@ class OrthoFL(Strategy):
             calibrate=mask, ma=ma, eps=cfg.eps, out_y=y, out_ma=new, return_coeffs=True,
         )  # fmt: skip
         self.last_coeffs = coeffs
+        if update.buffers is not None:
+            # Calibrated exactly when norm segments would be (variant P skips t - tau = 1).
+            calibrate = cfg.calibrate_norm and (self.chain_mode or t_minus_tau > 1)
+            self._apply_buffers(cid, update.buffers, beta_t, calibrate)
         version = self._publish(new)
         old_sent = self._sent[cid]
         self._sent[cid] = y
@@ -285,6 +316,30 @@ class OrthoFL(Strategy):
         logger.debug("orthofl: %s t-tau=%d beta_t=%.4g -> v%d", cid, t_minus_tau, beta_t, version)
         return Outcome(Status.APPLIED, version)
 
+    def _apply_buffers(self, cid: str, xb: torch.Tensor, beta_t: float, calibrate: bool) -> None:
+        """The [B] buffers through the same calibration and moving average as the weights."""
+        current = self.float_buffers.current
+        assert current is not None
+        if self.chain_mode:
+            assert self._b_chain is not None
+            w, snap, ma = self._b_chain, self._b_sent[cid], current
+        else:
+            w, snap, ma = current, self._b_snap[cid], None
+        mask = self._b_mask if calibrate else self._b_no_mask
+        yb, new_b = kernels.orthogonal_calibrate(
+            xb, self._b_sent[cid], w, snap, self._b_offsets, beta_t,
+            calibrate=mask, ma=ma, eps=self.config.eps,
+        )  # fmt: skip
+        if bool(mask.any()) and self._variance_index.numel():
+            # A calibrated variance can come out negative (spec G6: clamp at 0).
+            yb[self._variance_index] = yb[self._variance_index].clamp_(min=0.0)
+        self.float_buffers.set(new_b)
+        self._b_sent[cid] = yb
+        if self.chain_mode:
+            self._b_chain = yb
+        else:
+            self._b_snap[cid] = new_b
+
     # ----------------------------------------------------------------------- state
 
     def _extra_state(self) -> dict[str, Any]:
@@ -295,6 +350,9 @@ class OrthoFL(Strategy):
         }
         if self.chain_mode:
             state["chain"] = self._chain
+        if self.float_buffers.enabled:
+            state["buffers"] = {"sent": dict(self._b_sent), "snap": dict(self._b_snap),
+                                "chain": self._b_chain}  # fmt: skip
         return state
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -321,6 +379,7 @@ class OrthoFL(Strategy):
             self._chain = dev(state["chain"])
         else:
             self._chain = None
+        self._load_buffer_snapshots(state.get("buffers"))
         # Jobs that started from the same version may carry different client models: the base
         # class restored one tensor per version, so point every job at its client's C_m.
         for job_id, job in list(self._jobs.items()):
@@ -329,6 +388,8 @@ class OrthoFL(Strategy):
                 raise ValueError(f"saved job {job_id} has no snapshot for {job.client_id!r}")
             tensors = dict(job.tensors)
             tensors["weights"] = sent
+            if self.float_buffers.enabled:
+                tensors["buffers"] = self._b_sent[job.client_id]
             self._jobs[job_id] = Job(
                 job_id=job.job_id,
                 client_id=job.client_id,
@@ -337,6 +398,26 @@ class OrthoFL(Strategy):
                 recipe=job.recipe,
                 tensors=types.MappingProxyType(tensors),
             )
+
+    def _load_buffer_snapshots(self, state: Mapping[str, Any] | None) -> None:
+        if not self.float_buffers.enabled:
+            return
+        if state is None:
+            raise ValueError("saved orthofl state has no float-buffer snapshots")
+        nb = self.float_buffers.numel
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            if tuple(t.shape) != (nb,):
+                raise ValueError(f"saved buffer snapshot has shape {tuple(t.shape)}, B={nb}")
+            return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+
+        self._b_sent = {str(c): dev(t) for c, t in state["sent"].items()}
+        self._b_snap = {str(c): dev(t) for c, t in state["snap"].items()}
+        if set(self._b_sent) != set(self._tau) or (
+            not self.chain_mode and set(self._b_snap) != set(self._tau)
+        ):
+            raise ValueError("saved orthofl state has inconsistent float-buffer snapshots")
+        self._b_chain = dev(state["chain"]) if self.chain_mode else None
 
     def _check_shape(self, t: torch.Tensor) -> None:
         if tuple(t.shape) != (self.dim,):

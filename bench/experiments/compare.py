@@ -56,6 +56,11 @@ COMPARISONS: dict[str, list[tuple[str, str, dict]]] = {
     ],
 }
 COMPARISONS["feden_partial_work_s50"] = COMPARISONS["feden_partial_work"]
+COMPARISONS["orthofl_rpi_dirichlet_bn"] = [
+    *COMPARISONS["orthofl_rpi_dirichlet"][:2],
+    ("orthofl calibrate_norm", "orthofl", {"calibrate_norm": True}),
+    *COMPARISONS["orthofl_rpi_dirichlet"][2:],
+]
 
 
 def strategy_settings(base: SimConfig, strategy: str, own: dict) -> dict:
