@@ -196,6 +196,36 @@ def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> 
         assert all(s.group_of(c) == "A" for c in cids)
 
 
+def test_authors_code_preset_by_hand() -> None:
+    """fedogd.md 2.10 authors-code preset: momentum 0.1 in the recipe, eta_l 0.01, and a step of
+    eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row counting as 0."""
+    gen = torch.Generator().manual_seed(8)
+    w0 = torch.randn(D, generator=gen)
+    cfg = FedOGDConfig.from_dict({"preset": "authors_code", "epoch_timeout": None,
+                                  "projection": "none"})  # fmt: skip
+    assert (cfg.momentum, cfg.learning_rate, cfg.server_lr) == (0.1, 0.01, 0.003)
+    assert cfg.aggregation == "uniform_mean" and cfg.count_empty_rows
+    s = FedOGD(LAYOUT, w0, cfg)
+    drv = Driver(s)
+    for c in ("a", "b", "never"):
+        s.on_register(c, 0.0)
+    assert s.job_for("a", 0.0).recipe.momentum == 0.1
+    s.job_for("b", 0.0)
+    da, db = fresh(gen), fresh(gen)
+    drv.submit("a", da, 0.5)
+    drv.submit("b", db, 0.6)
+    assert s.version == 1
+    rows = torch.stack(
+        [-da.double() / 0.01, -db.double() / 0.01, torch.zeros(D, dtype=torch.float64)]
+    )
+    close64(s.global_model(), w0.double() - 0.003 * rows.mean(0))
+    # A key given beside the preset wins; the paper preset is the defaults.
+    assert FedOGDConfig.from_dict({"preset": "authors_code", "server_lr": 0.01}).server_lr == 0.01
+    assert FedOGDConfig.from_dict({"preset": "paper"}) == FedOGDConfig()
+    with pytest.raises(ValueError, match="preset must be one of"):
+        FedOGDConfig.from_dict({"preset": "authors-code"})
+
+
 def test_fixed_tier_schedule_matches_the_paper_timing() -> None:
     """Acceptance check 4 in small: periods {1,1,1,3,5}: arrivals per epoch and staleness."""
     periods = {"a0": 1, "a1": 1, "a2": 1, "b": 3, "c": 5}

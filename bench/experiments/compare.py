@@ -32,6 +32,7 @@ COMPARISONS: dict[str, list[tuple[str, str, dict]]] = {
         ("fedogd", "fedogd", {"epoch_timeout": 1.0}),
         # The spec's preset server lr (0.0015) was tuned for 300 epochs; also the sweep's top.
         ("fedogd lr_g=0.01", "fedogd", {"epoch_timeout": 1.0, "server_lr": 0.01}),
+        ("fedogd authors_code", "fedogd", {"epoch_timeout": 1.0, "preset": "authors_code"}),
         ("mifa", "mifa", {"epoch_timeout": 1.0}),
         ("fedavg", "fedavg", {"mode": "sync", "round_timeout": 1.0, "late": "next_round"}),
         ("fedasync", "fedasync", {}),
