@@ -67,10 +67,18 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def update_messages(
-    client: Client, job, values: torch.Tensor, chunk_bytes: int = 64, **header_overrides
+    client: Client,
+    job,
+    values: torch.Tensor | dict[str, torch.Tensor],
+    chunk_bytes: int = 64,
+    **header_overrides,
 ) -> list:
-    """A PushUpdate stream (header, chunks, trailer) for a DELTA; header fields overridable."""
+    """A PushUpdate stream (header, chunks, trailer) for a DELTA; header fields overridable.
+
+    ``values`` is the "update" tensor (announced with the layout's D), or named tensors (e.g.
+    "update" and "buffers") announced with their own lengths."""
     layout = client.layout
+    tensors = values if isinstance(values, dict) else {"update": values}
     header = pb.UpdateHeader(
         client_id=client.client_id,
         job_id=job.job_id,
@@ -81,7 +89,11 @@ def update_messages(
         kind=pb.UPDATE_KIND_DELTA,
         dtype=tpb.WIRE_DTYPE_FLOAT32,
         layout_hash=layout.hash,
-        tensors=[tpb.TensorInfo(name="update", numel=layout.numel)],
+        tensors=(
+            P.tensor_infos(tensors)
+            if isinstance(values, dict)
+            else [tpb.TensorInfo(name="update", numel=layout.numel)]
+        ),
     )
     for key, value in header_overrides.items():
         if key == "tensors":
@@ -89,10 +101,23 @@ def update_messages(
             header.tensors.extend(value)
         else:
             setattr(header, key, value)
-    body = list(
-        P.chunk_stream({"update": values}, P.WireDtype.FLOAT32, chunk_bytes, pb.UpdateMessage)
-    )
+    body = list(P.chunk_stream(tensors, P.WireDtype.FLOAT32, chunk_bytes, pb.UpdateMessage))
     return [pb.UpdateMessage(header=header), *body]
+
+
+def register_messages(
+    layout: ModelLayout, client_id: str, tensors: dict[str, torch.Tensor], chunk_bytes: int = 64
+) -> list:
+    """A Register stream that offers an initial model (``tensors``: "weights" [, "buffers"])."""
+    header = pb.RegisterHeader(
+        client_id=client_id,
+        layout=P.layout_to_pb(layout),
+        layout_hash=layout.hash,
+        initial_dtype=tpb.WIRE_DTYPE_FLOAT32,
+        initial_tensors=P.tensor_infos(tensors),
+    )
+    body = P.chunk_stream(tensors, P.WireDtype.FLOAT32, chunk_bytes, pb.RegisterRequest)
+    return [pb.RegisterRequest(header=header), *body]
 
 
 def raw_push(address: str, messages) -> grpc.RpcError | pb.PushUpdateResponse:

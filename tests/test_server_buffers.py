@@ -5,22 +5,19 @@ the table's status while the whole state stays bit-identical."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
-from server_helpers import RunningServer, raw_push
+from server_helpers import RunningServer, raw_push, register_messages, update_messages
 from state_helpers import assert_same_state
 
-from aggsrv import protocol as P
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
-from aggsrv.v1 import tensor_pb2 as tpb
 
 ALPHA = 0.6
 
@@ -57,23 +54,6 @@ def server() -> Iterator[RunningServer]:
     )
     yield srv
     srv.stop()
-
-
-def _push_stream(client: Client, job, tensors: dict[str, torch.Tensor]) -> list:
-    header = pb.UpdateHeader(
-        client_id=client.client_id,
-        job_id=job.job_id,
-        base_version=job.base_version,
-        update_id=uuid.uuid4().hex,
-        num_samples=1,
-        work=pb.WorkDone(epochs=1.0, complete=True),
-        kind=pb.UPDATE_KIND_DELTA,
-        dtype=tpb.WIRE_DTYPE_FLOAT32,
-        layout_hash=client.layout.hash,
-        tensors=P.tensor_infos(tensors),
-    )
-    body = P.chunk_stream(tensors, P.WireDtype.FLOAT32, 64, pb.UpdateMessage)
-    return [pb.UpdateMessage(header=header), *body]
 
 
 def test_statistics_travel_and_follow_the_fedasync_average(server: RunningServer) -> None:
@@ -144,11 +124,11 @@ def test_bad_buffers_are_refused_and_leave_the_state_identical(server: RunningSe
         }
         before = server.state()
         for name, (tensors, code) in cases.items():
-            result = raw_push(server.address, _push_stream(client, job, tensors))
+            result = raw_push(server.address, update_messages(client, job, tensors))
             assert isinstance(result, grpc.RpcError), f"{name}: accepted"
             assert result.code().name == code, f"{name}: {result.code()} {result.details()}"
             assert_same_state(before, server.state())
-        ok = raw_push(server.address, _push_stream(client, job, {"update": good, "buffers": xb}))
+        ok = raw_push(server.address, update_messages(client, job, {"update": good, "buffers": xb}))
         assert not isinstance(ok, grpc.RpcError) and ok.outcome == pb.OUTCOME_APPLIED
 
 
@@ -158,19 +138,11 @@ def test_registrations_must_agree_on_the_buffers(server: RunningServer) -> None:
     with Client(server.address, "c0") as client, pytest.raises(ValueError, match="initial_b"):
         client.register(layout=layout, initial=layout.flatten(model))
     # An empty server refuses an initial model without its statistics.
-    header = pb.RegisterHeader(
-        client_id="raw",
-        layout=P.layout_to_pb(layout),
-        layout_hash=layout.hash,
-        initial_dtype=tpb.WIRE_DTYPE_FLOAT32,
-        initial_tensors=[tpb.TensorInfo(name="weights", numel=layout.numel)],
-    )
-    weights = layout.flatten(model, dtype=torch.float32)
-    body = P.chunk_stream({"weights": weights}, P.WireDtype.FLOAT32, 1 << 20, pb.RegisterRequest)
+    messages = register_messages(layout, "raw", {"weights": layout.flatten(model)})
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.AggregationStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Register(iter([pb.RegisterRequest(header=header), *body]), timeout=30)
+            stub.Register(iter(messages), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert server.strategy is None
     with Client(server.address, "c1") as client:

@@ -19,7 +19,14 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_helpers import RunningServer, flat, raw_push, tiny_model, update_messages
+from server_helpers import (
+    RunningServer,
+    flat,
+    raw_push,
+    register_messages,
+    tiny_model,
+    update_messages,
+)
 from state_helpers import assert_same_state as _assert_same
 
 from aggsrv import protocol as P
@@ -329,20 +336,12 @@ def test_late_registration_with_corrupt_initial_weights_is_refused(servers) -> N
     with Client(srv.address, "first") as c:
         c.register(model)
     layout = ModelLayout.from_module(model)
-    header = pb.RegisterHeader(
-        client_id="late",
-        layout=P.layout_to_pb(layout),
-        layout_hash=layout.hash,
-        initial_dtype=tpb.WIRE_DTYPE_FLOAT32,
-        initial_tensors=[tpb.TensorInfo(name="weights", numel=layout.numel)],
-    )
-    body = list(P.chunk_stream({"weights": flat(model)}, P.WireDtype.FLOAT32, 64,
-                               pb.RegisterRequest))  # fmt: skip
-    body[-1].trailer.crc32c ^= 1
+    messages = register_messages(layout, "late", {"weights": flat(model)})
+    messages[-1].trailer.crc32c ^= 1
     before = srv.state()
     with grpc.insecure_channel(srv.address) as channel:
         stub = pb_grpc.AggregationStub(channel)
-        result = _call(lambda: stub.Register(iter([pb.RegisterRequest(header=header), *body])))
+        result = _call(lambda: stub.Register(iter(messages)))
     assert isinstance(result, grpc.RpcError), "accepted"
     assert result.code() == grpc.StatusCode.DATA_LOSS
     _assert_same(srv.state(), before)
