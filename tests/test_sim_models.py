@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from aggsrv.layout import ModelLayout
 from aggsrv.sim.models import MODELS, build_model
 
 MNIST = (1, 28, 28)
@@ -46,6 +47,21 @@ def test_orthofl_lenet5_has_no_biases_and_average_pooling() -> None:
     model = build_model("lenet5_orthofl", MNIST, 10)
     assert not any(name.endswith("bias") for name, _ in model.named_parameters())
     assert any(isinstance(m, nn.AvgPool2d) for m in model.modules())
+
+
+def test_orthofl_lenet5_with_batch_norm_adds_statistics_only_where_asked() -> None:
+    plain = build_model("lenet5_orthofl", MNIST, 10)
+    torch.manual_seed(3)
+    bn = build_model("lenet5_orthofl", MNIST, 10, batch_norm=True)
+    layout = ModelLayout.from_module(bn)
+    assert count(bn) == 44_190 + 2 * (6 + 16) and layout.buffer_numel == 2 * (6 + 16)
+    assert ModelLayout.from_module(plain).buffer_numel == 0
+    # The BatchNorm layers normalise each conv output: in train mode a batch's conv1
+    # activations come out of bn1 with mean 0 per channel.
+    x = torch.randn(8, *MNIST)
+    bn.train()
+    out = bn.bn1(bn.conv1(x))
+    torch.testing.assert_close(out.mean(dim=(0, 2, 3)), torch.zeros(6), rtol=0, atol=1e-5)
 
 
 def test_mlp_layers_and_options() -> None:
@@ -173,6 +189,7 @@ def test_user_model_errors(user_module: str, name: str, message: str) -> None:
         (("mlp", MNIST, 10), {"activation": "gelu"}, r"activation must be one of"),
         (("lenet5", MNIST, 10), {"conv1_padding": -1}, r"conv1_padding must be"),
         (("small_cnn_bn", MNIST, 10), {"width": 0}, r"width must be a positive int"),
+        (("lenet5_orthofl", MNIST, 10), {"batch_norm": 1}, r"batch_norm must be true or false"),
     ],
 )
 def test_bad_arguments(args: tuple, kwargs: dict, message: str) -> None:

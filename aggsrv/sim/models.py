@@ -11,7 +11,9 @@ Parameter counts on 1x28x28 inputs with 10 classes (they pin the architectures d
   on inputs smaller than 32x32) - ReLU - maxpool 2 - conv 5x5 16 - ReLU - maxpool 2 - fc 120 -
   fc 84 - fc C, with biases. 62,006 on 3x32x32 (CIFAR-10, no padding), as the spec says.
 * ``lenet5_orthofl``: 44,190. ORTHOFL's LeNet5 (orthofl.md section 2.1, "Model details"):
-  the same shape with average pooling, no padding and no biases anywhere.
+  the same shape with average pooling, no padding and no biases anywhere. With
+  ``batch_norm=True`` a BatchNorm after each convolution: 44,234 parameters and 44 running
+  statistics (ORTHOFL's BatchNorm handling, spec G6, on the MNIST setting).
 * ``cnn_fedavg``: 1,663,370. FedEN's MNIST CNN after McMahan et al. (feden.md section 2,
   "Models"): conv 5x5 32 (padding 2) - pool - conv 5x5 64 (padding 2) - pool - fc 512 - fc C.
 * ``mlp_feddgic``: 118,282. FedDGIC's three fully connected layers (feddgic.md section 2.2,
@@ -152,6 +154,7 @@ class LeNet5(nn.Module):
         padding: int,
         pool: str,
         bias: bool,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         stages = [
@@ -168,10 +171,12 @@ class LeNet5(nn.Module):
         self.fc1 = nn.Linear(16 * h * w, 120, bias=bias)
         self.fc2 = nn.Linear(120, 84, bias=bias)
         self.fc3 = nn.Linear(84, num_classes, bias=bias)
+        self.bn1 = nn.BatchNorm2d(6) if batch_norm else nn.Identity()
+        self.bn2 = nn.BatchNorm2d(16) if batch_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(torch.relu(self.conv1(x)))
-        x = self.pool(torch.relu(self.conv2(x)))
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
         x = torch.flatten(x, 1)
         x = torch.relu(self.fc1(x))
         x = torch.relu(self.fc2(x))
@@ -281,8 +286,13 @@ def lenet5(
     )
 
 
-def lenet5_orthofl(input_shape: Sequence[int], num_classes: int) -> nn.Module:
-    """ORTHOFL's LeNet5: average pooling, no padding, no biases (44,190 parameters on 28x28)."""
+def lenet5_orthofl(
+    input_shape: Sequence[int], num_classes: int, *, batch_norm: bool = False
+) -> nn.Module:
+    """ORTHOFL's LeNet5: average pooling, no padding, no biases (44,190 parameters on 28x28);
+    ``batch_norm`` adds a BatchNorm after each convolution (not in the paper's model)."""
+    if not isinstance(batch_norm, bool):
+        raise ValueError(f"batch_norm must be true or false, got {batch_norm!r}")
     return LeNet5(
         _check_shape(input_shape),
         _check_classes(num_classes),
@@ -290,6 +300,7 @@ def lenet5_orthofl(input_shape: Sequence[int], num_classes: int) -> nn.Module:
         padding=0,
         pool="avg",
         bias=False,
+        batch_norm=batch_norm,
     )
 
 
