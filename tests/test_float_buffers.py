@@ -99,6 +99,22 @@ def test_fedavg_round_buffers_are_the_sample_weighted_mean_without_dropped_work(
     assert torch.equal(s.job_for("a", 2.0).tensors["buffers"], s.global_buffers())
 
 
+def test_feden_round_buffers_are_the_uniform_mean_including_partial_work() -> None:
+    """FedEN (spec 1.9): partial work counts, uniform weights: statistics alike."""
+    s, g = _strategy("feden", round_timeout=None, local_epochs=2.0, min_available=3,
+                     participation=1.0)  # fmt: skip
+    for cid in "abc":
+        s.on_register(cid, 0.0)
+    jobs = {cid: s.job_for(cid, 0.0) for cid in "abc"}
+    sent = {cid: _buffers(g) for cid in "abc"}
+    for cid, work in zip("abc", (2.0, 1.0, 2.0), strict=True):  # b did half its epochs
+        s.on_update(_update(jobs[cid], torch.randn(D, generator=g), sent[cid], 5 + ord(cid),
+                            work), 1.0)  # fmt: skip
+    assert s.version == 1
+    oracle = torch.stack([sent[c].double() for c in "abc"]).mean(0)
+    torch.testing.assert_close(s.global_buffers().double(), oracle, rtol=0, atol=1e-6)
+
+
 def test_fedasync_buffers_follow_the_weights_moving_average() -> None:
     s, g = _strategy("fedasync", alpha=0.6, staleness="polynomial", a=0.5)
     for cid in "ab":

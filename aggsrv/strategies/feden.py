@@ -119,3 +119,5 @@ class FedEN(FedAvg):
         kernels.weighted_sum(delta.unsqueeze(0), [weight], out=self._acc, beta=beta)
         self._acc_weight += weight
         self._acc_count += 1
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, weight)
