@@ -9,7 +9,7 @@ import torch
 from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.spatial.distance import squareform
 
-from aggsrv.strategies.grouping import cut_tree, dynamic_groups, group_count
+from aggsrv.strategies.grouping import cut_tree, dynamic_groups, group_count, similarity_rounds
 
 
 def _same_partition(labels, other) -> bool:
@@ -101,3 +101,15 @@ def test_bad_inputs_are_refused(args, match) -> None:
         group_count([0.1, 0.2, 0.3], p=0.0)
     with pytest.raises(ValueError, match="k must be"):
         cut_tree(np.zeros((2, 4)), 4)
+
+
+def test_similarity_rounds_follow_eq6() -> None:
+    """Spec 1.4.1: 2 up to 8 clients, then floor(log2 n) - 1 (n = 20: 3; n = 1000: 8)."""
+    expected = {1: 2, 8: 2, 9: 2, 15: 2, 16: 3, 20: 3, 31: 3, 32: 4, 63: 4, 64: 5, 127: 5,
+                1000: 8, 1024: 9}  # fmt: skip
+    assert {n: similarity_rounds(n) for n in expected} == expected
+    for n in range(9, 5000):
+        assert similarity_rounds(n) == int(np.floor(np.log2(n))) - 1, n
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="int >= 1"):
+            similarity_rounds(bad)

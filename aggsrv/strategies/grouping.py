@@ -24,7 +24,15 @@ import torch
 
 from aggsrv import kernels
 
-__all__ = ["Grouping", "cut_tree", "dynamic_groups", "group_count"]
+__all__ = ["Grouping", "cut_tree", "dynamic_groups", "group_count", "similarity_rounds"]
+
+
+def similarity_rounds(n: int) -> int:
+    """n_cal of Eq. 6: 2 for n <= 8, else floor(log2 n) - 1, in integers (no rounding error at
+    powers of two): n = 20 gives 3, n = 1000 gives 8."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of clients must be an int >= 1, got {n!r}")
+    return 2 if n <= 8 else n.bit_length() - 2
 
 
 @dataclass(frozen=True)
