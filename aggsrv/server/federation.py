@@ -155,13 +155,7 @@ class Federation:
         self.layout = layout
         self._slots = asyncio.Queue()
         for _ in range(cfg.max_concurrent_uploads):
-            self._slots.put_nowait(
-                StagingSlot(
-                    layout.numel,
-                    {"buffers": layout.buffer_numel} if layout.buffer_numel else None,
-                    pin_memory=self.device.type == "cuda",
-                )
-            )
+            self._slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
         self._retain(
             Snapshot(0, self.strategy.global_model(), self.clock(), self.strategy.global_buffers())
         )
@@ -169,11 +163,6 @@ class Federation:
             "model adopted: %d parameters in %d tensors, layout %s, strategy %s",
             layout.numel, len(layout.names), layout.hash[:12], self.strategy.name,
         )  # fmt: skip
-
-    def payload_sizes(self, main: str) -> dict[str, int]:
-        """:func:`payload_sizes` of the server's model."""
-        assert self.layout is not None
-        return payload_sizes(self.layout, main)
 
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
@@ -228,6 +217,12 @@ def payload_sizes(layout: ModelLayout, main: str) -> dict[str, int]:
     float buffers, "buffers" (B): every update and initial model must carry the statistics."""
     b = layout.buffer_numel
     return {main: layout.numel, **({"buffers": b} if b else {})}
+
+
+def staging_slot(layout: ModelLayout, pin_memory: bool = False) -> StagingSlot:
+    """A landing area for one upload of this model: [D] plus the [B] float buffers, if any."""
+    b = layout.buffer_numel
+    return StagingSlot(layout.numel, {"buffers": b} if b else None, pin_memory=pin_memory)
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -15,7 +15,7 @@ import torch
 
 from aggsrv import protocol as P
 from aggsrv.layout import LayoutMismatchError, ModelLayout
-from aggsrv.server.federation import ClientRecord, Federation, payload_sizes
+from aggsrv.server.federation import ClientRecord, Federation, payload_sizes, staging_slot
 from aggsrv.strategies import (
     InvalidUpdate,
     JobSuperseded,
@@ -204,8 +204,7 @@ class AggregationService(pb_grpc.AggregationServicer):
                     SC.FAILED_PRECONDITION,
                     "server has no model yet: register with initial weights (initial_tensors)",
                 )
-            extras = {"buffers": layout.buffer_numel} if layout.buffer_numel else None
-            slot = StagingSlot(layout.numel, extras)
+            slot = staging_slot(layout)
             try:
                 dtype = P.wire_dtype(header.initial_dtype)
             except ValueError as exc:
@@ -276,7 +275,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         slot = await fed.acquire_slot()
         try:
             await self._decode(
-                stream, slot, list(header.initial_tensors), fed.payload_sizes("weights"),
+                stream, slot, list(header.initial_tensors), payload_sizes(fed.layout, "weights"),
                 dtype, context,
             )  # fmt: skip
         finally:
@@ -374,7 +373,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             slot = await fed.acquire_slot()
             fed.uploads_in_progress += 1
             views = await self._decode(
-                request_iterator, slot, list(h.tensors), fed.payload_sizes("update"), dtype,
+                request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context,
             )  # fmt: skip
             buffers = views.get("buffers")

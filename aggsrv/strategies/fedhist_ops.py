@@ -57,7 +57,7 @@ def egs_fuse(
     # argmin over the reversed rows picks the most recent of tied minima.
     h = history.shape[0]
     chosen = (h - 1) - torch.argmin(cos.flip(1), dim=1)
-    return local + alpha * history[chosen], chosen
+    return torch.add(local, history[chosen], alpha=alpha), chosen
 
 
 def haa_weights(
@@ -93,8 +93,9 @@ def ina_combine(
     if not rescale:
         return a
     rows = fused if norms_of is None else norms_of
-    target = float(torch.linalg.vector_norm(rows.double(), dim=1).mean())
-    norm = float(torch.linalg.vector_norm(a.double()))
+    # float64 accumulation without a float64 copy of the rows
+    target = float(torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).mean())
+    norm = float(torch.linalg.vector_norm(a, dtype=torch.float64))
     if norm == 0.0:
         return torch.zeros_like(a)
     return a * (target / norm)

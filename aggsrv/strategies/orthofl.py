@@ -165,8 +165,8 @@ class OrthoFL(Strategy):
         # buffer tensor, calibrated only with calibrate_norm.
         self._b_offsets = self.layout.buffer_offsets
         nb = self._b_offsets.numel() - 1
-        self._b_mask = torch.full((nb,), bool(self.config.calibrate_norm), dtype=torch.bool)
-        self._b_no_mask = torch.zeros(nb, dtype=torch.bool)
+        self._b_all = torch.ones(nb, dtype=torch.bool)
+        self._b_none = torch.zeros(nb, dtype=torch.bool)
         self._b_sent: dict[str, torch.Tensor] = {}
         self._b_snap: dict[str, torch.Tensor] = {}
         self._b_chain = self.float_buffers.current if self.chain_mode else None
@@ -325,14 +325,14 @@ class OrthoFL(Strategy):
             w, snap, ma = self._b_chain, self._b_sent[cid], current
         else:
             w, snap, ma = current, self._b_snap[cid], None
-        mask = self._b_mask if calibrate else self._b_no_mask
+        mask = self._b_all if calibrate else self._b_none
         yb, new_b = kernels.orthogonal_calibrate(
             xb, self._b_sent[cid], w, snap, self._b_offsets, beta_t,
             calibrate=mask, ma=ma, eps=self.config.eps,
         )  # fmt: skip
-        if bool(mask.any()) and self._variance_index.numel():
+        if calibrate and self._variance_index.numel():
             # A calibrated variance can come out negative (spec G6: clamp at 0).
-            yb[self._variance_index] = yb[self._variance_index].clamp_(min=0.0)
+            yb[self._variance_index] = yb[self._variance_index].clamp(min=0.0)
         self.float_buffers.set(new_b)
         self._b_sent[cid] = yb
         if self.chain_mode:
@@ -357,13 +357,12 @@ class OrthoFL(Strategy):
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         def dev(t: torch.Tensor) -> torch.Tensor:
-            self._check_shape(t)
-            return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            return self._restored(t, self.dim, "D")
 
         def host(t: torch.Tensor) -> torch.Tensor:
-            self._check_shape(t)
             if not self._host_snapshots:
-                return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+                return dev(t)
+            _check_snapshot(t, self.dim, "D")
             return self._host_copy(t.detach().to(torch.float32), None)
 
         self._tau = {str(c): int(v) for c, v in state["tau"].items()}
@@ -407,9 +406,7 @@ class OrthoFL(Strategy):
         nb = self.float_buffers.numel
 
         def dev(t: torch.Tensor) -> torch.Tensor:
-            if tuple(t.shape) != (nb,):
-                raise ValueError(f"saved buffer snapshot has shape {tuple(t.shape)}, B={nb}")
-            return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            return self._restored(t, nb, "B")
 
         self._b_sent = {str(c): dev(t) for c, t in state["sent"].items()}
         self._b_snap = {str(c): dev(t) for c, t in state["snap"].items()}
@@ -419,6 +416,12 @@ class OrthoFL(Strategy):
             raise ValueError("saved orthofl state has inconsistent float-buffer snapshots")
         self._b_chain = dev(state["chain"]) if self.chain_mode else None
 
-    def _check_shape(self, t: torch.Tensor) -> None:
-        if tuple(t.shape) != (self.dim,):
-            raise ValueError(f"saved snapshot has shape {tuple(t.shape)}, D={self.dim}")
+    def _restored(self, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+        """A saved [n] snapshot as float32 on the strategy's device (a clear error otherwise)."""
+        _check_snapshot(t, n, what)
+        return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+
+
+def _check_snapshot(t: torch.Tensor, n: int, what: str) -> None:
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"saved snapshot has shape {tuple(t.shape)}, {what}={n}")
