@@ -32,6 +32,7 @@ from aggsrv.strategies.fedasync import FedAsync, FedAsyncConfig
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
 from aggsrv.strategies.fedbuff import FedBuff, FedBuffConfig
 from aggsrv.strategies.feden import FedEN, FedENConfig
+from aggsrv.strategies.fedhist import TWAFL, FedHist, FedHistConfig, TWAFLConfig
 from aggsrv.strategies.fedogd import FedOGD, FedOGDConfig
 from aggsrv.strategies.fedprox import FedProx, FedProxConfig
 from aggsrv.strategies.mifa import MIFA, MIFAConfig
@@ -50,6 +51,8 @@ __all__ = [
     "FedBuffConfig",
     "FedEN",
     "FedENConfig",
+    "FedHist",
+    "FedHistConfig",
     "FedOGD",
     "FedOGDConfig",
     "FedProx",
@@ -59,6 +62,8 @@ __all__ = [
     "MIFAConfig",
     "OrthoFL",
     "OrthoFLConfig",
+    "TWAFL",
+    "TWAFLConfig",
     "Job",
     "JobSuperseded",
     "NotRegistered",
@@ -80,15 +85,25 @@ __all__ = [
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (FedAvg, FedAsync, FedBuff, FedProx, FedOGD, FedEN, MIFA, OrthoFL, CA2FL)
+    for cls in (
+        FedAvg,
+        FedAsync,
+        FedBuff,
+        FedProx,
+        FedOGD,
+        FedEN,
+        MIFA,
+        OrthoFL,
+        CA2FL,
+        FedHist,
+        TWAFL,
+    )
 }
 
 _SEED = "the seed-algorithms issue"
 _CHEAP = "the cheap-baselines issue (see shared/specs/)"
 RESERVED: dict[str, str] = {
-    "fedhist": _SEED,
     "feddgic": _SEED,
-    "twafl": _CHEAP,
     "fedfg": _CHEAP,
 }
 

@@ -12,18 +12,28 @@
 * Hindsight utility (Eqs. 11-13): ``Util = (s - sim_T) * p_his * |S|`` with the reward or penalty
   factor of Eq. 12, and the EMA of Eq. 13.
 
-The cosine matrix and the weighted sum are :mod:`aggsrv.kernels` calls.
+The cosine matrix and the weighted sum are :mod:`aggsrv.kernels` calls. :func:`egs_fuse` and
+:func:`ina_combine` materialise the fused rows (the readable reference); the strategy calls
+:func:`aggregate_round`, which computes the same global gradient without them (spec section 4):
+``sum_i p_i g~_i = sum_i p_i g_i + alpha * sum_j c_j G_j`` with ``c_j`` the summed weights of the
+clients that chose row j, and ``||g~_i||^2 = ||g_i||^2 + 2 alpha <g_i, G_j> + alpha^2 ||G_j||^2``
+from the cosine pass and cached norms, so a round reads the K local rows, the history once for
+the cosines and only the chosen history rows for the sum.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from aggsrv import kernels
 
 __all__ = [
+    "RoundResult",
+    "aggregate_round",
     "egs_fuse",
     "haa_weights",
     "hindsight_utility",
@@ -57,7 +67,11 @@ def egs_fuse(
     # argmin over the reversed rows picks the most recent of tied minima.
     h = history.shape[0]
     chosen = (h - 1) - torch.argmin(cos.flip(1), dim=1)
-    return torch.add(local, history[chosen], alpha=alpha), chosen
+    # A zero local gradient is not fused (spec 5 A7): chosen -1.
+    nonzero = torch.linalg.vector_norm(local, dim=1) > 0
+    chosen = torch.where(nonzero, chosen, -1)
+    fused = torch.add(local, history[chosen.clamp(min=0)] * nonzero.unsqueeze(1), alpha=alpha)
+    return fused, chosen
 
 
 def haa_weights(
@@ -112,3 +126,78 @@ def hindsight_utility(similarity: float, tau_his: int, sim_t: float, set_size: i
 def utility_ema(previous: float, utility: float, gamma: float) -> float:
     """Eq. 13: ``(1 - gamma) * Ubar + gamma * Util``."""
     return (1.0 - gamma) * previous + gamma * utility
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What :func:`aggregate_round` decided, for logs and tests."""
+
+    weights: torch.Tensor  # float64 [K], the normalised HAA weights
+    chosen: torch.Tensor | None  # [K] index into ``history`` per client (None: no fusion)
+    fused_norms: torch.Tensor  # float64 [K], ||g~_i||
+    scale: float  # INA's factor m / ||a|| (1.0 without rescaling)
+    clamped: int  # raw weights clamped at 0
+    fallback: bool  # every weight clamped: staleness-only weights used
+
+
+def aggregate_round(
+    local: torch.Tensor,
+    local_norms: torch.Tensor,
+    history: torch.Tensor | None,
+    history_norms: torch.Tensor | None,
+    recency: Sequence[int],
+    taus: Sequence[int],
+    utilities: Sequence[float],
+    *,
+    alpha: float,
+    lam: float,
+    rescale: bool = True,
+    raw_norms: bool = False,
+    out: torch.Tensor,
+) -> RoundResult:
+    """FedHist's EGS, HAA and INA for one round: ``out`` [D] <- the global gradient.
+
+    ``local`` [K, D] are the raw local gradients and ``local_norms`` their float64 L2 norms.
+    ``history`` [H, D] holds cached global gradients in any row order; ``recency`` lists the
+    valid rows oldest first (the others are never read into the result), ``history_norms``
+    [H] their float64 norms. ``raw_norms``: INA takes the mean norm of the raw rows instead of
+    the fused ones (the spec's flag). ``out`` must not alias ``local`` or ``history``.
+    """
+    k = local.shape[0]
+    if local.dim() != 2 or k == 0 or len(taus) != k or len(utilities) != k:
+        raise ValueError("need K >= 1 local rows with one tau and one utility each")
+    weights = haa_weights(list(taus), list(utilities), lam)
+    raw = torch.exp(-torch.as_tensor(taus, dtype=torch.float64) * _LOG_E_OVER_2) + lam * (
+        torch.as_tensor(utilities, dtype=torch.float64)
+    )
+    clamped = int((raw < 0).sum())
+    fallback = bool(raw.clamp(min=0.0).sum() <= 0.0)
+    norms = local_norms.to(torch.float64)
+    fused_norms = norms
+    chosen = None
+    coeff: dict[int, float] = {}
+    if alpha != 0 and history is not None and len(recency) > 0:
+        assert history_norms is not None
+        order = torch.as_tensor(list(recency), dtype=torch.int64)
+        cos = kernels.cosine_matrix(local, other=history).to(torch.float64)[:, order]
+        # argmin over the reversed columns: the most recent of tied minima.
+        pos = (order.numel() - 1) - torch.argmin(cos.flip(1), dim=1)
+        # A zero local gradient is not fused (spec 5 A7): chosen -1.
+        chosen = torch.where(norms > 0, order[pos], -1)
+        picked_cos = cos.gather(1, pos.unsqueeze(1)).squeeze(1)
+        h_norms = torch.where(chosen >= 0, history_norms.to(torch.float64)[order[pos]], 0.0)
+        sq = norms**2 + 2 * alpha * picked_cos * norms * h_norms + alpha**2 * h_norms**2
+        fused_norms = sq.clamp(min=0.0).sqrt()
+        for i, j in enumerate(chosen.tolist()):
+            if j >= 0:
+                coeff[j] = coeff.get(j, 0.0) + alpha * float(weights[i])
+    kernels.weighted_sum(local, weights.tolist(), out=out)
+    for j, c in sorted(coeff.items()):
+        kernels.weighted_sum(history[j : j + 1], [c], out=out, beta=1.0)  # type: ignore[index]
+    scale = 1.0
+    if rescale:
+        target = float((norms if raw_norms else fused_norms).mean())
+        norm = float(torch.linalg.vector_norm(out, dtype=torch.float64))
+        scale = target / norm if norm > 0.0 else 0.0
+        out.mul_(scale)
+    return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)

@@ -1,0 +1,418 @@
+"""FedHist (Jiang et al., arXiv:2312.10425): K-async aggregation with history-enhanced gradients.
+
+Spec: shared/specs/fedhist.md (section 1.4 is the round this module runs, section 5 the gaps).
+The server aggregates after every K accepted updates (``buffer_size``; K is the buffer, not the
+number of clients). Each update is turned into a gradient ``g = -DELTA / (lr * steps)`` with the
+learning rate of its job's recipe and the steps it reports (DESIGN.md; with an epoch recipe,
+``steps = work_done * ceil(num_samples / batch_size)``), stored in the round's [K, D] buffer with
+its float64 norm. Round ``r = version + 1`` then runs, in the paper's order:
+
+1. ``tau_i = r - v_i = s_i + 1`` (DESIGN.md: FedHist's staleness is ``s + 1``, fresh = 1);
+2. EGS: each g_i is fused with the cached global gradient of least cosine similarity,
+   ``g~_i = g_i + alpha * G_j*`` (ties: the most recent row; a zero g_i is not fused);
+3. HAA: ``p_i ∝ max((e/2)^-tau_i + lam * Ubar[c_i], 0)`` in float64, with the staleness-only
+   fallback when every weight clamps (spec 5 A2; both are counted and logged);
+4. INA: ``g_glob = a * mean_i ||g~_i|| / ||a||`` with ``a = sum_i p_i g~_i``;
+5. ``w <- w - server_lr * g_glob`` and ``g_glob`` enters the history G (the last h rounds);
+6. hindsight (rounds r > h): round ``q = r - h`` is evaluated against the mean of the set S of
+   raw local gradients of rounds q..r (q..r-1 without ``include_current_round``) that started
+   from version ``q - 1``; each of round q's clients gets ``Util = (s - sim_T) * p_his * |S|``
+   (Eqs. 11-12) folded into its EMA ``Ubar`` (Eq. 13, only evaluated clients change).
+
+:func:`aggsrv.strategies.fedhist_ops.aggregate_round` does steps 2-4 without materialising the
+fused rows (spec section 4). The raw local gradients of the last h + 1 rounds (the L cache) are
+kept only when ``lam != 0``, the global history only when ``alpha != 0``: TWAFL (``twafl``,
+below) is FedHist with alpha = 0, lam = 0 and no rescaling and keeps neither.
+
+Decisions beyond the spec's defaults:
+
+* ``history`` None means the spec's ``ceil(N / (2K))`` with N the clients registered at the
+  first aggregation (at least 1); it is logged and fixed from then on.
+* ``server_lr`` None means the clients' ``learning_rate``: with K = 1, a fresh update and no
+  fusion, the server step then reproduces the client's own step.
+* A client whose update waits in the buffer gets no new job until the buffer is aggregated (the
+  paper: "only the K participants receive the new global model"), so a round never holds two
+  updates of one client (spec 5 A23).
+* Float buffers (BatchNorm statistics) are averaged with the round's HAA weights.
+
+Outcomes: BUFFERED(current version) for the first K - 1 updates of a round, APPLIED(new version)
+for the K-th.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aggsrv import kernels
+from aggsrv.strategies.base import (
+    InvalidUpdate,
+    Job,
+    Outcome,
+    Status,
+    Strategy,
+    StrategyConfig,
+    Update,
+    UpdateKind,
+)
+from aggsrv.strategies.fedhist_ops import aggregate_round, hindsight_utility, utility_ema
+
+__all__ = ["TWAFL", "FedHist", "FedHistConfig", "TWAFLConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FedHistConfig(StrategyConfig):
+    """FedHist settings; defaults are shared/specs/fedhist.md section 2 (see the module doc).
+
+    With neither ``local_epochs`` nor ``local_steps`` set a job is one mini-batch step (spec 5
+    A13: the paper's client uploads one stochastic gradient).
+    """
+
+    buffer_size: int = 10
+    history: int | None = None
+    alpha: float = 0.1
+    lam: float = 0.1
+    gamma: float = 0.2
+    sim_threshold: float = 0.3
+    server_lr: float | None = None
+    rescale: bool = True
+    ina_norms: str = "fused"
+    include_current_round: bool = True
+
+    def __post_init__(self) -> None:
+        """Default to one local step, then check ranges."""
+        if self.local_epochs is None and self.local_steps is None:
+            self.local_steps = 1
+        super().__post_init__()
+        for key in ("buffer_size", "history"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
+        if self.alpha < 0 or self.lam < 0:
+            raise ValueError(f"alpha and lam must be >= 0, got {self.alpha} and {self.lam}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if not -1.0 <= self.sim_threshold <= 1.0:
+            raise ValueError(f"sim_threshold must be in [-1, 1], got {self.sim_threshold}")
+        if self.server_lr is not None and not self.server_lr > 0:
+            raise ValueError(f"server_lr must be > 0 or None, got {self.server_lr}")
+        if self.ina_norms not in ("fused", "raw"):
+            raise ValueError(f"ina_norms must be 'fused' or 'raw', got {self.ina_norms!r}")
+
+    @property
+    def effective_server_lr(self) -> float:
+        """``server_lr``, or ``learning_rate`` when it is None."""
+        return self.learning_rate if self.server_lr is None else self.server_lr
+
+
+@dataclass
+class _Round:
+    """One aggregated round kept for the hindsight step (the L cache)."""
+
+    round: int
+    grads: torch.Tensor  # [K, D] raw local gradients
+    clients: list[str]
+    versions: list[int]  # base version of each update
+    taus: list[int]
+
+
+class FedHist(Strategy):
+    """FedHist: K-async rounds of EGS, HAA, INA, a global step and hindsight utilities."""
+
+    name = "fedhist"
+    config_class = FedHistConfig
+    config: FedHistConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Allocate the round buffer; the history and L caches come with the first round."""
+        super().__init__(*args, **kwargs)
+        k = self.config.buffer_size
+        self._cur = torch.zeros(k, self.dim, dtype=torch.float32, device=self.device)
+        self._cur_norms = torch.zeros(k, dtype=torch.float64)
+        self._cur_meta: list[tuple[str, int]] = []  # (client, base version) per buffered row
+        b = self.float_buffers.numel
+        self._cur_buffers = torch.zeros(k, b, dtype=torch.float32, device=self.device)
+        self.history: int | None = self.config.history  # h, fixed at the first aggregation
+        # G ring: h + 1 slots so the new global gradient never overwrites a row in use.
+        self._g = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
+        self._g_norms = torch.zeros(0, dtype=torch.float64)
+        self._g_order: list[int] = []  # valid slots, oldest first
+        self._g_used = 0  # slots ever written (rows 0.._g_used-1 hold data)
+        self._rounds: deque[_Round] = deque()
+        self._spare: list[torch.Tensor] = []  # [K, D] buffers of evicted rounds, for reuse
+        self._pred = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self.ubar: dict[str, float] = {}
+        self.clamped_weights = 0
+        self.fallback_rounds = 0
+        self.evaluations = 0
+
+    # --------------------------------------------------------------------------- protocol
+
+    @property
+    def buffered(self) -> int:
+        """Updates waiting in the current round."""
+        return len(self._cur_meta)
+
+    def job_for(self, client_id: str, now: float) -> Job | None:
+        """A job from the current version, except while the client's update waits in the round."""
+        self._require_registered(client_id)
+        if any(c == client_id for c, _ in self._cur_meta):
+            return None
+        return self._issue_job(client_id, deadline=None)
+
+    def steps_of(self, update: Update, job: Job) -> float:
+        """The local SGD steps behind an update (the divisor of its gradient)."""
+        recipe = job.recipe
+        if recipe.local_steps is not None:
+            return float(update.work_done)
+        batches = math.ceil(update.num_samples / recipe.batch_size)
+        return float(update.work_done) * batches
+
+    def _check(self, update: Update, job: Job, staleness: int, now: float) -> None:
+        if not self.steps_of(update, job) > 0:
+            raise InvalidUpdate(
+                f"FedHist derives a gradient as -DELTA / (lr * steps): the update reports "
+                f"work_done={update.work_done} and num_samples={update.num_samples}, i.e. no "
+                "local step"
+            )
+
+    def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
+        i = len(self._cur_meta)
+        row = self._cur[i]
+        scale = job.recipe.learning_rate * self.steps_of(update, job)
+        if update.kind is UpdateKind.DELTA:
+            torch.div(update.tensor, -scale, out=row)
+        else:
+            torch.sub(job.weights, update.tensor, out=row).div_(scale)
+        self._cur_norms[i] = float(torch.linalg.vector_norm(row, dtype=torch.float64))
+        self._cur_meta.append((update.client_id, job.base_version))
+        if update.buffers is not None:
+            self._cur_buffers[i].copy_(update.buffers)
+        if len(self._cur_meta) < self.config.buffer_size:
+            return Outcome(Status.BUFFERED, self.version)
+        return Outcome(Status.APPLIED, self._aggregate())
+
+    # --------------------------------------------------------------------------- rounds
+
+    def _resolve_history(self) -> int:
+        if self.history is None:
+            n = len(self._clients)
+            self.history = max(1, math.ceil(n / (2 * self.config.buffer_size)))
+            logger.info(
+                "%s: history h = ceil(N / 2K) = %d (N = %d registered clients, K = %d)",
+                self.name, self.history, n, self.config.buffer_size,
+            )  # fmt: skip
+        return self.history
+
+    def _keeps_history(self) -> bool:
+        return self.config.alpha != 0
+
+    def _keeps_rounds(self) -> bool:
+        return self.config.lam != 0
+
+    def _aggregate(self) -> int:
+        cfg = self.config
+        h = self._resolve_history()
+        r = self.version + 1
+        clients = [c for c, _ in self._cur_meta]
+        versions = [v for _, v in self._cur_meta]
+        taus = [r - v for v in versions]
+        utilities = [self.ubar.get(c, 0.0) for c in clients]
+        if self._g.shape[0] == 0:
+            self._g = torch.zeros(
+                h + 1 if self._keeps_history() else 1, self.dim, device=self.device
+            )
+            self._g_norms = torch.zeros(self._g.shape[0], dtype=torch.float64)
+        slot = next(j for j in range(self._g.shape[0]) if j not in self._g_order)
+        g_glob = self._g[slot]
+        result = aggregate_round(
+            self._cur,
+            self._cur_norms,
+            self._g[: self._g_used] if self._g_order else None,
+            self._g_norms,
+            self._g_order,
+            taus,
+            utilities,
+            alpha=cfg.alpha,
+            lam=cfg.lam,
+            rescale=cfg.rescale,
+            raw_norms=cfg.ina_norms == "raw",
+            out=g_glob,
+        )
+        self.clamped_weights += result.clamped
+        self.fallback_rounds += int(result.fallback)
+        if result.clamped:
+            logger.info(
+                "%s: round %d clamped %d negative weights%s (in all: %d weights, %d fallbacks)",
+                self.name, r, result.clamped, ", staleness-only fallback" if result.fallback
+                else "", self.clamped_weights, self.fallback_rounds,
+            )  # fmt: skip
+        new = self._new_model_buffer()
+        torch.add(self._model, g_glob, alpha=-cfg.effective_server_lr, out=new)
+        if self._keeps_history():
+            self._g_norms[slot] = float(torch.linalg.vector_norm(g_glob, dtype=torch.float64))
+            self._g_order.append(slot)
+            self._g_used = max(self._g_used, slot + 1)
+            if len(self._g_order) > h:
+                self._g_order.pop(0)
+        if self.float_buffers.enabled:
+            for i, p in enumerate(result.weights.tolist()):
+                self.float_buffers.add(self._cur_buffers[i], p)
+        if self._keeps_rounds():
+            self._rounds.append(_Round(r, self._cur, clients, versions, taus))
+            self._cur = self._spare.pop() if self._spare else torch.zeros_like(self._cur)
+            self._hindsight(r, h)
+        self._cur_meta = []
+        version = self._publish(new)
+        logger.debug(
+            "%s: round %d taus %s weights %s -> v%d",
+            self.name, r, taus, [round(p, 4) for p in result.weights.tolist()], version,
+        )  # fmt: skip
+        return version
+
+    def relatively_fresh(self, r: int, h: int) -> list[tuple[int, list[int]]]:
+        """The set S of round r's hindsight step as (round, rows) pairs (spec 5 A3)."""
+        q = r - h
+        last = r if self.config.include_current_round else r - 1
+        out = []
+        for rec in self._rounds:
+            if q <= rec.round <= last:
+                rows = [i for i, v in enumerate(rec.versions) if v == q - 1]
+                if rows:
+                    out.append((rec.round, rows))
+        return out
+
+    def _hindsight(self, r: int, h: int) -> None:
+        """Evaluate round q = r - h against the predicted unbiased gradient; evict it."""
+        q = r - h
+        if q < 1:
+            return
+        his = self._rounds[0]
+        assert his.round == q, (his.round, q)
+        members = self.relatively_fresh(r, h)
+        size = sum(len(rows) for _, rows in members)
+        if size:
+            if self._pred.numel() != self.dim:
+                self._pred = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
+            by_round = {rec.round: rec for rec in self._rounds}
+            first = True
+            for rnd, rows in members:
+                grads = by_round[rnd].grads
+                for i in rows:
+                    kernels.weighted_sum(
+                        grads[i : i + 1], [1.0 / size], out=self._pred, beta=0.0 if first else 1.0
+                    )
+                    first = False
+            sims = kernels.cosine_matrix(his.grads, other=self._pred.unsqueeze(0))[:, 0]
+            for client, tau, s in zip(his.clients, his.taus, sims.tolist(), strict=True):
+                util = hindsight_utility(s, tau, self.config.sim_threshold, size)
+                self.ubar[client] = utility_ema(self.ubar.get(client, 0.0), util, self.config.gamma)
+            self.evaluations += 1
+            logger.debug(
+                "%s: hindsight of round %d: |S| = %d, similarities %s",
+                self.name, q, size, [round(s, 3) for s in sims.tolist()],
+            )  # fmt: skip
+        self._spare.append(self._rounds.popleft().grads)
+
+    # --------------------------------------------------------------------------- state
+
+    def _extra_state(self) -> dict[str, Any]:
+        n = len(self._cur_meta)
+        return {
+            "history": self.history,
+            "cur": self._cur[:n],
+            "cur_norms": self._cur_norms[:n],
+            "cur_meta": [list(m) for m in self._cur_meta],
+            "cur_buffers": self._cur_buffers[:n],
+            "g": self._g[: self._g_used],
+            "g_rows": self._g.shape[0],
+            "g_norms": self._g_norms,
+            "g_order": list(self._g_order),
+            "rounds": [
+                {
+                    "round": rec.round,
+                    "grads": rec.grads,
+                    "clients": list(rec.clients),
+                    "versions": list(rec.versions),
+                    "taus": list(rec.taus),
+                }
+                for rec in self._rounds
+            ],
+            "ubar": dict(self.ubar),
+            "counters": [self.clamped_weights, self.fallback_rounds, self.evaluations],
+        }
+
+    def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        k = self.config.buffer_size
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=torch.float32, copy=True)
+
+        meta = [(str(c), int(v)) for c, v in state["cur_meta"]]
+        if len(meta) >= k:
+            raise ValueError(f"saved round holds {len(meta)} updates; buffer_size={k} would "
+                             "have aggregated them")  # fmt: skip
+        for key in ("cur", "g"):
+            if state[key].numel() and state[key].shape[1] != self.dim:
+                raise ValueError(
+                    f"saved {key} rows have length {state[key].shape[1]}, D={self.dim}"
+                )
+        self.history = None if state["history"] is None else int(state["history"])
+        n = len(meta)
+        self._cur.zero_()
+        self._cur[:n].copy_(state["cur"])
+        self._cur_norms.zero_()
+        self._cur_norms[:n] = state["cur_norms"].to(torch.float64)
+        self._cur_meta = meta
+        if self.float_buffers.enabled:
+            self._cur_buffers[:n].copy_(state["cur_buffers"])
+        rows = int(state["g_rows"])
+        self._g = torch.zeros(rows, self.dim, dtype=torch.float32, device=self.device)
+        used = state["g"].shape[0]
+        self._g[:used].copy_(state["g"])
+        self._g_used = used
+        self._g_norms = state["g_norms"].to(torch.float64).clone()
+        self._g_order = [int(j) for j in state["g_order"]]
+        self._rounds = deque(
+            _Round(int(rec["round"]), dev(rec["grads"]), [str(c) for c in rec["clients"]],
+                   [int(v) for v in rec["versions"]], [int(t) for t in rec["taus"]])
+            for rec in state["rounds"]
+        )  # fmt: skip
+        self._spare = []
+        self.ubar = {str(c): float(u) for c, u in state["ubar"].items()}
+        self.clamped_weights, self.fallback_rounds, self.evaluations = map(int, state["counters"])
+
+
+@dataclass
+class TWAFLConfig(FedHistConfig):
+    """TWAFL: FedHist's K-async rounds with ``(e/2)^-tau`` weights only (spec 3.5)."""
+
+    alpha: float = 0.0
+    lam: float = 0.0
+    rescale: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse the FedHist mechanisms TWAFL does not have."""
+        super().__post_init__()
+        if self.alpha != 0 or self.lam != 0 or self.rescale:
+            raise ValueError(
+                "twafl is FedHist with alpha = 0, lam = 0 and rescale = false; use strategy "
+                "'fedhist' to turn on EGS, HAA's utility term or INA"
+            )
+
+
+class TWAFL(FedHist):
+    """TWAFL (the FedHist paper's baseline [17]): ``w <- w - eta * sum_i p_i g_i`` every K
+    arrivals with ``p_i ∝ (e/2)^-tau_i``; no history is kept."""
+
+    name = "twafl"
+    config_class = TWAFLConfig
+    config: TWAFLConfig
