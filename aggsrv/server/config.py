@@ -37,6 +37,8 @@ class ServerConfig(TomlConfig):
     retained_versions: int = 8
     # A waiting job stream sends a "pending" message at least this often (keeps proxies happy).
     pending_interval_seconds: float = 30.0
+    # Append the strategy's events (FedDGIC's groupings and dropout flags) as JSON lines here.
+    events_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -54,6 +55,19 @@ class Snapshot:
         if include_buffers and self.buffers is not None:
             out["buffers"] = self.buffers
         return out
+
+
+class EventLog:
+    """Appends strategy events to a JSON-lines file, one flushed line per event (the file
+    outlives a crash; events are diagnostics, not state)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        log.info("event %s at v%s", record.get("event"), record.get("version"))
 
 
 class Federation:
@@ -152,6 +166,8 @@ class Federation:
             device=self.device,
             max_clients=cfg.max_clients,
         )
+        if cfg.events_file:
+            self.strategy.event_sink = EventLog(cfg.events_file)
         self.layout = layout
         self._slots = asyncio.Queue()
         for _ in range(cfg.max_concurrent_uploads):

@@ -36,7 +36,7 @@ __all__ = ["GrpcRun"]
 
 log = logging.getLogger(__name__)
 
-TIME_KEYS = ("round_timeout", "epoch_timeout")  # strategy_config keys in (virtual) seconds
+TIME_KEYS = ("round_timeout", "epoch_timeout", "grouping_round_timeout")  # virtual seconds
 JOB_POLL = 1.0  # wall seconds a client waits on GetJob before checking whether the run ended
 
 
@@ -101,6 +101,7 @@ class GrpcRun:
             max_concurrent_uploads=4,
             lease_seconds=3600.0,
             pending_interval_seconds=JOB_POLL,
+            events_file=str(self.out_dir / "events.jsonl"),
         )
 
     def _start_server(self) -> tuple[subprocess.Popen, str]:

@@ -74,7 +74,9 @@ class Counters:
 class InprocRun:
     """One simulation on the virtual clock; :meth:`run` returns the metric rows."""
 
-    def __init__(self, setup: RunSetup, on_metric, progress: Progress | None = None) -> None:
+    def __init__(
+        self, setup: RunSetup, on_metric, progress: Progress | None = None, on_event=None
+    ) -> None:
         cfg = setup.config
         self.setup = setup
         self.cfg = cfg
@@ -88,6 +90,7 @@ class InprocRun:
             device="cpu",
             max_clients=max(cfg.clients, 1),
         )
+        self.strategy.event_sink = on_event
         self.profile = setup.profile
         self.trainer = setup.trainer()
         self.evaluate = setup.evaluator()

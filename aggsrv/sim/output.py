@@ -1,5 +1,6 @@
 """A run directory: config.toml, metrics.jsonl (one line per evaluation), summary.json with
-provenance, and accuracy.png (test accuracy against virtual time)."""
+provenance, accuracy.png (test accuracy against virtual time) and, for strategies that emit
+events (FedDGIC's groupings and dropout flags), events.jsonl."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ class RunOutput:
             raise KeyError(f"metrics row lacks {missing}")
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+
+    def event(self, record: dict[str, Any]) -> None:
+        """A strategy event (FedDGIC's grouping, ...) as one line of events.jsonl."""
+        with open(self.dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def finish(self, summary: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
         self._metrics.close()

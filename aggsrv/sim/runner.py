@@ -54,7 +54,7 @@ def run(
         if config.transport == "inproc":
             from aggsrv.sim.inproc import InprocRun
 
-            engine = InprocRun(setup, output.metric, bar)
+            engine = InprocRun(setup, output.metric, bar, on_event=output.event)
         else:
             from aggsrv.sim.grpc_transport import GrpcRun
 

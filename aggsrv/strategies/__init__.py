@@ -31,6 +31,7 @@ from aggsrv.strategies.ca2fl import CA2FL, CA2FLConfig
 from aggsrv.strategies.fedasync import FedAsync, FedAsyncConfig
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
 from aggsrv.strategies.fedbuff import FedBuff, FedBuffConfig
+from aggsrv.strategies.feddgic import FedDGIC, FedDGICConfig, FedFG, FedFGConfig
 from aggsrv.strategies.feden import FedEN, FedENConfig
 from aggsrv.strategies.fedhist import TWAFL, FedHist, FedHistConfig, TWAFLConfig
 from aggsrv.strategies.fedogd import FedOGD, FedOGDConfig
@@ -49,8 +50,12 @@ __all__ = [
     "FedAvgConfig",
     "FedBuff",
     "FedBuffConfig",
+    "FedDGIC",
+    "FedDGICConfig",
     "FedEN",
     "FedENConfig",
+    "FedFG",
+    "FedFGConfig",
     "FedHist",
     "FedHistConfig",
     "FedOGD",
@@ -97,15 +102,13 @@ STRATEGIES: dict[str, type[Strategy]] = {
         CA2FL,
         FedHist,
         TWAFL,
+        FedDGIC,
+        FedFG,
     )
 }
 
-_SEED = "the seed-algorithms issue"
-_CHEAP = "the cheap-baselines issue (see shared/specs/)"
-RESERVED: dict[str, str] = {
-    "feddgic": _SEED,
-    "fedfg": _CHEAP,
-}
+# Names reserved for strategies a later issue brings: name -> "the issue that brings it".
+RESERVED: dict[str, str] = {}
 
 
 def make_strategy(name: str, **kwargs: Any) -> Strategy:

@@ -41,7 +41,7 @@ import math
 import types
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -458,6 +458,9 @@ class Strategy(ABC):
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(int(self.config.seed))
         self._recipe = self.make_recipe()
+        # Receives the strategy's events (FedDGIC's groupings, ...) as JSON-ready dicts: the
+        # server and the simulator point it at their events.jsonl. Not part of the state.
+        self.event_sink: Callable[[dict[str, Any]], None] | None = None
 
     # --------------------------------------------------------------------------- public API
 
@@ -581,6 +584,13 @@ class Strategy(ABC):
         self.float_buffers.commit()
         self.version += 1
         return self.version
+
+    def _emit(self, event: str, now: float, **fields: Any) -> None:
+        """Hand an event (plain JSON values) to :attr:`event_sink`, if one is set."""
+        if self.event_sink is not None:
+            record = {"event": event, "strategy": self.name, "version": self.version}
+            record.update(time=float(now), **fields)
+            self.event_sink(record)
 
     def _require_registered(self, client_id: str) -> None:
         if client_id not in self._clients:

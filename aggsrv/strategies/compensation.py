@@ -22,8 +22,9 @@ never written again) and updates the group model in place (group models are serv
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,10 @@ class GroupCompensation:
         beta: float = 1.0,
         t_constant: int | None = None,
         t_factor: int = 2,
+        compensate: bool = True,
     ) -> None:
+        """``compensate=False`` still detects dropouts but merges with ``alpha_global`` (r_c = 1:
+        FedFG, spec 2.3)."""
         if not labels:
             raise ValueError("labels must name the group of at least one client")
         k = max(labels) + 1
@@ -84,18 +88,37 @@ class GroupCompensation:
         self.labels = tuple(int(g) for g in labels)
         self.members = [[i for i, g in enumerate(self.labels) if g == grp] for grp in range(k)]
         self.alpha_global, self.alpha_max, self.beta = alpha_global, alpha_max, beta
-        self.thresholds = [
-            t_constant if t_constant is not None else max(2, t_factor * len(m))
-            for m in self.members
-        ]
+        self.compensate = compensate
+        self.t_constant, self.t_factor = t_constant, t_factor
+        self.thresholds = [self._threshold(len(m)) for m in self.members]
         self.global_model = initial
         self.group_models = [initial.clone() for _ in range(k)]
         self.group_version = [0] * k  # V_g
         self.client_version = [0] * len(self.labels)  # V_i
         self.dropped = [False] * len(self.labels)
 
-    def submit(self, client: int, weights: torch.Tensor) -> CompensationStep:
-        """Lines 7-14 for one submission; ``self.global_model`` is what the client gets back."""
+    def add_client(self) -> int:
+        """A client that was not grouped joins as a singleton group (its model: the current
+        global model); returns its index."""
+        i = len(self.labels)
+        g = len(self.members)
+        self.labels = (*self.labels, g)
+        self.members.append([i])
+        self.thresholds.append(self._threshold(1))
+        self.group_models.append(self.global_model.detach().clone())
+        self.group_version.append(0)
+        self.client_version.append(0)
+        self.dropped.append(False)
+        return i
+
+    def _threshold(self, size: int) -> int:
+        return self.t_constant if self.t_constant is not None else max(2, self.t_factor * size)
+
+    def submit(
+        self, client: int, weights: torch.Tensor, out: torch.Tensor | None = None
+    ) -> CompensationStep:
+        """Lines 7-14 for one submission; ``self.global_model`` is what the client gets back
+        (written into ``out`` when given, a fresh tensor otherwise; never in place)."""
         if not 0 <= client < len(self.labels):
             raise ValueError(f"client {client} is not in the grouping of {len(self.labels)}")
         g = self.labels[client]
@@ -109,7 +132,54 @@ class GroupCompensation:
         for j in self.members[g]:
             self.dropped[j] = j != client and v_g - self.client_version[j] >= t
         d_g = sum(self.dropped[j] for j in self.members[g])
-        a_comp = compensated_alpha(self.alpha_global, n_g, d_g)
-        self.global_model = torch.lerp(self.global_model, w_g, a_comp)
+        a_comp = compensated_alpha(self.alpha_global, n_g, d_g if self.compensate else 0)
+        self.global_model = torch.lerp(self.global_model, w_g, a_comp, out=out)
         self.client_version[client] = v_g
         return CompensationStep(client, g, staleness, a_grp, v_g, d_g, a_comp)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, flags and models (the caller clones the tensors)."""
+        return {
+            "labels": list(self.labels),
+            "alpha_global": self.alpha_global,
+            "alpha_max": self.alpha_max,
+            "beta": self.beta,
+            "t_constant": self.t_constant,
+            "t_factor": self.t_factor,
+            "compensate": self.compensate,
+            "global_model": self.global_model,
+            "group_models": list(self.group_models),
+            "group_version": list(self.group_version),
+            "client_version": list(self.client_version),
+            "dropped": list(self.dropped),
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: Mapping[str, Any], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> GroupCompensation:
+        """Rebuild from :meth:`state_dict` output (tensors copied to ``device``)."""
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype, copy=True)
+
+        comp = cls(
+            [int(g) for g in state["labels"]],
+            dev(state["global_model"]),
+            alpha_global=float(state["alpha_global"]),
+            alpha_max=float(state["alpha_max"]),
+            beta=float(state["beta"]),
+            t_constant=state["t_constant"],
+            t_factor=int(state["t_factor"]),
+            compensate=bool(state["compensate"]),
+        )
+        models = state["group_models"]
+        if len(models) != len(comp.members):
+            raise ValueError(f"saved {len(models)} group models for {len(comp.members)} groups")
+        comp.group_models = [dev(t) for t in models]
+        comp.group_version = [int(v) for v in state["group_version"]]
+        comp.client_version = [int(v) for v in state["client_version"]]
+        comp.dropped = [bool(d) for d in state["dropped"]]
+        if len(comp.client_version) != len(comp.labels) or len(comp.dropped) != len(comp.labels):
+            raise ValueError("saved per-client counters do not match the grouping")
+        return comp

@@ -97,11 +97,14 @@ def cut_tree(Z: np.ndarray, k: int) -> tuple[int, ...]:
     return tuple(number.setdefault(r, len(number)) for r in roots)
 
 
-def dynamic_groups(similarity: torch.Tensor | np.ndarray, p: float = 0.8) -> Grouping:
+def dynamic_groups(
+    similarity: torch.Tensor | np.ndarray, p: float = 0.8, k: int | None = None
+) -> Grouping:
     """Group n clients from their averaged [n, n] cosine similarities (Algorithm 1, lines 7-9).
 
     The distance is ``1 - S``, symmetrised with a zero diagonal (spec 1.4.3: the paper calls
-    the similarity a distance; merging the *smallest* distance needs ``1 - S``).
+    the similarity a distance; merging the *smallest* distance needs ``1 - S``). ``k`` fixes
+    the number of groups instead of Eq. 5 (FedFG; capped at n); the ratios are still computed.
     """
     s = (
         similarity.detach().to("cpu", torch.float64).numpy()
@@ -119,5 +122,10 @@ def dynamic_groups(similarity: torch.Tensor | np.ndarray, p: float = 0.8) -> Gro
     # UPGMA never inverts, but the Lance-Williams update can put a near-tie a rounding below
     # the merge before it; Eq. 5 wants the sorted sequence.
     heights = np.maximum.accumulate(Z[:, 2])
-    k, ratios = group_count(heights, p)
+    k_rule, ratios = group_count(heights, p)
+    if k is None:
+        k = k_rule
+    elif k < 1:
+        raise ValueError(f"a fixed number of groups must be >= 1, got {k}")
+    k = min(k, s.shape[0])
     return Grouping(cut_tree(Z, k), k, tuple(map(float, heights)), tuple(ratios), Z)
