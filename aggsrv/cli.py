@@ -143,8 +143,10 @@ def _report(args: argparse.Namespace) -> int:
     from aggsrv.sim.report import report
 
     try:
-        table, runs = report(args.runs, target=args.target, plot=args.plot)
-    except FileNotFoundError as exc:
+        table, runs = report(
+            args.runs, target=args.target, plot=args.plot, dendrogram=args.dendrogram
+        )
+    except (OSError, ValueError) as exc:
         sys.stderr.write(f"aggsrv report: {exc}\n")
         return 2
     sys.stdout.write(table + "\n")
@@ -204,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("runs", nargs="+", help="run directories, or folders holding them")
     rep.add_argument("--target", type=float, default=0.8, help="accuracy for 'time to target'")
     rep.add_argument("--plot", default="report.png", help="where to write the plot ('' for none)")
+    rep.add_argument(
+        "--no-dendrogram", dest="dendrogram", action="store_false",
+        help="no FedDGIC grouping dendrograms (PLOT_STEM-dendrogram-LABEL-sSEED.png by default)",
+    )  # fmt: skip
     rep.set_defaults(func=_report)
 
     serve = sub.add_parser("serve", help="run the aggregation server")

@@ -1,10 +1,16 @@
 """`aggsrv report RUN_DIR...`: compare runs. A table per (data set, scenario, strategy) with the
 mean and spread over seeds, the virtual time to a target accuracy, and one plot with a line per
-strategy (mean accuracy against virtual time, a band of +/- one standard deviation)."""
+strategy (mean accuracy against virtual time, a band of +/- one standard deviation).
+
+Runs with FedDGIC grouping events (``events.jsonl``) also get a table line each (the last
+grouping's version, k and group sizes) and a dendrogram PNG per grouping next to the plot:
+``<plot stem>-dendrogram-<label>-s<seed>.png`` for the last grouping, and ``...-1.png``,
+``...-2.png``, ... for the earlier ones in the order they happened (-1 is the first)."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -13,9 +19,20 @@ from typing import Any
 
 import numpy as np
 
+from aggsrv.sim.dendrogram import load_groupings, plot_dendrogram
 from aggsrv.sim.output import plot_accuracy
 
-__all__ = ["Run", "find_runs", "format_table", "group_runs", "load_run", "time_to_target"]
+__all__ = [
+    "Run",
+    "dendrogram_paths",
+    "find_runs",
+    "format_groupings",
+    "format_table",
+    "group_runs",
+    "load_run",
+    "time_to_target",
+    "write_dendrograms",
+]
 
 
 @dataclass
@@ -170,9 +187,117 @@ def plot_runs(runs: list[Run], path: Path, target: float | None = None) -> None:
     plot_accuracy(lines, path, title=title, target=target, bands=bands)
 
 
-def report(paths: list[str | Path], target: float = 0.8, plot: str | Path | None = "report.png"):
-    """Load runs, return the table text; write the plot if ``plot`` is a path."""
+def _file_part(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_") or "run"
+
+
+def dendrogram_paths(runs: list[Run], plot: str | Path) -> dict[Path, Path]:
+    """Each run's dendrogram file (its last grouping), keyed by run directory:
+    ``<plot stem>-dendrogram-<label>-s<seed>.png`` beside ``plot``. Runs that would share a name
+    add their data set and scenario, then their directory name, then their place in ``runs``."""
+    plot = Path(plot)
+    namings = (
+        lambda i, r: f"{r.key[2]}-s{r.summary.get('seed', 0)}",
+        lambda i, r: f"{r.key[2]}-{r.key[0]}-{r.key[1]}-s{r.summary.get('seed', 0)}",
+        lambda i, r: f"{r.key[2]}-{r.path.name}",
+        lambda i, r: f"{r.key[2]}-{r.path.name}-{i + 1}",
+    )
+    names = [_file_part(namings[0](i, r)) for i, r in enumerate(runs)]
+    for naming in namings[1:]:
+        clash = {v for v in names if names.count(v) > 1}
+        names = [
+            _file_part(naming(i, r)) if name in clash else name
+            for i, (r, name) in enumerate(zip(runs, names, strict=True))
+        ]
+    return {
+        r.path: plot.with_name(f"{plot.stem}-dendrogram-{name}.png")
+        for r, name in zip(runs, names, strict=True)
+    }
+
+
+def write_dendrograms(
+    runs: list[Run], plot: str | Path, groupings: dict[Path, list[dict[str, Any]]]
+) -> dict[Path, list[Path]]:
+    """One PNG per grouping event of each run (see the module docstring for the names);
+    returns the files written per run directory, the last grouping's first."""
+    paths = dendrogram_paths([r for r in runs if groupings.get(r.path)], plot)
+    written: dict[Path, list[Path]] = {}
+    for r in runs:
+        events = groupings.get(r.path)
+        if not events:
+            continue
+        dataset, scenario, label = r.key
+        main = paths[r.path]
+        files = []
+        for i, event in enumerate(events, 1):
+            last = i == len(events)
+            out = main if last else main.with_name(f"{main.stem}-{i}{main.suffix}")
+            title = (
+                f"{label} on {dataset}, {scenario}, seed {r.summary.get('seed', '?')}: grouping "
+                f"{i}/{len(events)}, version {event.get('version', '?')}"
+            )
+            if event.get("reason"):
+                title += f" ({event['reason']})"
+            plot_dendrogram(event, out, title=title)
+            files.append(out)
+        written[r.path] = [files[-1], *files[:-1]]
+    return written
+
+
+def _group_sizes(event: dict[str, Any]) -> str:
+    labels = [int(g) for g in event.get("labels") or []]
+    k = int(event.get("k", len(set(labels))))
+    return ", ".join(str(labels.count(g)) for g in range(k)) or "-"
+
+
+def format_groupings(
+    runs: list[Run],
+    groupings: dict[Path, list[dict[str, Any]]],
+    files: dict[Path, list[Path]] | None = None,
+) -> str:
+    """A line per run with grouping events: its last grouping's version, k and group sizes."""
+    header = ["run", "groupings", "version", "k", "group sizes"]
+    if files:
+        header.append("dendrogram")
+    lines = []
+    for r in runs:
+        events = groupings.get(r.path)
+        if not events:
+            continue
+        last = events[-1]
+        line = [
+            str(r.path),
+            str(len(events)),
+            str(last.get("version", "-")),
+            str(last.get("k", "-")),
+            _group_sizes(last),
+        ]
+        if files:
+            line.append(str(files[r.path][0]) if files.get(r.path) else "-")
+        lines.append(line)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["grouping (the last per run):"]
+    out.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
+    return "\n".join(out)
+
+
+def report(
+    paths: list[str | Path],
+    target: float = 0.8,
+    plot: str | Path | None = "report.png",
+    dendrogram: bool = True,
+):
+    """Load runs, return the table text; write the plot if ``plot`` is a path, and with
+    ``dendrogram`` a dendrogram per grouping event beside it. Runs with grouping events add a
+    grouping table to the text."""
     runs = find_runs(paths)
+    text = format_table(runs, target)
     if plot:
         plot_runs(runs, Path(plot), target)
-    return format_table(runs, target), runs
+    groupings = {r.path: load_groupings(r.path) for r in runs}
+    if any(groupings.values()):
+        files = write_dendrograms(runs, plot, groupings) if plot and dendrogram else None
+        text += "\n\n" + format_groupings(runs, groupings, files)
+    return text, runs
