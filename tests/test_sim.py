@@ -14,6 +14,7 @@ import pytest
 from aggsrv.sim import SimConfig, parse_budget, run
 from aggsrv.sim.output import METRIC_FIELDS
 from aggsrv.sim.report import find_runs, format_table, table_rows, time_to_target
+from aggsrv.sim.setup import client_id
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -285,6 +286,10 @@ def test_user_strategy_plugs_in_as_module_callable(tmp_path, monkeypatch) -> Non
         ("feden", {"participation": 1.0, "local_epochs": 1.0, "learning_rate": 0.05}),
         ("orthofl", {}),
         ("ca2fl", {}),
+        ("fedhist", {"buffer_size": 3, "history": 2, "learning_rate": 0.1}),
+        ("twafl", {"buffer_size": 3, "learning_rate": 0.1}),
+        ("fedfg", {"min_available": 5, "fixed_groups": 2, "similarity_rounds": 2}),
+        ("feddgic", {"min_available": 5, "similarity_rounds": 2}),
     ],
 )
 def test_seed_strategies_run_over_grpc(tmp_path, strategy, settings) -> None:
@@ -298,6 +303,10 @@ def test_seed_strategies_run_over_grpc(tmp_path, strategy, settings) -> None:
         progress=False,
     )  # fmt: skip
     s = r.summary
+    if strategy == "fedfg":  # its grouping reached the run's events.jsonl from the server
+        (event,) = [e for e in map(json.loads, (r.out_dir / "events.jsonl").open()) if
+                    e["event"] == "grouping"]  # fmt: skip
+        assert event["k"] == 2 and sorted(event["clients"]) == [client_id(c) for c in range(5)]
     assert s["updates_applied"] >= 5 and s["updates_rejected"] == 0, s
     assert r.metrics[-1]["version"] >= 1
     assert r.metrics[-1]["test_loss"] < r.metrics[0]["test_loss"]

@@ -32,7 +32,8 @@ Decisions beyond the spec's defaults:
   fusion, the server step then reproduces the client's own step.
 * A client whose update waits in the buffer gets no new job until the buffer is aggregated (the
   paper: "only the K participants receive the new global model"), so a round never holds two
-  updates of one client (spec 5 A23).
+  updates of one client (spec 5 A23). With fewer than K registered clients a round aggregates
+  once every registered client is in it (with a warning), rather than waiting forever.
 * Float buffers (BatchNorm statistics) are averaged with the round's HAA weights.
 
 Outcomes: BUFFERED(current version) for the first K - 1 updates of a round, APPLIED(new version)
@@ -153,6 +154,7 @@ class FedHist(Strategy):
         self.clamped_weights = 0
         self.fallback_rounds = 0
         self.evaluations = 0
+        self._warned_small = False
 
     # --------------------------------------------------------------------------- protocol
 
@@ -196,8 +198,17 @@ class FedHist(Strategy):
         self._cur_meta.append((update.client_id, job.base_version))
         if update.buffers is not None:
             self._cur_buffers[i].copy_(update.buffers)
-        if len(self._cur_meta) < self.config.buffer_size:
+        k = len(self._cur_meta)
+        if k < self.config.buffer_size and k < len(self._clients):
             return Outcome(Status.BUFFERED, self.version)
+        if k < self.config.buffer_size and not self._warned_small:
+            # Every registered client waits in the round: waiting for K would never end.
+            self._warned_small = True
+            logger.warning(
+                "%s: buffer_size K = %d but only %d clients are registered: a round aggregates "
+                "once every registered client has an update in it",
+                self.name, self.config.buffer_size, len(self._clients),
+            )  # fmt: skip
         return Outcome(Status.APPLIED, self._aggregate())
 
     # --------------------------------------------------------------------------- rounds
