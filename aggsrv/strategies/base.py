@@ -750,7 +750,16 @@ class Strategy(ABC):
         return _clone_tensors(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` output (same strategy and layout)."""
+        """Resume from :meth:`state_dict` output (same strategy and layout); a state that is
+        refused part-way (ValueError) leaves the strategy as it was."""
+        before = self.state_dict()
+        try:
+            self._load_state(state)
+        except Exception:
+            self._load_state(before)
+            raise
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
         if state["strategy"] != self.name:
             raise ValueError(f"state is for strategy {state['strategy']!r}, not {self.name!r}")
         if state["layout_hash"] != self.layout.hash:

@@ -119,10 +119,14 @@ class _Round:
     """One aggregated round kept for the hindsight step (the L cache)."""
 
     round: int
-    grads: torch.Tensor  # [K, D] raw local gradients
+    buffer: torch.Tensor  # [K, D]; its first len(clients) rows are the raw local gradients
     clients: list[str]
     versions: list[int]  # base version of each update
     taus: list[int]
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.buffer[: len(self.clients)]
 
 
 class FedHist(Strategy):
@@ -244,9 +248,10 @@ class FedHist(Strategy):
             self._g_norms = torch.zeros(self._g.shape[0], dtype=torch.float64)
         slot = next(j for j in range(self._g.shape[0]) if j not in self._g_order)
         g_glob = self._g[slot]
+        n = len(clients)  # K, or fewer when fewer clients are registered
         result = aggregate_round(
-            self._cur,
-            self._cur_norms,
+            self._cur[:n],
+            self._cur_norms[:n],
             self._g[: self._g_used] if self._g_order else None,
             self._g_norms,
             self._g_order,
@@ -331,7 +336,7 @@ class FedHist(Strategy):
                 "%s: hindsight of round %d: |S| = %d, similarities %s",
                 self.name, q, size, [round(s, 3) for s in sims.tolist()],
             )  # fmt: skip
-        self._spare.append(self._rounds.popleft().grads)
+        self._spare.append(self._rounds.popleft().buffer)
 
     # --------------------------------------------------------------------------- state
 
@@ -392,11 +397,18 @@ class FedHist(Strategy):
         self._g_used = used
         self._g_norms = state["g_norms"].to(torch.float64).clone()
         self._g_order = [int(j) for j in state["g_order"]]
-        self._rounds = deque(
-            _Round(int(rec["round"]), dev(rec["grads"]), [str(c) for c in rec["clients"]],
-                   [int(v) for v in rec["versions"]], [int(t) for t in rec["taus"]])
-            for rec in state["rounds"]
-        )  # fmt: skip
+        self._rounds = deque()
+        for rec in state["rounds"]:
+            clients = [str(c) for c in rec["clients"]]
+            grads = rec["grads"]
+            if tuple(grads.shape) != (len(clients), self.dim) or len(clients) > k:
+                raise ValueError(f"saved round {rec['round']} has gradients {tuple(grads.shape)}")
+            buffer = torch.zeros(k, self.dim, dtype=torch.float32, device=self.device)
+            buffer[: len(clients)].copy_(grads)
+            self._rounds.append(
+                _Round(int(rec["round"]), buffer, clients, [int(v) for v in rec["versions"]],
+                       [int(t) for t in rec["taus"]])
+            )  # fmt: skip
         self._spare = []
         self.ubar = {str(c): float(u) for c, u in state["ubar"].items()}
         self.clamped_weights, self.fallback_rounds, self.evaluations = map(int, state["counters"])

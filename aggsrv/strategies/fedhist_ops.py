@@ -50,6 +50,19 @@ def temporal_weight(tau: float) -> float:
     return math.exp(-tau * _LOG_E_OVER_2)
 
 
+# Cosines within this of the row minimum are ties: float32 Gram sums can put two identical
+# history rows an ulp apart depending on their position, and the spec breaks ties by recency.
+TIE_TOLERANCE = 1e-6
+
+
+def _most_recent_minimum(cos: torch.Tensor) -> torch.Tensor:
+    """Per row of [K, h] cosines (columns oldest first) the last column within
+    TIE_TOLERANCE of the row's minimum (spec 1.4 step 2: ties go to the most recent row)."""
+    c = cos.to(torch.float64)
+    tied = c <= c.min(dim=1, keepdim=True).values + TIE_TOLERANCE
+    return (c.shape[1] - 1) - torch.argmax(tied.flip(1).to(torch.int8), dim=1)
+
+
 def egs_fuse(
     local: torch.Tensor, history: torch.Tensor | None, alpha: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,9 +77,7 @@ def egs_fuse(
     if history.dim() != 2 or history.shape[1] != local.shape[1]:
         raise ValueError(f"history must be [h, {local.shape[1]}], got {tuple(history.shape)}")
     cos = kernels.cosine_matrix(local, other=history)  # [K, h]
-    # argmin over the reversed rows picks the most recent of tied minima.
-    h = history.shape[0]
-    chosen = (h - 1) - torch.argmin(cos.flip(1), dim=1)
+    chosen = _most_recent_minimum(cos)
     # A zero local gradient is not fused (spec 5 A7): chosen -1.
     nonzero = torch.linalg.vector_norm(local, dim=1) > 0
     chosen = torch.where(nonzero, chosen, -1)
@@ -180,8 +191,7 @@ def aggregate_round(
         assert history_norms is not None
         order = torch.as_tensor(list(recency), dtype=torch.int64)
         cos = kernels.cosine_matrix(local, other=history).to(torch.float64)[:, order]
-        # argmin over the reversed columns: the most recent of tied minima.
-        pos = (order.numel() - 1) - torch.argmin(cos.flip(1), dim=1)
+        pos = _most_recent_minimum(cos)
         # A zero local gradient is not fused (spec 5 A7): chosen -1.
         chosen = torch.where(norms > 0, order[pos], -1)
         picked_cos = cos.gather(1, pos.unsqueeze(1)).squeeze(1)
