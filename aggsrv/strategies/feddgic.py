@@ -397,9 +397,9 @@ class FedDGIC(Strategy):
         self._s_sum = np.zeros((0, 0))
         self._s_count = np.zeros((0, 0), dtype=np.int64)
         self._add_similarity(members)
-        s = self._averaged_similarity()
-        # A client without a cached update is only similar to itself: a group of its own.
-        grouping = dynamic_groups(s, self.config.p, self.config.fixed_groups)
+        # Every client in self._ids has a cached update: a client is added with its first one.
+        grouping = dynamic_groups(self._averaged_similarity(), self.config.p,
+                                  self.config.fixed_groups)  # fmt: skip
         self._start_compensation(grouping, now, reason)
 
     def _start_compensation(self, grouping: Grouping, now: float, reason: str) -> None:
