@@ -66,7 +66,15 @@ COMPARISONS["fedhist_k_of_n"] = [
     ("fedasync", "fedasync", {}),
     ("fedbuff", "fedbuff", {"buffer_size": 10}),
 ]
-COMPARISONS["fedhist_k_of_n_b1"] = COMPARISONS["fedhist_k_of_n"]
+COMPARISONS["fedhist_k_of_n_b1"] = list(COMPARISONS["fedhist_k_of_n"])
+# The paper's ablations (spec 3.4) and a control for INA's larger step: FedBuff with a server
+# learning rate of 3 (INA scales the aggregate up to the mean input norm).
+COMPARISONS["fedhist_k_of_n"] += [
+    ("fedhist no EGS", "fedhist", {"alpha": 0.0}),
+    ("fedhist no HAA", "fedhist", {"lam": 0.0}),
+    ("fedhist no INA", "fedhist", {"rescale": False}),
+    ("fedbuff lr=3", "fedbuff", {"buffer_size": 10, "server_lr": 3.0}),
+]
 # FedDGIC's paper compares with FedAsync (alpha 0.5, constant) and FedFG among what we implement.
 COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
