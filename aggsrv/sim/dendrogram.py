@@ -211,7 +211,9 @@ def plot_dendrogram(event: dict[str, Any], path: str | Path, title: str = "") ->
         title = f"{event.get('strategy', 'grouping')}: version {event.get('version', '?')}"
         if event.get("reason"):
             title += f" ({event['reason']})"
-    ax.set_title(title, fontsize=10)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
