@@ -80,8 +80,11 @@ COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
     ("fedfg", "fedfg", {"min_available": 20, "grouping_round_timeout": 10.0}),
     # The spec's "k matched" ablation: FedFG's 5 groups with compensation isolates Eqs. 9-10.
-    ("feddgic k=5", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0,
-                                "fixed_groups": 5}),  # fmt: skip
+    (
+        "feddgic k=5",
+        "feddgic",
+        {"min_available": 20, "grouping_round_timeout": 10.0, "fixed_groups": 5},
+    ),  # fmt: skip
     ("fedasync", "fedasync", {"alpha": 0.5, "staleness": "constant"}),
     ("fedavg", "fedavg", {"round_timeout": 3.5, "late": "next_round"}),
     ("fedbuff", "fedbuff", {"buffer_size": 5}),
