@@ -24,6 +24,10 @@ from ._tiles import offsets_key, tile_table
 # hardware prefetcher busy, small enough that a tile of a shared vector (the basis `b`) stays in
 # L2 while every row streams past it, and that D = 4M gives a few hundred tiles for 2 threads.
 TILE = 16384
+# A cross Gram X Y^T with at most this many entries (K x M) is summed by the tiled kernel
+# (memory-bound, thin); larger ones are GEMMs, where BLAS wins.
+CROSS_DOTS_MAX = 64 * 64
+CROSS_TILE = 2048
 
 # reassoc lets LLVM vectorise the reductions; no `nnan`/`ninf`, so NaN and Inf keep IEEE
 # semantics (a NaN update must stay visible to the validation that follows).
@@ -282,6 +286,107 @@ def _calibrate_fused(
 # --------------------------------------------------------------------------------------------
 
 
+@_pjit
+def _tile_cross_dots(A, B, ts, te, P, NA, NB):  # pragma: no cover - compiled
+    """P[k, j, t] = sum over tile t of A[k] * B[j], NA[k, t] and NB[j, t] the rows' squared
+    norms over the tile, all in float64.
+
+    Blocks of 4 rows of A by 4 rows of B: each loaded element feeds four products, so the
+    [K, M] dots of a thin cross Gram (FedHist: K = 10 local rows against h = 52 history rows)
+    come from one read of both row sets, about twice as fast as MKL's sgemm on such shapes
+    (bench/test_bench_seed_algorithms.py), with float64 sums.
+    """
+    K = A.shape[0]
+    M = B.shape[0]
+    for t in nb.prange(ts.shape[0]):
+        s, e = ts[t], te[t]
+        n = e - s
+        # The squared norms first: they bring the tile into cache for the products below.
+        for k in range(K):
+            a = A[k, s:e]
+            acc = 0.0
+            for i in range(n):
+                acc += np.float64(a[i]) * np.float64(a[i])
+            NA[k, t] = acc
+        for j in range(M):
+            b = B[j, s:e]
+            acc = 0.0
+            for i in range(n):
+                acc += np.float64(b[i]) * np.float64(b[i])
+            NB[j, t] = acc
+        for j in range(0, M, 4):
+            for k in range(0, K, 4):
+                if k + 4 <= K and j + 4 <= M:
+                    a0, a1, a2, a3 = A[k, s:e], A[k + 1, s:e], A[k + 2, s:e], A[k + 3, s:e]
+                    b0, b1, b2, b3 = B[j, s:e], B[j + 1, s:e], B[j + 2, s:e], B[j + 3, s:e]
+                    c00 = 0.0
+                    c01 = 0.0
+                    c02 = 0.0
+                    c03 = 0.0
+                    c10 = 0.0
+                    c11 = 0.0
+                    c12 = 0.0
+                    c13 = 0.0
+                    c20 = 0.0
+                    c21 = 0.0
+                    c22 = 0.0
+                    c23 = 0.0
+                    c30 = 0.0
+                    c31 = 0.0
+                    c32 = 0.0
+                    c33 = 0.0
+                    for i in range(n):
+                        x0 = np.float64(a0[i])
+                        x1 = np.float64(a1[i])
+                        x2 = np.float64(a2[i])
+                        x3 = np.float64(a3[i])
+                        y0 = np.float64(b0[i])
+                        y1 = np.float64(b1[i])
+                        y2 = np.float64(b2[i])
+                        y3 = np.float64(b3[i])
+                        c00 += x0 * y0
+                        c01 += x0 * y1
+                        c02 += x0 * y2
+                        c03 += x0 * y3
+                        c10 += x1 * y0
+                        c11 += x1 * y1
+                        c12 += x1 * y2
+                        c13 += x1 * y3
+                        c20 += x2 * y0
+                        c21 += x2 * y1
+                        c22 += x2 * y2
+                        c23 += x2 * y3
+                        c30 += x3 * y0
+                        c31 += x3 * y1
+                        c32 += x3 * y2
+                        c33 += x3 * y3
+                    P[k + 0, j + 0, t] = c00
+                    P[k + 0, j + 1, t] = c01
+                    P[k + 0, j + 2, t] = c02
+                    P[k + 0, j + 3, t] = c03
+                    P[k + 1, j + 0, t] = c10
+                    P[k + 1, j + 1, t] = c11
+                    P[k + 1, j + 2, t] = c12
+                    P[k + 1, j + 3, t] = c13
+                    P[k + 2, j + 0, t] = c20
+                    P[k + 2, j + 1, t] = c21
+                    P[k + 2, j + 2, t] = c22
+                    P[k + 2, j + 3, t] = c23
+                    P[k + 3, j + 0, t] = c30
+                    P[k + 3, j + 1, t] = c31
+                    P[k + 3, j + 2, t] = c32
+                    P[k + 3, j + 3, t] = c33
+                else:
+                    for kk in range(k, min(k + 4, K)):
+                        a = A[kk, s:e]
+                        for jj in range(j, min(j + 4, M)):
+                            b = B[jj, s:e]
+                            acc = 0.0
+                            for i in range(n):
+                                acc += np.float64(a[i]) * np.float64(b[i])
+                            P[kk, jj, t] = acc
+
+
 def _segment_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> np.ndarray:
     """[K, L] float64 per-segment dots of work-dtype rows."""
     ts, te, _, seg_tile_start = _tiles(offs)
@@ -373,6 +478,28 @@ def _gram_blocks(
     return grams
 
 
+def _cross_dots(
+    X: torch.Tensor, Y: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """([K, M] dots of the rows of X and Y, ([1, K], [1, M]) row norms), float64, from one
+    tiled pass (tile sums combined in order). Tiles of CROSS_TILE elements keep the tile of all
+    K + M rows in L2 between the norm and the product loops."""
+    D = X.shape[1]
+    ts = np.arange(0, D, CROSS_TILE, dtype=np.int64)
+    te = np.minimum(ts + CROSS_TILE, D)
+    T = max(ts.shape[0], 1)
+    P = np.zeros((X.shape[0], Y.shape[0], T), dtype=np.float64)
+    NA = np.zeros((X.shape[0], T), dtype=np.float64)
+    NB = np.zeros((Y.shape[0], T), dtype=np.float64)
+    if ts.shape[0]:
+        _tile_cross_dots(_np(X), _np(Y), ts, te, P, NA, NB)
+    norms = (
+        torch.from_numpy(np.sqrt(NA.sum(axis=1)))[None],
+        torch.from_numpy(np.sqrt(NB.sum(axis=1)))[None],
+    )
+    return torch.from_numpy(P.sum(axis=2)), norms
+
+
 def _cosines(grams: torch.Tensor, norms_other: torch.Tensor | None) -> torch.Tensor:
     """Cosines from Gram matrices [L, K, M] in float64; the self case is mirrored exactly."""
     G = grams.to(torch.float64)
@@ -402,6 +529,9 @@ def cosine_matrix(
 ) -> torch.Tensor:
     Xw = _as_work(X)
     Yw = None if other is None else _as_work(other)
+    if Yw is not None and not layerwise and X.shape[0] * Yw.shape[0] <= CROSS_DOTS_MAX:
+        dots, norms = _cross_dots(Xw, Yw)
+        return _cosines(dots.unsqueeze(0), norms)[0].to(_work_dtype(X))
     grams = _gram_blocks(Xw, Yw, offs, layerwise)
     if Yw is None:
         norms = None

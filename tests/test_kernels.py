@@ -1107,3 +1107,24 @@ def test_group_means_into_out(backend, rng):
         kernels.group_means(X, groups, G, out=X.new_empty(G, D + 1), backend=backend)
     with pytest.raises(ValueError, match="out"):
         kernels.group_means(X, groups, G, out=X.new_empty(D, G).T, backend=backend)
+
+
+def test_cross_cosines_of_thin_shapes_span_several_tiles() -> None:
+    """FedHist's shape (10 local rows against 53 history rows) over D spanning several of the
+    CPU backend's cross-dot tiles plus a ragged end, remainder blocks of 4 on both sides, and a
+    zero row: float64 oracle."""
+    from aggsrv.kernels import cpu
+
+    g = torch.Generator().manual_seed(11)
+    D = 3 * cpu.CROSS_TILE + 5
+    X = torch.randn(10, D, generator=g)
+    Y = torch.randn(53, D, generator=g)
+    X[9] = 0.0
+    Y[52] = X[0] * -3.0
+    C = kernels.cosine_matrix(X, other=Y, backend="cpu")
+    x, y = X.double(), Y.double()
+    den = x.norm(dim=1)[:, None] * y.norm(dim=1)[None]
+    ref = torch.where(den > 0, (x @ y.T) / torch.where(den > 0, den, 1.0), 0.0)
+    assert C.dtype == torch.float32 and C.shape == (10, 53)
+    assert float((C.double() - ref).abs().max()) < 1e-6
+    assert (C[9] == 0).all() and float(C[0, 52]) == pytest.approx(-1.0, abs=1e-6)
