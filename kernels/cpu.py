@@ -1,4 +1,5 @@
-"""CPU backend: fused numba passes for the bandwidth-bound kernels, BLAS for the Gram matrices.
+"""CPU backend: fused numba passes for the bandwidth-bound kernels (thin cross Gram matrices
+included), BLAS for the other Gram matrices.
 
 Arguments arrive validated and normalised (BACKENDS.md). Work is cut into tiles that never span
 two segments, so one parallel pass handles any number of segments; each tile's partial sums are
