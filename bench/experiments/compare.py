@@ -67,6 +67,7 @@ COMPARISONS["fedhist_k_of_n"] = [
     ("fedbuff", "fedbuff", {"buffer_size": 10}),
 ]
 COMPARISONS["fedhist_k_of_n_b1"] = list(COMPARISONS["fedhist_k_of_n"])
+COMPARISONS["fedhist_k_of_n_nk100"] = list(COMPARISONS["fedhist_k_of_n"])
 # The paper's ablations (spec 3.4) and a control for INA's larger step: FedBuff with a server
 # learning rate of 3 (INA scales the aggregate up to the mean input norm).
 COMPARISONS["fedhist_k_of_n"] += [
