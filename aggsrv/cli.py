@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         "model_init": args.model_init,
         "max_clients": args.max_clients,
         "max_concurrent_uploads": args.max_concurrent_uploads,
+        "events_file": args.events_file,
     }
     try:
         config = ServerConfig.load(args.config, overrides)
@@ -218,13 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument(
         "--strategy",
-        help="fedavg, fedasync, fedbuff, fedprox, fedogd, orthofl, feden, mifa, ca2fl "
-        "(or package.module:Class)",
+        help="fedavg, fedasync, fedbuff, fedprox, fedogd, orthofl, feden, fedhist, feddgic, "
+        "mifa, ca2fl, twafl, fedfg (or package.module:Class)",
     )
     serve.add_argument("--device", help="auto, cpu or cuda[:N]")
     serve.add_argument("--model-init", help="a torch.save'd state dict to start from")
     serve.add_argument("--max-clients", type=int)
     serve.add_argument("--max-concurrent-uploads", type=int)
+    serve.add_argument(
+        "--events-file", help="append the strategy's events (FedDGIC's groupings) here, JSON lines"
+    )
     serve.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"
     )
