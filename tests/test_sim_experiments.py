@@ -21,7 +21,7 @@ def test_there_is_one_config_per_paper() -> None:
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
 def test_experiment_config_runs(path: Path, tmp_path: Path) -> None:
     cfg = SimConfig.load(path, {"out": str(tmp_path / "run"), "budget": "2v", "eval_every": "1v"})
-    # The header comment says how to run it and what stands in for the paper's algorithm.
+    # The header comment says how to run it and which issue brought the strategy it runs.
     header = path.read_text().split("\n\n")[0]
     assert "aggsrv simulate --config bench/experiments/" in header and "issue" in header
     setup = prepare(cfg)
