@@ -76,6 +76,11 @@ COMPARISONS["fedhist_k_of_n"] += [
     ("fedhist no INA", "fedhist", {"rescale": False}),
     ("fedbuff lr=3", "fedbuff", {"buffer_size": 10, "server_lr": 3.0}),
 ]
+# At N/K = 100 the utility term is what the paper says matters: HAA's ablation and the control.
+COMPARISONS["fedhist_k_of_n_nk100"] += [
+    COMPARISONS["fedhist_k_of_n"][-3],
+    COMPARISONS["fedhist_k_of_n"][-1],
+]
 # FedDGIC's paper compares with FedAsync (alpha 0.5, constant) and FedFG among what we implement.
 COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
