@@ -287,6 +287,17 @@ def _calibrate_fused(
 # --------------------------------------------------------------------------------------------
 
 
+@_jit
+def _tile_sq_norms(X, s, e, out):  # pragma: no cover - compiled
+    """out[k] = float64 sum of X[k, s:e] squared."""
+    for k in range(X.shape[0]):
+        x = X[k, s:e]
+        acc = 0.0
+        for i in range(e - s):
+            acc += np.float64(x[i]) * np.float64(x[i])
+        out[k] = acc
+
+
 @_pjit
 def _tile_cross_dots(A, B, ts, te, P, NA, NB):  # pragma: no cover - compiled
     """P[k, j, t] = sum over tile t of A[k] * B[j], NA[k, t] and NB[j, t] the rows' squared
@@ -303,18 +314,8 @@ def _tile_cross_dots(A, B, ts, te, P, NA, NB):  # pragma: no cover - compiled
         s, e = ts[t], te[t]
         n = e - s
         # The squared norms first: they bring the tile into cache for the products below.
-        for k in range(K):
-            a = A[k, s:e]
-            acc = 0.0
-            for i in range(n):
-                acc += np.float64(a[i]) * np.float64(a[i])
-            NA[k, t] = acc
-        for j in range(M):
-            b = B[j, s:e]
-            acc = 0.0
-            for i in range(n):
-                acc += np.float64(b[i]) * np.float64(b[i])
-            NB[j, t] = acc
+        _tile_sq_norms(A, s, e, NA[:, t])
+        _tile_sq_norms(B, s, e, NB[:, t])
         for j in range(0, M, 4):
             for k in range(0, K, 4):
                 if k + 4 <= K and j + 4 <= M:
