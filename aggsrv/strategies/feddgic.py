@@ -59,7 +59,15 @@ import numpy as np
 import torch
 
 from aggsrv import kernels
-from aggsrv.strategies.base import Job, Outcome, Status, Strategy, StrategyConfig, Update
+from aggsrv.strategies.base import (
+    Job,
+    Outcome,
+    Status,
+    Strategy,
+    StrategyConfig,
+    Update,
+    UpdateKind,
+)
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
 
@@ -254,8 +262,10 @@ class FedDGIC(Strategy):
         i = self._row_of(cid)
         self._store_row(i, update, job)
         n = float(update.num_samples) or 1.0  # a client without samples counts once
-        weights = self.client_weights(update, job)
-        self._acc.add_(weights.to(torch.float64), alpha=n)
+        # n * (client weights) into the float64 sum, without a [D] temporary.
+        self._acc.add_(update.tensor, alpha=n)
+        if update.kind is UpdateKind.DELTA:
+            self._acc.add_(job.weights, alpha=n)
         self._acc_weight += n
         if update.buffers is not None:
             b = update.buffers.to(torch.float64) * n

@@ -89,6 +89,13 @@ def haa_weights(
     taus: list[int] | torch.Tensor, utilities: list[float] | torch.Tensor, lam: float
 ) -> torch.Tensor:
     """Normalised float64 aggregation weights of Eq. 8 (clamped, with the spec's fallback)."""
+    return _haa(taus, utilities, lam)[0]
+
+
+def _haa(
+    taus: list[int] | torch.Tensor, utilities: list[float] | torch.Tensor, lam: float
+) -> tuple[torch.Tensor, int, bool]:
+    """(weights, how many raw weights were clamped, whether the fallback was used)."""
     tau = torch.as_tensor(taus, dtype=torch.float64)
     util = torch.as_tensor(utilities, dtype=torch.float64)
     if tau.dim() != 1 or tau.shape != util.shape or tau.numel() == 0:
@@ -96,10 +103,12 @@ def haa_weights(
     if bool((tau < 1).any()):
         raise ValueError("staleness tau must be >= 1 (tau = r - v)")
     raw = torch.exp(-tau * _LOG_E_OVER_2) + lam * util
+    clamped = int((raw < 0).sum())
     raw = raw.clamp(min=0.0)
-    if float(raw.sum()) <= 0.0:
+    fallback = float(raw.sum()) <= 0.0
+    if fallback:
         raw = torch.exp(-(tau - tau.min()) * _LOG_E_OVER_2)
-    return raw / raw.sum()
+    return raw / raw.sum(), clamped, fallback
 
 
 def ina_combine(
@@ -177,12 +186,7 @@ def aggregate_round(
     k = local.shape[0]
     if local.dim() != 2 or k == 0 or len(taus) != k or len(utilities) != k:
         raise ValueError("need K >= 1 local rows with one tau and one utility each")
-    weights = haa_weights(list(taus), list(utilities), lam)
-    raw = torch.exp(-torch.as_tensor(taus, dtype=torch.float64) * _LOG_E_OVER_2) + lam * (
-        torch.as_tensor(utilities, dtype=torch.float64)
-    )
-    clamped = int((raw < 0).sum())
-    fallback = bool(raw.clamp(min=0.0).sum() <= 0.0)
+    weights, clamped, fallback = _haa(list(taus), list(utilities), lam)
     norms = local_norms.to(torch.float64)
     fused_norms = norms
     chosen = None
