@@ -113,6 +113,8 @@ def test_service_methods_and_streaming_kinds() -> None:
         "GetModel": (False, True),
         "Heartbeat": (False, False),
         "GetStatus": (False, False),
+        "Checkpoint": (False, False),
+        "Shutdown": (False, False),
     }
     io = {m.name: (m.input_type.full_name, m.output_type.full_name) for m in service.methods}
     assert io["PushUpdate"] == ("aggsrv.v1.UpdateMessage", "aggsrv.v1.PushUpdateResponse")

@@ -446,7 +446,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime")
+    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes")
     class RejectedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +454,13 @@ class StatusResponse(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EvalMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     HAS_MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OLDEST_RETAINED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +481,14 @@ class StatusResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
     UPTIME_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_TIME_FIELD_NUMBER: _ClassVar[int]
+    WAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVAL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     has_model: bool
     version: int
     oldest_retained_version: int
@@ -494,4 +509,40 @@ class StatusResponse(_message.Message):
     limits: ServerLimits
     server_time: _timestamp_pb2.Timestamp
     uptime: _duration_pb2.Duration
-    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    durability: str
+    auth: str
+    last_checkpoint_version: int
+    last_checkpoint_time: _timestamp_pb2.Timestamp
+    wal_bytes: int
+    eval_version: int
+    eval_metrics: _containers.ScalarMap[str, float]
+    cache_bytes: int
+    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("version", "path", "bytes", "took")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOOK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    path: str
+    bytes: int
+    took: _duration_pb2.Duration
+    def __init__(self, version: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., took: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

@@ -37,7 +37,10 @@ class AggregationStub:
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
     | Unknown client id                                                | NOT_FOUND            |
-    |   (once authentication is on: missing or invalid credentials)    | UNAUTHENTICATED      |
+    | Missing, malformed, unknown or expired credentials (when         |                      |
+    |   authentication is on)                                          | UNAUTHENTICATED      |
+    | Valid credentials for another client id than the request names, |                      |
+    |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
     | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
@@ -50,7 +53,11 @@ class AggregationStub:
     |   newer job for the same client, or the same update id already   |                      |
     |   being uploaded on another stream                               | ABORTED              |
     | Chunk over the negotiated chunk size or message over the receive |                      |
-    |   limit, too many clients, or another limit exceeded             | RESOURCE_EXHAUSTED   |
+    |   limit, too many clients, over the per-client rate, too many     |                      |
+    |   concurrent calls, a model over max_model_bytes, or another      |                      |
+    |   limit exceeded                                                 | RESOURCE_EXHAUSTED   |
+    | An upload that sent nothing for upload_idle_timeout (its staging |                      |
+    |   slot is freed)                                                 | DEADLINE_EXCEEDED    |
     | Server shutting down (retry against the restarted server)        | UNAVAILABLE          |
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
@@ -98,6 +105,16 @@ class AggregationStub:
                 request_serializer=aggsrv_dot_v1_dot_aggregation__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/aggsrv.v1.Aggregation/Checkpoint',
+                request_serializer=aggsrv_dot_v1_dot_aggregation__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/aggsrv.v1.Aggregation/Shutdown',
+                request_serializer=aggsrv_dot_v1_dot_aggregation__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class AggregationServicer:
@@ -112,7 +129,10 @@ class AggregationServicer:
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
     | Unknown client id                                                | NOT_FOUND            |
-    |   (once authentication is on: missing or invalid credentials)    | UNAUTHENTICATED      |
+    | Missing, malformed, unknown or expired credentials (when         |                      |
+    |   authentication is on)                                          | UNAUTHENTICATED      |
+    | Valid credentials for another client id than the request names, |                      |
+    |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
     | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
@@ -125,7 +145,11 @@ class AggregationServicer:
     |   newer job for the same client, or the same update id already   |                      |
     |   being uploaded on another stream                               | ABORTED              |
     | Chunk over the negotiated chunk size or message over the receive |                      |
-    |   limit, too many clients, or another limit exceeded             | RESOURCE_EXHAUSTED   |
+    |   limit, too many clients, over the per-client rate, too many     |                      |
+    |   concurrent calls, a model over max_model_bytes, or another      |                      |
+    |   limit exceeded                                                 | RESOURCE_EXHAUSTED   |
+    | An upload that sent nothing for upload_idle_timeout (its staging |                      |
+    |   slot is freed)                                                 | DEADLINE_EXCEEDED    |
     | Server shutting down (retry against the restarted server)        | UNAVAILABLE          |
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
@@ -194,7 +218,25 @@ class AggregationServicer:
 
     def GetStatus(self, request, context):
         """The server's state for operators, dashboards and cautious clients (e.g. to learn whether the
-        server has a model before deciding to upload initial weights). Never changes state.
+        server has a model before deciding to upload initial weights). Never changes state. With
+        authentication on, any valid token (client or admin) may ask.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Operators only (an admin token when authentication is on): write a checkpoint now and answer
+        once it is durable on disk. FAILED_PRECONDITION when the server has no model or no state
+        directory (durability off and no checkpoint_dir).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Shutdown(self, request, context):
+        """Operators only: stop accepting calls, let in-flight calls finish, write a final checkpoint and
+        exit. Answers before the server stops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -233,6 +275,16 @@ def add_AggregationServicer_to_server(servicer, server):
                     request_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.GetStatusRequest.FromString,
                     response_serializer=aggsrv_dot_v1_dot_aggregation__pb2.StatusResponse.SerializeToString,
             ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.CheckpointRequest.FromString,
+                    response_serializer=aggsrv_dot_v1_dot_aggregation__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=aggsrv_dot_v1_dot_aggregation__pb2.ShutdownRequest.FromString,
+                    response_serializer=aggsrv_dot_v1_dot_aggregation__pb2.ShutdownResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'aggsrv.v1.Aggregation', rpc_method_handlers)
@@ -253,7 +305,10 @@ class Aggregation:
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
     | Unknown client id                                                | NOT_FOUND            |
-    |   (once authentication is on: missing or invalid credentials)    | UNAUTHENTICATED      |
+    | Missing, malformed, unknown or expired credentials (when         |                      |
+    |   authentication is on)                                          | UNAUTHENTICATED      |
+    | Valid credentials for another client id than the request names, |                      |
+    |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
     | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
@@ -266,7 +321,11 @@ class Aggregation:
     |   newer job for the same client, or the same update id already   |                      |
     |   being uploaded on another stream                               | ABORTED              |
     | Chunk over the negotiated chunk size or message over the receive |                      |
-    |   limit, too many clients, or another limit exceeded             | RESOURCE_EXHAUSTED   |
+    |   limit, too many clients, over the per-client rate, too many     |                      |
+    |   concurrent calls, a model over max_model_bytes, or another      |                      |
+    |   limit exceeded                                                 | RESOURCE_EXHAUSTED   |
+    | An upload that sent nothing for upload_idle_timeout (its staging |                      |
+    |   slot is freed)                                                 | DEADLINE_EXCEEDED    |
     | Server shutting down (retry against the restarted server)        | UNAVAILABLE          |
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
@@ -430,6 +489,60 @@ class Aggregation:
             '/aggsrv.v1.Aggregation/GetStatus',
             aggsrv_dot_v1_dot_aggregation__pb2.GetStatusRequest.SerializeToString,
             aggsrv_dot_v1_dot_aggregation__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aggsrv.v1.Aggregation/Checkpoint',
+            aggsrv_dot_v1_dot_aggregation__pb2.CheckpointRequest.SerializeToString,
+            aggsrv_dot_v1_dot_aggregation__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aggsrv.v1.Aggregation/Shutdown',
+            aggsrv_dot_v1_dot_aggregation__pb2.ShutdownRequest.SerializeToString,
+            aggsrv_dot_v1_dot_aggregation__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,
