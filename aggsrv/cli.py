@@ -1,5 +1,6 @@
 """The `aggsrv` command line: `simulate` runs an experiment, `report` compares runs, `serve` runs
-the aggregation server, `pull` downloads the global model, `info` describes this installation."""
+the aggregation server, `status` / `checkpoint` / `shutdown` operate a running one, `token` issues
+bearer tokens, `pull` downloads the global model, `info` describes this installation."""
 
 from __future__ import annotations
 
@@ -32,16 +33,10 @@ def _serve(args: argparse.Namespace) -> int:
     from aggsrv.server.app import serve
     from aggsrv.server.config import ServerConfig
 
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "strategy": args.strategy,
-        "device": args.device,
-        "model_init": args.model_init,
-        "max_clients": args.max_clients,
-        "max_concurrent_uploads": args.max_concurrent_uploads,
-        "events_file": args.events_file,
-    }
+    overrides = {key: getattr(args, key) for key in _SERVE_OPTIONS}
+    if args.resume is not None:
+        overrides["state_dir"] = args.resume
+        overrides["resume"] = True
     try:
         config = ServerConfig.load(args.config, overrides)
     except (OSError, ValueError, TypeError) as exc:
@@ -50,7 +45,170 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(config.to_toml())
         return 0
-    asyncio.run(serve(config))
+    from aggsrv.logs import configure
+
+    configure("debug" if args.verbose else config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as exc:  # e.g. an occupied state_dir, an unreadable TLS key
+        logging.getLogger("aggsrv").error("%s", exc)
+        sys.stderr.write(f"aggsrv serve: {exc}\n")
+        return 2
+    return 0
+
+
+# Server keys with their own `serve` option (every key can also be set in --config).
+_SERVE_OPTIONS = {
+    "host": (str, None),
+    "port": (int, None),
+    "strategy": (
+        str,
+        "fedavg, fedasync, fedbuff, fedprox, fedogd, orthofl, feden, fedhist, "
+        "feddgic, mifa, ca2fl, twafl, fedfg (or package.module:Class)",
+    ),
+    "device": (str, "auto, cpu or cuda[:N]"),
+    "model_init": (str, "a torch.save'd state dict to start from"),
+    "max_clients": (int, None),
+    "max_concurrent_uploads": (int, None),
+    "events_file": (str, "append the strategy's events (FedDGIC's groupings) here, JSON lines"),
+    "auth": (
+        str,
+        "hmac (default: tokens signed with the server secret), tokens (a tokens file) or none",
+    ),
+    "auth_secret_file": (str, "the HMAC secret (default: STATE_DIR/auth/secret, generated)"),
+    "tokens_file": (str, "TOML tokens file for --auth tokens"),
+    "tls_cert": (str, "server certificate chain (PEM); TLS on"),
+    "tls_key": (str, "server private key (PEM)"),
+    "tls_client_ca": (str, "CA for client certificates: mutual TLS"),
+    "state_dir": (str, "checkpoints and the write-ahead log (default aggsrv-state; '' for none)"),
+    "durability": (str, "on (default): every update fsynced to the log before its ack; off"),
+    "checkpoint_every_updates": (int, None),
+    "checkpoint_every_seconds": (float, None),
+    "checkpoint_keep": (int, None),
+    "metrics_port": (int, "serve Prometheus metrics on this port"),
+    "metrics_host": (str, None),
+    "eval": (str, "module:function evaluating the global model every --eval-every versions"),
+    "eval_every_versions": (int, None),
+    "rate_limit_per_second": (float, "updates and registrations per client per second (0: off)"),
+    "max_concurrent_rpcs": (int, None),
+    "upload_idle_timeout_seconds": (float, None),
+    "log_format": (str, "text or json (one object per line)"),
+    "log_level": (str, "debug, info, warning or error"),
+}
+
+
+def _connect(args: argparse.Namespace, client_id: str = "aggsrv-cli"):
+    from aggsrv.client.client import Client
+
+    return Client(
+        args.address, client_id=client_id, token=args.token, token_file=args.token_file,
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        timeout=args.timeout, retries=0,
+    )  # fmt: skip
+
+
+def _rpc_error(command: str, exc) -> int:
+    sys.stderr.write(f"aggsrv {command}: {exc.code().name}: {exc.details()}\n")
+    return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    try:
+        with _connect(args) as client:
+            status = client.status()
+    except grpc.RpcError as exc:
+        return _rpc_error("status", exc)
+    if args.json:
+        import json
+
+        sys.stdout.write(json.dumps(MessageToDict(status), indent=2, sort_keys=True) + "\n")
+        return 0
+    sys.stdout.write(format_status(status) + "\n")
+    return 0
+
+
+def format_status(s) -> str:
+    """A status response as aligned lines for a person."""
+    rows = [
+        ("model", f"version {s.version} (oldest retained {s.oldest_retained_version}), "
+                  f"{s.numel} parameters + {s.buffer_numel} buffer elements"
+         if s.has_model else "none yet (waiting for the first client's model)"),
+        ("strategy", s.strategy),
+        ("clients", f"{s.clients_known} known, {s.clients_active} active"),
+        ("updates", f"{s.updates_accepted} accepted ({s.updates_applied} applied), "
+                    f"{s.updates_duplicate} duplicate, {s.updates_rejected} rejected"
+                    + (f" {dict(s.rejected_by_code)}" if s.rejected_by_code else "")),
+        ("queue", f"{s.queue_depth} waiting, {s.uploads_in_progress} uploading"),
+        ("durability", s.durability + (f", {s.wal_bytes / 1e6:.1f} MB logged since the last "
+                                       "checkpoint" if s.durability == "on" else "")),
+        ("checkpoint", f"version {s.last_checkpoint_version} at "
+                       f"{s.last_checkpoint_time.ToDatetime():%Y-%m-%d %H:%M:%S} UTC"
+         if s.HasField("last_checkpoint_version") else "none"),
+        ("auth", s.auth),
+        ("memory", f"{s.cache_bytes / 1e6:.1f} MB in the strategy's tensors"),
+        ("evaluation", f"version {s.eval_version}: " + ", ".join(
+            f"{k} {v:.4g}" for k, v in sorted(s.eval_metrics.items()))
+         if s.HasField("eval_version") else "none"),
+        ("uptime", f"{s.uptime.ToTimedelta()}"),
+    ]  # fmt: skip
+    return "\n".join(f"{k:<11} {v}" for k, v in rows)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    import grpc
+
+    from aggsrv.v1 import aggregation_pb2 as pb
+
+    try:
+        with _connect(args) as client:
+            resp = client.admin_call("Checkpoint", pb.CheckpointRequest())
+    except grpc.RpcError as exc:
+        return _rpc_error("checkpoint", exc)
+    sys.stdout.write(
+        f"checkpoint of version {resp.version}: {resp.bytes / 1e6:.1f} MB in "
+        f"{resp.took.ToTimedelta().total_seconds():.2f} s -> {resp.path}\n"
+    )
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    import grpc
+
+    from aggsrv.v1 import aggregation_pb2 as pb
+
+    try:
+        with _connect(args) as client:
+            resp = client.admin_call("Shutdown", pb.ShutdownRequest(grace_seconds=args.grace))
+    except grpc.RpcError as exc:
+        return _rpc_error("shutdown", exc)
+    sys.stdout.write(f"server stopping at version {resp.version}\n")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from aggsrv.server import auth
+
+    try:
+        if args.new_secret:
+            auth.save_secret(args.secret_file, auth.new_secret())
+            sys.stderr.write(f"new secret in {args.secret_file}\n")
+            if not args.subjects:
+                return 0
+        secret = auth.load_secret(args.secret_file)
+        role = auth.ROLE_ADMIN if args.admin else auth.ROLE_CLIENT
+        subjects = args.subjects or ([auth.ADMIN_SUBJECT] if args.admin else [])
+        if not subjects:
+            raise ValueError("name at least one CLIENT_ID (or --admin)")
+        ttl = args.ttl_hours * 3600 if args.ttl_hours else None
+        for subject in subjects:
+            token = auth.issue_token(secret, subject, role=role, ttl_seconds=ttl)
+            sys.stdout.write(f"{token}\n" if len(subjects) == 1 else f"{subject} {token}\n")
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"aggsrv token: {exc}\n")
+        return 2
     return 0
 
 
@@ -159,9 +317,7 @@ def _report(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     import torch
 
-    from aggsrv.client.client import Client
-
-    with Client(args.address, client_id="aggsrv-pull") as client:
+    with _connect(args, client_id="aggsrv-pull") as client:
         status = client.status()
         if not status.has_model:
             sys.stderr.write("aggsrv pull: the server has no model yet\n")
@@ -213,33 +369,65 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     rep.set_defaults(func=_report)
 
-    serve = sub.add_parser("serve", help="run the aggregation server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the aggregation server",
+        description="Every key can be set in --config FILE.toml; docs/operations.md explains "
+        "authentication, TLS, durability, metrics and limits.",
+    )
     serve.add_argument("--config", help="TOML file with server keys (see --print-config)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    for key, (kind, text) in _SERVE_OPTIONS.items():
+        flag = "--" + key.replace("_", "-").replace("-versions", "").replace("-per-second", "")
+        serve.add_argument(flag, dest=key, type=kind, help=text)
     serve.add_argument(
-        "--strategy",
-        help="fedavg, fedasync, fedbuff, fedprox, fedogd, orthofl, feden, fedhist, feddgic, "
-        "mifa, ca2fl, twafl, fedfg (or package.module:Class)",
-    )
-    serve.add_argument("--device", help="auto, cpu or cuda[:N]")
-    serve.add_argument("--model-init", help="a torch.save'd state dict to start from")
-    serve.add_argument("--max-clients", type=int)
-    serve.add_argument("--max-concurrent-uploads", type=int)
-    serve.add_argument(
-        "--events-file", help="append the strategy's events (FedDGIC's groupings) here, JSON lines"
-    )
+        "--resume", metavar="DIR",
+        help="continue the run whose checkpoints and log are in DIR (sets --state-dir DIR)",
+    )  # fmt: skip
     serve.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"
     )
     serve.set_defaults(func=_serve)
 
     pull = sub.add_parser("pull", help="download the global model as a state dict")
-    pull.add_argument("address", help="host:port of the server")
+    _connection_options(pull)
     pull.add_argument("--version", type=int, help="a retained version (default: the latest)")
     pull.add_argument("-o", "--output", required=True, help="where to torch.save the state dict")
     pull.set_defaults(func=_pull)
+
+    status = sub.add_parser("status", help="print a running server's status")
+    _connection_options(status)
+    status.add_argument("--json", action="store_true", help="the raw status as JSON")
+    status.set_defaults(func=_status)
+    ckpt = sub.add_parser("checkpoint", help="make a running server checkpoint now (admin)")
+    _connection_options(ckpt)
+    ckpt.set_defaults(func=_checkpoint)
+    stop = sub.add_parser("shutdown", help="stop a running server cleanly (admin)")
+    _connection_options(stop)
+    stop.add_argument("--grace", type=float, default=5.0, help="seconds for in-flight calls")
+    stop.set_defaults(func=_shutdown)
+
+    token = sub.add_parser(
+        "token", help="issue bearer tokens from a server secret (hmac authentication)"
+    )
+    token.add_argument("subjects", nargs="*", metavar="CLIENT_ID", help="client ids to issue for")
+    token.add_argument("--secret-file", required=True, help="the server's secret (hex)")
+    token.add_argument("--admin", action="store_true", help="an admin token (status, checkpoint)")
+    token.add_argument("--ttl-hours", type=float, help="expire after this many hours")
+    token.add_argument(
+        "--new-secret", action="store_true", help="first write a new random secret to the file"
+    )
+    token.set_defaults(func=_token)
     return parser
+
+
+def _connection_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("address", help="host:port of the server")
+    p.add_argument("--token", help="bearer token (admin for checkpoint and shutdown)")
+    p.add_argument("--token-file", help="file whose first line is the token")
+    p.add_argument("--tls-ca", help="CA certificate that signed the server's (TLS on)")
+    p.add_argument("--tls-cert", help="client certificate for mutual TLS")
+    p.add_argument("--tls-key", help="client key for mutual TLS")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds")
 
 
 def main(argv: list[str] | None = None) -> int:

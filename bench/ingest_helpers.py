@@ -69,7 +69,8 @@ class AggsrvServer(LoopThread):
 
     def __init__(self, **config: Any) -> None:
         super().__init__("aggsrv-server")
-        self.config = ServerConfig(host="127.0.0.1", port=0, **config)
+        defaults = {"auth": "none", "durability": "off", "state_dir": ""}
+        self.config = ServerConfig(host="127.0.0.1", port=0, **{**defaults, **config})
         self.server = Server(self.config)
         self.port = self.run(self.server.start())
         self.address = f"127.0.0.1:{self.port}"
@@ -311,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "port": 0,
         "strategy": args.strategy,
         "strategy_config": json.loads(args.strategy_config),
+        "auth": "none",
+        "durability": "off",
+        "state_dir": "",
     }
     if args.max_concurrent_uploads is not None:
         cfg["max_concurrent_uploads"] = args.max_concurrent_uploads

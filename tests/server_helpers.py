@@ -24,7 +24,9 @@ class RunningServer:
     """A server on an ephemeral port, run by its own event loop in a background thread."""
 
     def __init__(self, **config) -> None:
-        self.config = ServerConfig(host="127.0.0.1", port=0, **config)
+        # In-process test servers: no auth and no state directory unless a test asks.
+        defaults = {"auth": "none", "durability": "off", "state_dir": ""}
+        self.config = ServerConfig(host="127.0.0.1", port=0, **{**defaults, **config})
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -91,7 +91,9 @@ def test_readme_client_example_against_a_real_server() -> None:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    server = Server(ServerConfig(port=0, strategy="fedasync"))
+    server = Server(
+        ServerConfig(port=0, strategy="fedasync", auth="none", durability="off", state_dir="")
+    )
     port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
     try:
         namespace: dict = {}

@@ -57,7 +57,13 @@ class ServeProcess:
         self.log_path = tmp_path / f"serve-{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         cmd = [sys.executable, "-m", "aggsrv.cli", *(["-v"] if verbose else []), "serve"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        # Tests speak without tokens and keep their state in tmp_path unless they say otherwise.
+        if "--auth" not in args:
+            cmd += ["--auth", "none"]
+        if "--state-dir" not in args and "--resume" not in args:
+            cmd += ["--state-dir", str(tmp_path / f"state-{self.port}")]
+        cmd += list(args)
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=REPO, env=dict(os.environ)

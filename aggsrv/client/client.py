@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from aggsrv import protocol as P
+from aggsrv.client.channel import open_channel, read_token
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.base import Recipe, Status, UpdateKind
 from aggsrv.transport import (
@@ -83,7 +84,16 @@ class Client:
         upload_dtype: WireDtype | str = WireDtype.FLOAT32,
         download_dtype: WireDtype | str = WireDtype.FLOAT32,
         max_message_bytes: int = 4 * MIB,
+        token: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls: bool | None = None,
     ) -> None:
+        """``token``/``token_file``: the bearer token the server issued for this client id.
+        ``tls_ca``: the CA that signed the server's certificate (TLS on; ``tls=True`` uses the
+        system roots); ``tls_cert``/``tls_key``: this client's certificate for mutual TLS."""
         self.address = address
         self.client_id = client_id
         self.timeout = timeout
@@ -91,20 +101,29 @@ class Client:
         self.backoff = backoff
         self.upload_dtype = WireDtype.parse(upload_dtype)
         self.download_dtype = WireDtype.parse(download_dtype)
-        self._channel = grpc.insecure_channel(
+        self._channel, stubs_on = open_channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
             ],
+            token=read_token(token, token_file),
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls=tls,
         )
-        self._stub = pb_grpc.AggregationStub(self._channel)
+        self._stub = pb_grpc.AggregationStub(stubs_on)
         self.layout: ModelLayout | None = None
         self.chunk_bytes = MIB
         self.strategy: str | None = None
         self.last_model_layout: ModelLayout | None = None  # from the latest get_model header
 
     # ------------------------------------------------------------------ plumbing
+
+    def admin_call(self, method: str, request: Any) -> Any:
+        """An operator call (Checkpoint, Shutdown): needs an admin token when auth is on."""
+        return getattr(self._stub, method)(request, timeout=self.timeout)
 
     def close(self) -> None:
         self._channel.close()

@@ -1,10 +1,13 @@
-"""Build and run the gRPC server: the Aggregation service, health checking and reflection."""
+"""Build and run the gRPC server: the Aggregation service, health checking and reflection, with
+authentication, TLS, limits, checkpoints and the write-ahead log, metrics and evaluation."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 import torch
@@ -12,8 +15,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aggsrv.layout import ModelLayout
+from aggsrv.server import auth as A
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.evaluation import Evaluator, load_hook
 from aggsrv.server.federation import Federation
+from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.persistence import StateStore
 from aggsrv.server.service import AggregationService
 from aggsrv.v1 import aggregation_pb2, aggregation_pb2_grpc
 
@@ -26,18 +33,35 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.federation = Federation(config)
+        self.metrics = ServerMetrics()
+        self.federation = Federation(config, metrics=self.metrics)
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.authenticator: A.Authenticator = A.NoAuth()
+        self.admin_token: str | None = None  # hmac mode: the token printed at start
+        self.secret_path: Path | None = None
+        self.stop_requested = asyncio.Event()
+        self.stop_grace = 5.0
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._evaluator: Evaluator | None = None
+        self._ticker: asyncio.Task | None = None
 
     async def start(self) -> int:
         """Bind, start serving and return the port (the chosen one when the config says 0)."""
         cfg = self.config
-        if cfg.model_init:
+        self.authenticator = self._make_authenticator()
+        self._open_state()
+        if cfg.model_init and self.federation.strategy is None:
             self._load_initial_model(cfg.model_init)
+        if cfg.eval:
+            self._evaluator = Evaluator(
+                self.federation, load_hook(cfg.eval), cfg.eval_every_versions
+            )
         limit = cfg.max_receive_message_bytes
         self._grpc = grpc.aio.server(
+            # Beyond this many calls at once gRPC answers RESOURCE_EXHAUSTED itself.
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -48,30 +72,139 @@ class Server:
                 # loopback (bench/README.md "Ingest").
                 ("grpc.http2.bdp_probe", 0),
                 ("grpc.http2.lookahead_bytes", cfg.stream_window_bytes),
-            ]
+                ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+            ],
         )
-        aggregation_pb2_grpc.add_AggregationServicer_to_server(
-            AggregationService(self.federation), self._grpc
+        service = AggregationService(
+            self.federation, self.authenticator, on_shutdown=self.request_stop
         )
+        aggregation_pb2_grpc.add_AggregationServicer_to_server(service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME),
             self._grpc,
         )  # fmt: skip
-        self.port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        credentials = tls_credentials(cfg)
+        if credentials is None:
+            self.port = self._grpc.add_insecure_port(address)
+        else:
+            self.port = self._grpc.add_secure_port(address, credentials)
         if self.port == 0:
             raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
+        self._watch_metrics()
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        self.federation.on_failure = lambda reason: self.request_stop(1.0)
         await self._grpc.start()
         serving = health_pb2.HealthCheckResponse.SERVING
         await self._health.set("", serving)
         await self._health.set(SERVICE_NAME, serving)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        fed = self.federation
         log.info(
-            "aggsrv listening on %s:%d (strategy %s, device %s, %s)",
-            cfg.host, self.port, cfg.strategy, self.federation.device,
-            "model loaded" if self.federation.strategy else "waiting for the first client's model",
+            "aggsrv listening on %s:%d (%s, auth %s, durability %s, strategy %s, device %s, %s)",
+            cfg.host, self.port, "TLS" if credentials else "plaintext", self.authenticator.mode,
+            "on" if fed.store is not None and fed.store.durable else "off", cfg.strategy,
+            fed.device,
+            f"version {fed.version}" if fed.strategy else "waiting for the first client's model",
         )  # fmt: skip
+        if credentials is None and self.authenticator.mode != "none":
+            log.warning(
+                "tokens travel in plaintext: use --tls-cert and --tls-key outside a trusted network"
+            )
         return self.port
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_authenticator(self) -> A.Authenticator:
+        cfg = self.config
+        if cfg.auth == "none":
+            log.warning("authentication is off (--auth none): anyone who reaches the port can act")
+            return A.NoAuth()
+        if cfg.auth == "tokens":
+            return A.TokensFileAuthenticator(cfg.tokens_file)
+        path = Path(cfg.auth_secret_file or Path(cfg.state_dir) / "auth" / "secret")
+        self.secret_path = path
+        if path.exists():
+            secret = A.load_secret(path)
+        elif cfg.auth_secret_file:
+            raise ValueError(f"auth_secret_file {path} does not exist (aggsrv token --new-secret)")
+        else:
+            secret = A.new_secret()
+            A.save_secret(path, secret)
+            log.warning(
+                "no auth secret configured: generated one in %s (keep it private; "
+                "issue client tokens with: aggsrv token --secret-file %s CLIENT_ID)",
+                path, path,
+            )  # fmt: skip
+        authenticator = A.HmacAuthenticator(secret)
+        self.admin_token = authenticator.issue(A.ADMIN_SUBJECT, A.ROLE_ADMIN)
+        admin_file = path.parent / "admin.token"
+        A.write_private_file(admin_file, self.admin_token + "\n")
+        log.warning(
+            "admin token (also in %s, for aggsrv status / checkpoint --token-file): %s",
+            admin_file, self.admin_token,
+        )  # fmt: skip
+        return authenticator
+
+    def _open_state(self) -> None:
+        """Attach the state directory: resume from it, or refuse one an earlier run left."""
+        cfg = self.config
+        if not cfg.state_dir:
+            return
+        store = StateStore(cfg.state_dir, durable=cfg.durability == "on", keep=cfg.checkpoint_keep)
+        fed = self.federation
+        if store.has_state():
+            if not cfg.resume:
+                raise ValueError(
+                    f"state_dir {cfg.state_dir} holds the checkpoints of an earlier run: pass "
+                    "--resume to continue it, or choose an empty state_dir"
+                )
+            store.resume(fed)
+            if fed.store is None:
+                fed.last_checkpoint = (fed.version, fed.clock())
+        elif cfg.resume:
+            log.warning("--resume: %s holds no checkpoint yet; starting fresh", cfg.state_dir)
+        fed.store = store
+
+    def _watch_metrics(self) -> None:
+        fed = self.federation
+        m = self.metrics
+        m.gauge("queue_depth", "Validated updates waiting for the aggregation loop",
+                fed.queue_depth)  # fmt: skip
+        m.gauge("uploads_in_progress", "Uploads holding a staging slot",
+                lambda: fed.uploads_in_progress)  # fmt: skip
+        m.gauge("clients_known", "Clients registered", lambda: len(fed.clients))
+        m.gauge("clients_active", "Clients whose lease has not expired", fed.active_clients)
+        m.gauge("global_version", "The latest global model version", lambda: fed.version)
+        m.gauge("cache_bytes", "Bytes held by the strategy's tensors and retained versions",
+                lambda: fed.cache_bytes() if fed.strategy is not None else 0)  # fmt: skip
+        m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
+                lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
+
+    async def _tick(self) -> None:
+        """Once a second: the time-based checkpoint and the evaluation hook."""
+        cfg = self.config
+        fed = self.federation
+        while not fed.closing:
+            await asyncio.sleep(0.5 if self._evaluator else 1.0)
+            if self._evaluator is not None:
+                self._evaluator.poll()
+            last = fed.last_checkpoint
+            if (
+                cfg.checkpoint_every_seconds
+                and last is not None
+                and fed.updates_since_checkpoint > 0
+                and fed.clock() - last[1] >= cfg.checkpoint_every_seconds
+            ):
+                fed.checkpoint_soon()
+
+    def request_stop(self, grace: float = 5.0) -> None:
+        """Ask :func:`serve` to stop (an operator's Shutdown call, or a failed log write)."""
+        self.stop_grace = grace
+        self.stop_requested.set()
 
     def _load_initial_model(self, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -82,14 +215,32 @@ class Server:
         self.federation.adopt(layout, layout.flatten(floats, dtype=torch.float32))
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Refuse new calls, let in-flight ones finish within `grace` seconds, then stop."""
+        """Refuse new calls, let in-flight ones finish within `grace` seconds, write a final
+        checkpoint, then stop."""
         fed = self.federation
-        fed.closing = True
         fed.notify()
         await self._health.enter_graceful_shutdown()
         if self._grpc is not None:
+            # In-flight uploads still finish (and are logged) while new calls are refused.
+            fed.closing = True
             await self._grpc.stop(grace)
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        if self._evaluator is not None:
+            await self._evaluator.close()
+        final = fed.store is not None and fed.strategy is not None and fed.failure is None
         await fed.close()
+        if final:
+            try:
+                await fed.checkpoint()
+            except Exception:
+                log.exception("final checkpoint failed (the log still holds every update)")
+        if fed.store is not None:
+            fed.store.close()
+        await fed.shutdown_executors()
+        self.metrics.close()
         log.info("aggsrv stopped")
 
     async def wait(self) -> None:
@@ -97,14 +248,35 @@ class Server:
         await self._grpc.wait_for_termination()
 
 
+def tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """Server TLS credentials from PEM files; mutual TLS when a client CA is given."""
+    if not cfg.tls_cert:
+        return None
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read the {what} {path}: {exc}") from exc
+
+    pair = (read(cfg.tls_key, "TLS key"), read(cfg.tls_cert, "TLS certificate"))
+    client_ca = read(cfg.tls_client_ca, "client CA") if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 async def serve(config: ServerConfig) -> None:
-    """Run until SIGINT/SIGTERM, then shut down cleanly."""
+    """Run until SIGINT/SIGTERM or an operator's Shutdown, then shut down cleanly."""
     server = Server(config)
     await server.start()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("signal received (%s): finishing in-flight calls", sig.name)
+        server.request_stop()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received: finishing in-flight calls")
-    await server.stop()
+        loop.add_signal_handler(sig, on_signal, sig)
+    await server.stop_requested.wait()
+    await server.stop(server.stop_grace)

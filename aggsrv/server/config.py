@@ -40,6 +40,51 @@ class ServerConfig(TomlConfig):
     # Append the strategy's events (FedDGIC's groupings and dropout flags) as JSON lines here.
     events_file: str | None = None
 
+    # --- security (docs/operations.md "Authentication and TLS")
+    # hmac: tokens signed with the server secret (client id inside); tokens: a TOML tokens file;
+    # none: no authentication (only behind something else that authenticates).
+    auth: str = "hmac"
+    # The HMAC secret (hex). None: STATE_DIR/auth/secret, generated on first start and reused.
+    auth_secret_file: str | None = None
+    tokens_file: str | None = None  # auth = "tokens"
+    # TLS: certificate chain and key (PEM); with tls_client_ca clients must present a certificate
+    # signed by that CA (mutual TLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    # --- limits (each refusal is RESOURCE_EXHAUSTED, except the idle upload: DEADLINE_EXCEEDED)
+    max_concurrent_rpcs: int = 256  # calls being served at once, all clients together
+    max_streams_per_connection: int = 64  # HTTP/2 concurrent streams on one connection
+    # Token bucket per client over PushUpdate and Register (updates/s, burst); 0 turns it off.
+    rate_limit_per_second: float = 20.0
+    rate_limit_burst: int = 40
+    # An upload holding a staging slot is cut (its slot freed) after this long without a message.
+    upload_idle_timeout_seconds: float = 30.0
+    # A registration offering a model larger than this is refused before anything is allocated.
+    max_model_bytes: int = 16 << 30
+    max_labels: int = 32  # per client, each key and value <= 256 bytes
+
+    # --- durability (docs/operations.md "Durability")
+    # Checkpoints and the write-ahead log live here; None: nothing is written (durability off).
+    state_dir: str | None = "aggsrv-state"
+    # on: every accepted update is in the fsynced write-ahead log before it is acknowledged.
+    durability: str = "on"
+    resume: bool = False  # continue from state_dir's newest checkpoint and log
+    checkpoint_every_updates: int = 1000  # 0: not by count
+    checkpoint_every_seconds: float = 300.0  # 0: not by time
+    checkpoint_keep: int = 2  # newest checkpoints kept, with the log segments after the oldest
+
+    # --- operations
+    metrics_port: int | None = None  # Prometheus /metrics on metrics_host:metrics_port
+    metrics_host: str = "127.0.0.1"
+    # "module:function" called with the global model's state dict every eval_every_versions
+    # versions, on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
+    eval: str | None = None
+    eval_every_versions: int = 50
+    log_format: str = "text"  # text | json (one JSON object per line)
+    log_level: str = "info"
+
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -63,9 +108,61 @@ class ServerConfig(TomlConfig):
             )
         if self.lease_seconds <= 0 or self.pending_interval_seconds <= 0:
             raise ValueError("lease_seconds and pending_interval_seconds must be > 0")
+        self._check_security()
+        self._check_limits()
+        self._check_durability()
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.eval is not None and ":" not in self.eval:
+            raise ValueError(f"eval must be 'module:function', got {self.eval!r}")
+        if self.eval_every_versions < 1:
+            raise ValueError(f"eval_every_versions must be >= 1, got {self.eval_every_versions}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level must be debug, info, warning or error: {self.log_level!r}")
         # A bad strategy name or [strategy_config] key fails at startup, not at the first
         # registration (where it would reach a client as an opaque error).
         self.strategy_settings()
+
+    def _check_security(self) -> None:
+        if self.auth not in ("hmac", "tokens", "none"):
+            raise ValueError(f"auth must be hmac, tokens or none, got {self.auth!r}")
+        if self.auth == "tokens" and not self.tokens_file:
+            raise ValueError("auth = 'tokens' needs tokens_file")
+        if self.auth == "hmac" and not self.auth_secret_file and not self.state_dir:
+            raise ValueError(
+                "auth = 'hmac' needs auth_secret_file, or a state_dir to keep a generated secret in"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+    def _check_limits(self) -> None:
+        for name in ("max_concurrent_rpcs", "max_streams_per_connection", "max_labels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rate_limit_per_second < 0:
+            raise ValueError("rate_limit_per_second must be >= 0 (0: no limit)")
+        if self.rate_limit_per_second > 0 and self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_burst must be >= 1")
+        if self.upload_idle_timeout_seconds <= 0:
+            raise ValueError("upload_idle_timeout_seconds must be > 0")
+        if self.max_model_bytes < 64:
+            raise ValueError("max_model_bytes must be >= 64")
+
+    def _check_durability(self) -> None:
+        if self.durability not in ("on", "off"):
+            raise ValueError(f"durability must be on or off, got {self.durability!r}")
+        if self.durability == "on" and not self.state_dir:
+            raise ValueError("durability = 'on' needs a state_dir for the write-ahead log")
+        if self.resume and not self.state_dir:
+            raise ValueError("resume needs a state_dir")
+        if self.checkpoint_every_updates < 0 or self.checkpoint_every_seconds < 0:
+            raise ValueError("checkpoint_every_updates and checkpoint_every_seconds must be >= 0")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
 
     def strategy_settings(self) -> StrategyConfig:
         """The strategy's config object, checked by its class; ValueError naming what is wrong."""

@@ -3,6 +3,13 @@ drives it, the client registry with leases, retained model snapshots, staging sl
 
 Every strategy call runs on a single worker thread (the aggregation loop), one at a time, so a
 strategy needs no locks and heavy kernels never block the event loop that serves gRPC.
+
+Durability: every call that changes the strategy's state (a registration, a job, an accepted
+update, a timer) runs through one of the methods below, which read the clock on the aggregation
+thread and append a record of the call and its time to the write-ahead log there, in the order
+the calls ran. Replaying those records against the newest checkpoint repeats the same calls with
+the same inputs, so a restarted server reaches the same state bit for bit. Registrations, jobs and
+updates are acknowledged only once their record is fsynced (group commit).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -22,7 +29,8 @@ import torch
 
 from aggsrv.layout import ModelLayout
 from aggsrv.server.config import ServerConfig
-from aggsrv.strategies import Strategy, make_strategy
+from aggsrv.server.metrics import ServerMetrics
+from aggsrv.strategies import Job, Outcome, Status, Strategy, Update, make_strategy
 from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -70,12 +78,22 @@ class EventLog:
         log.info("event %s at v%s", record.get("event"), record.get("version"))
 
 
+class DurabilityError(RuntimeError):
+    """The write-ahead log could not be written or synced: the server stops taking writes."""
+
+
 class Federation:
     """The server's state; all strategy access goes through :meth:`call`."""
 
-    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        clock: Callable[[], float] = time.time,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.started_at = clock()
         self.device = _resolve_device(config.device)
         self.layout: ModelLayout | None = None
@@ -92,6 +110,16 @@ class Federation:
         self._changed = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self.closing = False
+        # Set by the server when a state directory is configured (aggsrv.server.persistence).
+        self.store: Any = None
+        self.failure: str | None = None  # why the server stopped taking writes
+        self.on_failure: Callable[[str], None] | None = None
+        self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wal-sync")
+        self.updates_since_checkpoint = 0
+        self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        self._checkpoint_lock = asyncio.Lock()
+        self._checkpoint_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ the aggregation loop
 
@@ -99,10 +127,10 @@ class Federation:
         """Run `fn(*args)` on the aggregation thread, after every call queued before it."""
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self._executor, fn, *args)
-        self._after_call()
+        self.publish()
         return result
 
-    def _after_call(self) -> None:
+    def publish(self) -> None:
         """Publish a new snapshot if the version moved, wake waiting job streams, re-arm timers."""
         strategy = self.strategy
         if strategy is None:
@@ -146,8 +174,173 @@ class Federation:
         if self.strategy is None or self.closing:
             return
         strategy = self.strategy
-        await self.call(lambda: strategy.on_timer(self.clock()))
+
+        def run() -> None:
+            now = self.clock()
+            strategy.on_timer(now)
+            self._log("timer", {"now": now})
+
+        await self.call(run)
         self.notify()
+
+    # ------------------------------------------------------------------ logged state changes
+
+    def _log(
+        self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+    ) -> int | None:
+        """Append a record of a state change (aggregation thread); its LSN, None without a log.
+        A failed write stops the server: the state in memory is then ahead of the log."""
+        wal = self.store.wal if self.store is not None else None
+        if wal is None:
+            return None
+        try:
+            return wal.append(kind, meta, tensors)
+        except Exception as exc:
+            self.fail(f"could not append to the write-ahead log: {exc}")
+            raise DurabilityError(self.failure) from exc
+
+    async def make_durable(self, lsn: int | None) -> None:
+        """Return once the log is fsynced up to ``lsn`` (shared fsyncs: group commit)."""
+        wal = self.store.wal if self.store is not None else None
+        if lsn is None or wal is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._sync_pool, wal.sync, lsn)
+        except Exception as exc:
+            self.fail(f"could not fsync the write-ahead log: {exc}")
+            raise DurabilityError(self.failure) from exc
+        self.metrics.fsync_seconds.observe(time.perf_counter() - t0)
+
+    def fail(self, reason: str) -> None:
+        """Stop taking writes for good (an operator restarts with --resume)."""
+        if self.failure is None:
+            self.failure = reason
+            log.critical("%s; refusing all further calls (restart with --resume)", reason)
+            if self.on_failure is not None:
+                self.on_failure(reason)
+        self.closing = True
+
+    def record_registration(
+        self, client_id: str, labels: dict[str, str], now: float
+    ) -> ClientRecord:
+        """The registry entry of a (re-)registration at ``now`` (also used by replay)."""
+        record = self.clients.get(client_id)
+        if record is None:
+            record = ClientRecord(client_id, now, now + self.config.lease_seconds)
+            self.clients[client_id] = record
+        record.labels = dict(labels)
+        return record
+
+    async def register(self, client_id: str, labels: dict[str, str]) -> tuple[bool, ClientRecord]:
+        """Register (or re-register) a client; (known before, its record)."""
+        strategy = self.strategy
+        assert strategy is not None
+
+        def run() -> tuple[bool, ClientRecord, int | None]:
+            now = self.clock()
+            known = client_id in self.clients
+            strategy.on_register(client_id, now)
+            record = self.record_registration(client_id, labels, now)
+            lsn = self._log("register", {"client": client_id, "now": now, "labels": labels})
+            return known, record, lsn
+
+        known, record, lsn = await self.call(run)
+        await self.make_durable(lsn)
+        return known, record
+
+    async def next_job(self, client_id: str) -> Job | None:
+        """Ask the strategy for the client's next job (None: not yet). A job goes out only once
+        its record is durable, so an update for it is never refused as unknown after a crash."""
+        strategy = self.strategy
+        assert strategy is not None
+
+        def run() -> tuple[Job | None, int | None]:
+            now = self.clock()
+            job = strategy.job_for(client_id, now)
+            return job, self._log("job", {"client": client_id, "now": now})
+
+        job, lsn = await self.call(run)
+        if job is not None:
+            await self.make_durable(lsn)
+        return job
+
+    async def apply_update(
+        self, update: Update, wire: dict[str, torch.Tensor]
+    ) -> tuple[int, Outcome]:
+        """Fold one validated update in; (staleness, outcome), returned once durable.
+
+        ``wire`` holds the decoded CPU tensors ("update" [, "buffers"]) that the log records."""
+        strategy = self.strategy
+        assert strategy is not None
+
+        def run() -> tuple[int, Outcome, int | None, float]:
+            now = self.clock()
+            s = strategy.version - update.base_version  # V_apply - v_base, at apply time
+            t0 = time.perf_counter()
+            outcome = strategy.on_update(update, now)
+            took = time.perf_counter() - t0
+            if outcome.original is not None:
+                self.counters["duplicate"] += 1
+                # The original's record may still be on its way to disk: ack after it.
+                wal = self.store.wal if self.store is not None else None
+                return s, outcome, (wal.written_lsn if wal is not None else None), took
+            self.counters["accepted"] += 1
+            if outcome.status is Status.APPLIED:
+                self.counters["applied"] += 1
+            lsn = self._log("update", update_record(update, now, outcome), wire)
+            return s, outcome, lsn, took
+
+        staleness, outcome, lsn, took = await self.call(run)
+        self.metrics.aggregation_seconds.observe(took)
+        await self.make_durable(lsn)
+        if outcome.original is None:
+            self.updates_since_checkpoint += 1
+            every = self.config.checkpoint_every_updates
+            if every and self.updates_since_checkpoint >= every:
+                self.checkpoint_soon()
+        return staleness, outcome
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoint(self) -> Any:
+        """Checkpoint now (after the calls queued before); the written CheckpointInfo."""
+        store = self.store
+        if store is None:
+            raise RuntimeError("no state_dir is configured: there is nowhere to checkpoint to")
+        if self.strategy is None:
+            raise RuntimeError("the server has no model yet")
+        async with self._checkpoint_lock:
+            t0 = time.perf_counter()
+            # The state and the log rotation happen together on the aggregation thread, so
+            # the new segment holds exactly the calls after the state.
+            try:
+                number, payload = await self.call(store.cut, self)
+            except OSError as exc:
+                self.fail(f"could not rotate the write-ahead log: {exc}")
+                raise DurabilityError(self.failure) from exc
+            self.updates_since_checkpoint = 0
+            loop = asyncio.get_running_loop()
+            info = await loop.run_in_executor(None, store.write, number, payload)
+            self.last_checkpoint = (info.version, self.clock())
+            self.metrics.checkpoints.inc()
+            self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+            return info
+
+    def checkpoint_soon(self) -> None:
+        """Start a checkpoint in the background unless one is running."""
+        if self.store is None or self.strategy is None or self.closing:
+            return
+        task = self._checkpoint_task
+        if task is not None and not task.done():
+            return
+        self._checkpoint_task = asyncio.get_running_loop().create_task(self._checkpoint_logged())
+
+    async def _checkpoint_logged(self) -> None:
+        try:
+            await self.checkpoint()
+        except Exception:
+            log.exception("checkpoint failed")
 
     # ------------------------------------------------------------------ model and versions
 
@@ -155,9 +348,9 @@ class Federation:
         self, layout: ModelLayout, weights: torch.Tensor, buffers: torch.Tensor | None = None
     ) -> None:
         """Create the strategy from the first model (initial weights and float buffers become
-        version 0)."""
+        version 0); with a state directory, checkpoint it before anything else happens."""
         cfg = self.config
-        self.strategy = make_strategy(
+        strategy = make_strategy(
             cfg.strategy,
             layout=layout,
             initial=weights,
@@ -166,19 +359,31 @@ class Federation:
             device=self.device,
             max_clients=cfg.max_clients,
         )
+        self.install(layout, strategy)
+        if self.store is not None:
+            info = self.store.begin(self)
+            self.last_checkpoint = (info.version, self.clock())
+        log.info(
+            "model adopted: %d parameters in %d tensors, layout %s, strategy %s",
+            layout.numel, len(layout.names), layout.hash[:12], strategy.name,
+        )  # fmt: skip
+
+    def install(self, layout: ModelLayout, strategy: Strategy) -> None:
+        """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
+        cfg = self.config
         if cfg.events_file:
-            self.strategy.event_sink = EventLog(cfg.events_file)
+            strategy.event_sink = EventLog(cfg.events_file)
+        self.strategy = strategy
         self.layout = layout
         self._slots = asyncio.Queue()
         for _ in range(cfg.max_concurrent_uploads):
             self._slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
+        self.snapshots.clear()
         self._retain(
-            Snapshot(0, self.strategy.global_model(), self.clock(), self.strategy.global_buffers())
+            Snapshot(
+                strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
+            )
         )
-        log.info(
-            "model adopted: %d parameters in %d tensors, layout %s, strategy %s",
-            layout.numel, len(layout.names), layout.hash[:12], self.strategy.name,
-        )  # fmt: skip
 
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
@@ -202,7 +407,8 @@ class Federation:
 
     def active_clients(self) -> int:
         now = self.clock()
-        return sum(1 for r in self.clients.values() if r.lease_expires >= now)
+        # list(): the aggregation thread may add a client meanwhile.
+        return sum(1 for r in list(self.clients.values()) if r.lease_expires >= now)
 
     async def acquire_slot(self) -> StagingSlot:
         """Wait for a free staging slot: the backpressure that bounds concurrent uploads."""
@@ -212,6 +418,32 @@ class Federation:
     def release_slot(self, slot: StagingSlot) -> None:
         assert self._slots is not None
         self._slots.put_nowait(slot)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the tensors the strategy holds (model, caches, job bases, snapshots of
+        retained versions), each storage counted once."""
+        seen: dict[tuple[str, int], int] = {}
+
+        def visit(obj: Any, depth: int = 0) -> None:
+            if depth > 6:
+                return
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                seen[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+            elif isinstance(obj, dict | Mapping):
+                for v in list(obj.values()):
+                    visit(v, depth + 1)
+            elif isinstance(obj, list | tuple | set):
+                for v in list(obj):
+                    visit(v, depth + 1)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+                visit(vars(obj), depth + 1)
+
+        visit(self.strategy)
+        for snap in list(self.snapshots.values()):
+            visit(snap.weights)
+            visit(snap.buffers)
+        return sum(seen.values())
 
     def queue_depth(self) -> int:
         """Validated updates waiting for (or being folded in by) the aggregation loop."""
@@ -225,7 +457,31 @@ class Federation:
         self.closing = True
         if self._timer is not None:
             self._timer.cancel()
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        task = self._checkpoint_task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def shutdown_executors(self) -> None:
+        """Stop the aggregation and log-sync threads (after :meth:`close` and the final
+        checkpoint)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._executor.shutdown)
+        await loop.run_in_executor(None, self._sync_pool.shutdown)
+
+
+def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:
+    """The log's description of an accepted update: everything replay needs but the tensors."""
+    return {
+        "client": update.client_id,
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "update_id": update.update_id,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+        "now": now,
+        "outcome": list(outcome.to_tuple()),
+    }
 
 
 def payload_sizes(layout: ModelLayout, main: str) -> dict[str, int]:

@@ -7,20 +7,30 @@ NaN/Inf, its header against the job) and only then handed to the aggregation loo
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import torch
 
 from aggsrv import protocol as P
 from aggsrv.layout import LayoutMismatchError, ModelLayout
-from aggsrv.server.federation import ClientRecord, Federation, payload_sizes, staging_slot
+from aggsrv.server.auth import (
+    ID_PATTERN,
+    ROLE_ADMIN,
+    Authenticator,
+    AuthError,
+    NoAuth,
+    Principal,
+    bearer_token,
+)
+from aggsrv.server.federation import DurabilityError, Federation, payload_sizes, staging_slot
+from aggsrv.server.limits import RateLimiter
 from aggsrv.strategies import (
     InvalidUpdate,
     JobSuperseded,
     NotRegistered,
-    Outcome,
     StrategyError,
     TooManyClients,
     TooStale,
@@ -50,11 +60,95 @@ JOB_STATES = {
 UPLOAD_DTYPES = [P.WIRE_TO_PB[d] for d in WireDtype]
 
 
-class AggregationService(pb_grpc.AggregationServicer):
-    """Handlers of the six calls; state lives in :class:`Federation`."""
+LABEL_BYTES = 256  # each label key and value
 
-    def __init__(self, federation: Federation) -> None:
+
+class AggregationService(pb_grpc.AggregationServicer):
+    """Handlers of the eight calls; state lives in :class:`Federation`."""
+
+    def __init__(
+        self,
+        federation: Federation,
+        authenticator: Authenticator | None = None,
+        on_shutdown: Callable[[float], None] | None = None,
+    ) -> None:
         self.fed = federation
+        self.auth = authenticator if authenticator is not None else NoAuth()
+        self.on_shutdown = on_shutdown
+        cfg = federation.config
+        self.rate = RateLimiter(
+            cfg.rate_limit_per_second, cfg.rate_limit_burst, max_keys=4 * cfg.max_clients + 64
+        )
+        self._adopting = asyncio.Lock()  # one initial-model upload at a time
+
+    # ------------------------------------------------------------------ auth and limits
+
+    async def _authorize(
+        self, context: grpc.aio.ServicerContext, client_id: str | None = None, admin: bool = False
+    ) -> Principal | None:
+        """Check the call's bearer token: UNAUTHENTICATED without valid credentials,
+        PERMISSION_DENIED for a token of another client or a client token on an operator call.
+        Returns None when authentication is off."""
+        if self.auth.mode == "none":
+            return None
+        try:
+            principal = self.auth.authenticate(bearer_token(context.invocation_metadata()))
+        except AuthError as exc:
+            self.fed.metrics.auth_failures.labels(code=exc.code_name).inc()
+            log.warning(
+                "refused credentials: %s", exc,
+                extra={"event": "auth", "outcome": exc.code_name, "peer": context.peer()},
+            )  # fmt: skip
+            await context.abort(SC[exc.code_name], str(exc))
+        assert principal is not None
+        denied = None
+        if admin and principal.role != ROLE_ADMIN:
+            denied = "this call needs an admin token"
+        elif client_id is not None and not principal.may_act_as(client_id):
+            denied = (
+                f"the token is for {principal.role} {principal.subject!r}; it may not act as "
+                f"client {client_id!r}"
+            )
+        if denied is not None:
+            self.fed.metrics.auth_failures.labels(code="PERMISSION_DENIED").inc()
+            log.warning(denied, extra={"event": "auth", "outcome": "PERMISSION_DENIED"})
+            await context.abort(SC.PERMISSION_DENIED, denied)
+        return principal
+
+    async def _check_id(self, what: str, value: str, context: grpc.aio.ServicerContext) -> None:
+        if not ID_PATTERN.fullmatch(value):
+            shown = value if len(value) <= 40 else value[:40] + "..."
+            await self._abort(
+                context,
+                SC.INVALID_ARGUMENT,
+                f"{what} {shown!r} is not 1 to 128 characters of [A-Za-z0-9._:@-]",
+            )
+
+    async def _check_rate(self, client_id: str, context: grpc.aio.ServicerContext) -> None:
+        wait = self.rate.allow(client_id)
+        if wait > 0:
+            self.fed.metrics.rate_limited.inc()
+            await self._abort(
+                context,
+                SC.RESOURCE_EXHAUSTED,
+                f"client {client_id!r} is over its rate limit "
+                f"({self.fed.config.rate_limit_per_second:g} calls/s, burst "
+                f"{self.fed.config.rate_limit_burst}); retry in {wait:.2f} s",
+            )
+
+    async def _next_message(self, stream: AsyncIterator, context: grpc.aio.ServicerContext):
+        """The stream's next message (None at its end); an upload that stalls longer than
+        upload_idle_timeout_seconds is cut with DEADLINE_EXCEEDED, freeing its slot."""
+        timeout = self.fed.config.upload_idle_timeout_seconds
+        try:
+            return await asyncio.wait_for(anext(stream, None), timeout)
+        except TimeoutError:
+            await self._abort(
+                context,
+                SC.DEADLINE_EXCEEDED,
+                f"the upload sent nothing for {timeout:g} s (upload_idle_timeout_seconds); "
+                "send the update again",
+            )
 
     # ------------------------------------------------------------------ helpers
 
@@ -149,19 +243,20 @@ class AggregationService(pb_grpc.AggregationServicer):
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         try:
             decoder = Decoder(slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse)
-            async for msg in stream:
+            while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     chunk = msg.chunk
                     decoder.feed(chunk.tensor, chunk.offset, chunk.data)
                 elif kind == "trailer":
-                    if await anext(stream, None) is not None:
+                    if await self._next_message(stream, context) is not None:
                         await self._abort(
                             context,
                             SC.INVALID_ARGUMENT,
                             "a message followed the trailer: the trailer must be the last "
                             "message of the stream",
                         )
+                    self.fed.metrics.received_bytes.inc(decoder.bytes_received)
                     return decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
                 else:
                     await self._abort(
@@ -177,13 +272,21 @@ class AggregationService(pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ Register
 
     async def Register(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        try:
+            return await self._register(request_iterator, context)
+        except DurabilityError as exc:
+            await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
+
+    async def _register(self, request_iterator, context) -> pb.RegisterResponse:
         await self._check_open(context)
-        first = await anext(request_iterator, None)
+        first = await self._next_message(request_iterator, context)
         if first is None or first.WhichOneof("kind") != "header":
             await self._abort(context, SC.INVALID_ARGUMENT, "Register must start with a header")
         header = first.header
-        if not header.client_id:
-            await self._abort(context, SC.INVALID_ARGUMENT, "client_id must not be empty")
+        await self._check_id("client_id", header.client_id, context)
+        await self._authorize(context, header.client_id)
+        await self._check_rate(header.client_id, context)
+        await self._check_labels(header.labels, context)
         try:
             layout = P.layout_from_pb(header.layout)
         except (ValueError, LayoutMismatchError) as exc:
@@ -198,27 +301,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         adopted = False
         if fed.strategy is None:
-            if not header.initial_tensors:
-                await self._abort(
-                    context,
-                    SC.FAILED_PRECONDITION,
-                    "server has no model yet: register with initial weights (initial_tensors)",
-                )
-            slot = staging_slot(layout)
-            try:
-                dtype = P.wire_dtype(header.initial_dtype)
-            except ValueError as exc:
-                await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
-            decoded = await self._decode(
-                request_iterator, slot, list(header.initial_tensors),
-                payload_sizes(layout, "weights"), dtype, context,
-            )  # fmt: skip
-            if fed.strategy is None:  # another client may have won the race meanwhile
-                try:
-                    fed.adopt(layout, decoded["weights"], decoded.get("buffers"))
-                except ValueError as exc:  # e.g. a negative running_var in the initial model
-                    await self._abort(context, SC.INVALID_ARGUMENT, f"initial model: {exc}")
-                adopted = True
+            adopted = await self._adopt(header, layout, request_iterator, context)
         if not adopted:
             await self._require_hash(header.layout_hash, context)
             await self._require_same_buffers(layout, context)
@@ -229,19 +312,18 @@ class AggregationService(pb_grpc.AggregationServicer):
                 SC.RESOURCE_EXHAUSTED,
                 f"max_clients={fed.config.max_clients} clients are registered already",
             )
-        known = header.client_id in fed.clients
         strategy = fed.strategy
-        now = fed.clock()
         try:
-            await fed.call(strategy.on_register, header.client_id, now)
+            known, record = await fed.register(header.client_id, dict(header.labels))
         except StrategyError as exc:
             await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
-        record = fed.clients.get(header.client_id) or ClientRecord(header.client_id, now, now)
-        record.labels = dict(header.labels)
-        fed.clients[header.client_id] = record
         fed.touch(header.client_id)
         fed.notify()
-        log.info("client %s registered%s", header.client_id, " (model adopted)" if adopted else "")
+        log.info(
+            "client %s registered%s", header.client_id, " (model adopted)" if adopted else "",
+            extra={"event": "register", "client_id": header.client_id, "version": fed.version,
+                   "outcome": "adopted" if adopted else ("known" if known else "new")},
+        )  # fmt: skip
         return pb.RegisterResponse(
             client_id=header.client_id,
             known_before=known,
@@ -254,13 +336,71 @@ class AggregationService(pb_grpc.AggregationServicer):
             next_heartbeat=P.duration(fed.config.lease_seconds / 3),
         )
 
+    async def _adopt(
+        self,
+        header: pb.RegisterHeader,
+        layout: ModelLayout,
+        stream: AsyncIterator,
+        context: grpc.aio.ServicerContext,
+    ) -> bool:
+        """Read the first model offered and make it version 0; False if another registration
+        adopted one meanwhile (this one's weights are then checked like any late offer)."""
+        fed = self.fed
+        if not header.initial_tensors:
+            await self._abort(
+                context,
+                SC.FAILED_PRECONDITION,
+                "server has no model yet: register with initial weights (initial_tensors)",
+            )
+        need = 4 * (layout.numel + layout.buffer_numel)
+        if need > fed.config.max_model_bytes:
+            await self._abort(
+                context,
+                SC.RESOURCE_EXHAUSTED,
+                f"the offered model needs {need} bytes, over max_model_bytes="
+                f"{fed.config.max_model_bytes}",
+            )
+        try:
+            dtype = P.wire_dtype(header.initial_dtype)
+        except ValueError as exc:
+            await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
+        async with self._adopting:  # one model-sized allocation at a time
+            if fed.strategy is not None:
+                return False
+            decoded = await self._decode(
+                stream, staging_slot(layout), list(header.initial_tensors),
+                payload_sizes(layout, "weights"), dtype, context,
+            )  # fmt: skip
+            try:
+                fed.adopt(layout, decoded["weights"], decoded.get("buffers"))
+            except ValueError as exc:  # e.g. a negative running_var in the initial model
+                await self._abort(context, SC.INVALID_ARGUMENT, f"initial model: {exc}")
+            except OSError as exc:
+                fed.fail(f"could not write the first checkpoint: {exc}")
+                await context.abort(SC.UNAVAILABLE, fed.failure or str(exc))
+            return True
+
+    async def _check_labels(self, labels, context: grpc.aio.ServicerContext) -> None:
+        limit = self.fed.config.max_labels
+        if len(labels) > limit:
+            await self._abort(
+                context, SC.INVALID_ARGUMENT, f"{len(labels)} labels, at most {limit} allowed"
+            )
+        for key, value in labels.items():
+            if len(key.encode()) > LABEL_BYTES or len(value.encode()) > LABEL_BYTES:
+                await self._abort(
+                    context,
+                    SC.INVALID_ARGUMENT,
+                    f"label {key[:40]!r}: keys and values are at most {LABEL_BYTES} bytes",
+                )
+
     async def _check_offered_weights(
         self, header: pb.RegisterHeader, stream: AsyncIterator, context: grpc.aio.ServicerContext
     ) -> None:
         """A server with a model reads and discards offered weights after checking them (a
         corrupt stream is refused like any other); the staging slot bounds the memory."""
         if not header.initial_tensors:
-            if await anext(stream, None) is not None:
+            if await self._next_message(stream, context) is not None:
                 await self._abort(
                     context,
                     SC.INVALID_ARGUMENT,
@@ -285,6 +425,8 @@ class AggregationService(pb_grpc.AggregationServicer):
 
     async def GetJob(self, request, context):  # noqa: N802
         await self._check_open(context)
+        await self._check_id("client_id", request.client_id, context)
+        await self._authorize(context, request.client_id)
         await self._require_model(context)
         await self._require_client(request.client_id, context)
         await self._require_hash(request.layout_hash, context)
@@ -293,13 +435,14 @@ class AggregationService(pb_grpc.AggregationServicer):
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         fed = self.fed
-        strategy = fed.strategy
         while True:
             fed.touch(request.client_id)
             try:
-                job = await fed.call(strategy.job_for, request.client_id, fed.clock())
+                job = await fed.next_job(request.client_id)
             except StrategyError as exc:
                 await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
+            except DurabilityError as exc:
+                await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
             if job is not None:
                 break
             if fed.closing:
@@ -325,6 +468,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             header.deadline.CopyFrom(P.timestamp(job.deadline))
             header.time_budget.CopyFrom(P.duration(job.deadline - fed.clock()))
         yield pb.JobMessage(header=header)
+        fed.metrics.sent_bytes.inc(_payload_bytes(job.tensors, dtype))
         for msg in P.chunk_stream(job.tensors, dtype, fed.config.chunk_bytes, pb.JobMessage):
             yield msg
 
@@ -333,25 +477,30 @@ class AggregationService(pb_grpc.AggregationServicer):
     async def PushUpdate(self, request_iterator, context):  # noqa: N802
         try:
             return await self._push_update(request_iterator, context)
+        except DurabilityError as exc:
+            await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
         except grpc.aio.AbortError:
             code = context.code()
             # UNAVAILABLE (shutting down) says nothing about the update: the client retries it.
             if code is not None and code != SC.UNAVAILABLE:
                 self.fed.reject(code.name)
+                self.fed.metrics.record_update(code.name)
             raise
 
     async def _push_update(self, request_iterator, context) -> pb.PushUpdateResponse:
         await self._check_open(context)
         await self._require_model(context)
-        first = await anext(request_iterator, None)
+        first = await self._next_message(request_iterator, context)
         if first is None or first.WhichOneof("kind") != "header":
             await self._abort(context, SC.INVALID_ARGUMENT, "PushUpdate must start with a header")
         h = first.header
         fed = self.fed
+        await self._check_id("client_id", h.client_id, context)
+        await self._authorize(context, h.client_id)
         await self._require_client(h.client_id, context)
+        await self._check_rate(h.client_id, context)
         await self._require_hash(h.layout_hash, context)
-        if not h.update_id:
-            await self._abort(context, SC.INVALID_ARGUMENT, "update_id must not be empty")
+        await self._check_id("update_id", h.update_id, context)
         kind = P.PB_TO_KIND.get(h.kind)
         if kind is None:
             await self._abort(context, SC.INVALID_ARGUMENT, "kind must be WEIGHTS or DELTA")
@@ -388,17 +537,10 @@ class AggregationService(pb_grpc.AggregationServicer):
                 tensor=_on_device(views["update"], fed.strategy.device),
                 buffers=None if buffers is None else _on_device(buffers, fed.strategy.device),
             )
-            strategy = fed.strategy
-
-            def apply() -> tuple[int, Outcome]:
-                # Staleness s = V_apply - v_base, read on the aggregation thread at apply time.
-                s = strategy.version - update.base_version
-                return s, strategy.on_update(update, fed.clock())
-
             fed.updates_waiting += 1
             waiting = True
             try:
-                staleness, outcome = await fed.call(apply)
+                staleness, outcome = await fed.apply_update(update, views)
             except StrategyError as exc:
                 await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
         finally:
@@ -408,12 +550,15 @@ class AggregationService(pb_grpc.AggregationServicer):
             if slot is not None:
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
-        if outcome.original is not None:
-            fed.counters["duplicate"] += 1
-        else:
-            fed.counters["accepted"] += 1
-            if outcome.status.name == "APPLIED":
-                fed.counters["applied"] += 1
+        label = "duplicate" if outcome.original is not None else outcome.status.name
+        fed.metrics.record_update(label, None if outcome.original else max(0, staleness))
+        log.info(
+            "update %s of %s: %s at v%d (staleness %d)",
+            h.update_id, h.client_id, label.lower(), outcome.version, staleness,
+            extra={"event": "update", "client_id": h.client_id, "update_id": h.update_id,
+                   "version": outcome.version, "outcome": label.lower(),
+                   "staleness": staleness},
+        )  # fmt: skip
         return pb.PushUpdateResponse(
             outcome=P.STATUS_TO_PB[outcome.status],
             version=outcome.version,
@@ -425,6 +570,7 @@ class AggregationService(pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ GetModel
 
     async def GetModel(self, request, context):  # noqa: N802
+        await self._authorize(context)
         await self._require_model(context)
         fed = self.fed
         latest = fed.latest()
@@ -460,12 +606,15 @@ class AggregationService(pb_grpc.AggregationServicer):
                 created_at=P.timestamp(snap.created_at),
             )
         )
+        fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
         for msg in P.chunk_stream(tensors, dtype, fed.config.chunk_bytes, pb.ModelMessage):
             yield msg
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
 
     async def Heartbeat(self, request, context):  # noqa: N802
+        await self._check_id("client_id", request.client_id, context)
+        await self._authorize(context, request.client_id)
         await self._require_client(request.client_id, context)
         fed = self.fed
         fed.touch(request.client_id)
@@ -492,6 +641,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         return resp
 
     async def GetStatus(self, request, context):  # noqa: N802
+        await self._authorize(context)
         fed = self.fed
         resp = pb.StatusResponse(
             has_model=fed.strategy is not None,
@@ -508,7 +658,18 @@ class AggregationService(pb_grpc.AggregationServicer):
             uploads_in_progress=fed.uploads_in_progress,
             server_time=P.timestamp(fed.clock()),
             uptime=P.duration(fed.clock() - fed.started_at),
+            durability="on" if fed.store is not None and fed.store.durable else "off",
+            auth=self.auth.mode,
+            wal_bytes=fed.store.wal_bytes() if fed.store is not None else 0,
         )
+        if fed.last_checkpoint is not None:
+            resp.last_checkpoint_version = fed.last_checkpoint[0]
+            resp.last_checkpoint_time.CopyFrom(P.timestamp(fed.last_checkpoint[1]))
+        if fed.last_eval is not None:
+            resp.eval_version = fed.last_eval[0]
+            resp.eval_metrics.update(fed.last_eval[1])
+        if fed.strategy is not None:
+            resp.cache_bytes = fed.cache_bytes()
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
         if fed.layout is not None:
@@ -531,3 +692,43 @@ def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:
 
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device, non_blocking=True)
+
+    # ------------------------------------------------------------------ operator calls
+
+    async def Checkpoint(self, request, context):  # noqa: N802
+        await self._authorize(context, admin=True)
+        fed = self.fed
+        if fed.store is None:
+            await context.abort(
+                SC.FAILED_PRECONDITION, "the server has no state_dir: nowhere to checkpoint to"
+            )
+        await self._require_model(context)
+        await self._check_open(context)
+        try:
+            info = await fed.checkpoint()
+        except DurabilityError as exc:
+            await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
+        except OSError as exc:
+            await context.abort(SC.INTERNAL, f"checkpoint failed: {exc}")
+        log.info(
+            "checkpoint on request: version %d", info.version,
+            extra={"event": "checkpoint", "version": info.version, "outcome": "written"},
+        )  # fmt: skip
+        return pb.CheckpointResponse(
+            version=info.version, path=str(info.path), bytes=info.bytes,
+            took=P.duration(info.seconds),
+        )  # fmt: skip
+
+    async def Shutdown(self, request, context):  # noqa: N802
+        await self._authorize(context, admin=True)
+        grace = request.grace_seconds if request.grace_seconds > 0 else 5.0
+        if self.on_shutdown is None:
+            await context.abort(SC.UNIMPLEMENTED, "this server cannot be shut down remotely")
+        log.warning("shutdown requested by an operator", extra={"event": "shutdown"})
+        # After this answer is on its way: the handler must return before the server stops.
+        asyncio.get_running_loop().call_later(0.05, self.on_shutdown, grace)
+        return pb.ShutdownResponse(version=self.fed.version)
+
+
+def _payload_bytes(tensors: dict[str, torch.Tensor], dtype: WireDtype) -> int:
+    return sum(t.numel() for t in tensors.values()) * dtype.itemsize

@@ -26,6 +26,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aggsrv.client import Client
+from aggsrv.server.auth import (
+    ADMIN_SUBJECT,
+    ROLE_ADMIN,
+    ROLE_CLIENT,
+    issue_token,
+    load_secret,
+    new_secret,
+    save_secret,
+)
 from aggsrv.server.config import ServerConfig
 from aggsrv.sim.inproc import Counters, is_round_based
 from aggsrv.sim.progress import Progress
@@ -102,7 +111,23 @@ class GrpcRun:
             lease_seconds=3600.0,
             pending_interval_seconds=JOB_POLL,
             events_file=str(self.out_dir / "events.jsonl"),
+            # The simulator issues its clients' tokens from a secret of its own; an experiment
+            # needs no crash recovery, so no state directory.
+            auth="hmac",
+            auth_secret_file=str(self._secret_path()),
+            durability="off",
+            state_dir="",
+            rate_limit_per_second=0.0,
         )
+
+    def _secret_path(self) -> Path:
+        path = self.out_dir / "auth-secret"
+        if not path.exists():
+            save_secret(path, new_secret())
+        return path
+
+    def _token(self, subject: str, role: str = ROLE_CLIENT) -> str:
+        return issue_token(load_secret(self._secret_path()), subject, role=role)
 
     def _start_server(self) -> tuple[subprocess.Popen, str]:
         port = _free_port()
@@ -244,11 +269,13 @@ class GrpcRun:
         proc, address = self._start_server()
         clients: list[Client] = []
         threads: list[threading.Thread] = []
-        observer = Client(address, "aggsrv-sim-observer")
+        observer = Client(
+            address, "aggsrv-sim-observer", token=self._token(ADMIN_SUBJECT, ROLE_ADMIN)
+        )
         evaluator = self.setup.evaluator()
         try:
             for c in range(self.n):
-                client = Client(address, client_id(c), timeout=120)
+                client = Client(address, client_id(c), timeout=120, token=self._token(client_id(c)))
                 clients.append(client)
                 if c == 0:
                     resp = client.register(

@@ -1,0 +1,104 @@
+"""Prometheus metrics of one server (prometheus-client), served on ``--metrics-port``.
+
+Each server owns a registry of its own, so several servers in one process (tests) never share
+counters. Gauges that mirror federation state are read when scraped (callbacks), not pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Staleness is a version count: powers of two up to the usual max_staleness bounds.
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, float("inf"))
+# One strategy call on the aggregation thread: microseconds (FedAsync on a small model) to
+# seconds (a FedDGIC grouping over a large cache).
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, float("inf"),
+)  # fmt: skip
+FSYNC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, float("inf"))
+
+
+class ServerMetrics:
+    """The server's counters, histograms and gauges under the ``aggsrv_`` prefix."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.updates = Counter(
+            "aggsrv_updates", "Updates by outcome: applied, buffered, duplicate, or the gRPC "
+            "status code of a refusal (lower case)", ["outcome"], registry=r,
+        )  # fmt: skip
+        self.received_bytes = Counter(
+            "aggsrv_received_bytes", "Payload bytes received in update and model uploads",
+            registry=r,
+        )  # fmt: skip
+        self.sent_bytes = Counter(
+            "aggsrv_sent_bytes", "Payload bytes sent in jobs and models", registry=r
+        )
+        self.aggregation_seconds = Histogram(
+            "aggsrv_aggregation_seconds", "Time the strategy took to fold one update in",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.staleness = Histogram(
+            "aggsrv_staleness", "Staleness s = V_apply - v_base of accepted updates",
+            buckets=STALENESS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.fsync_seconds = Histogram(
+            "aggsrv_wal_sync_seconds", "Time an acknowledgement waited for the write-ahead log",
+            buckets=FSYNC_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.checkpoints = Counter("aggsrv_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "aggsrv_checkpoint_seconds", "Time to take and write one checkpoint",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.auth_failures = Counter(
+            "aggsrv_auth_failures", "Calls refused for their credentials", ["code"], registry=r
+        )
+        self.rate_limited = Counter(
+            "aggsrv_rate_limited", "Calls refused by the per-client rate limit", registry=r
+        )
+        self.eval_metrics = Gauge(
+            "aggsrv_eval", "The last --eval hook result by metric name", ["metric"], registry=r
+        )
+        self.eval_version = Gauge(
+            "aggsrv_eval_version", "The global version the last evaluation ran on", registry=r
+        )
+        self._gauges: dict[str, Gauge] = {}
+        self._http = None
+
+    def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        """A gauge read from federation state at scrape time."""
+        g = Gauge(f"aggsrv_{name}", doc, registry=self.registry)
+        g.set_function(read)
+        self._gauges[name] = g
+
+    def record_update(self, outcome: str, staleness: int | None = None) -> None:
+        self.updates.labels(outcome=outcome.lower()).inc()
+        if staleness is not None:
+            self.staleness.observe(staleness)
+
+    def record_eval(self, version: int, metrics: dict[str, float]) -> None:
+        self.eval_version.set(version)
+        for name, value in metrics.items():
+            self.eval_metrics.labels(metric=name).set(value)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint on its own thread; return the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        bound = server.server_address[1]
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,267 @@
+"""Checkpoints and recovery of a federation in its state directory.
+
+The directory holds numbered checkpoints and numbered write-ahead-log segments
+(:mod:`aggsrv.server.durability`). Checkpoint N is the whole federation (layout, the strategy's
+``state_dict`` with its caches, the client registry, counters) as it was when segment N was
+opened, so recovery loads the newest checkpoint N and replays the records of segments >= N.
+
+Numbering: the first checkpoint is taken when the model is adopted (version 0) and is number 1;
+each later checkpoint rotates the log to a new segment and takes that segment's number. A
+resumed server opens the segment after the last one it found, so a torn tail (a record a crash
+cut short: never acknowledged) is never appended to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aggsrv import protocol as P
+from aggsrv.server import durability as D
+from aggsrv.strategies import Outcome, Update, UpdateKind, make_strategy
+from aggsrv.v1 import tensor_pb2 as tpb
+
+if TYPE_CHECKING:
+    from aggsrv.server.federation import Federation
+
+log = logging.getLogger(__name__)
+
+FORMAT = "aggsrv-checkpoint/1"
+
+
+class RecoveryError(RuntimeError):
+    """The state directory cannot be resumed (named checkpoint, record and reason)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    number: int
+    version: int
+    path: Path
+    bytes: int
+    seconds: float
+
+
+class StateStore:
+    """One federation's state directory: where checkpoints go and, when durable, the log."""
+
+    def __init__(self, directory: str | os.PathLike, durable: bool, keep: int = 2) -> None:
+        self.directory = Path(directory)
+        self.durable = durable
+        self.keep = keep
+        self.wal: D.WriteAheadLog | None = None
+        self.segment = 0  # the current log segment (the number the next checkpoint gets - 1)
+
+    # ------------------------------------------------------------------ inspection
+
+    def has_state(self) -> bool:
+        """Whether an earlier run left checkpoints or log segments here."""
+        if not self.directory.is_dir():
+            return False
+        return bool(D.list_checkpoints(self.directory) or D.list_segments(self.directory))
+
+    def wal_bytes(self) -> int:
+        return self.wal.bytes_written if self.wal is not None else 0
+
+    # ------------------------------------------------------------------ writing
+
+    def begin(self, fed: Federation) -> CheckpointInfo:
+        """The first checkpoint of a fresh federation (its model just adopted), then the log."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        number = max([n for n, _ in D.list_segments(self.directory)], default=0) + 1
+        info = self.write(number, snapshot(fed))
+        self._open_log(number)
+        return info
+
+    def _open_log(self, number: int) -> None:
+        self.segment = number
+        if self.durable:
+            self.wal = D.WriteAheadLog(self.directory, number)
+
+    def cut(self, fed: Federation) -> tuple[int, dict[str, Any]]:
+        """On the aggregation thread: the federation's state and a fresh log segment for what
+        follows it. Returns (checkpoint number, payload); :meth:`write` stores it later."""
+        number = self.segment + 1
+        payload = snapshot(fed)
+        if self.wal is not None:
+            self.wal.rotate(number)
+        self.segment = number
+        return number, payload
+
+    def write(self, number: int, payload: dict[str, Any]) -> CheckpointInfo:
+        """Write a checkpoint atomically, then drop what the kept checkpoints no longer need."""
+        t0 = time.perf_counter()
+        path = D.write_checkpoint(self.directory, number, payload)
+        D.prune(self.directory, self.keep)
+        info = CheckpointInfo(
+            number, int(payload["state"]["version"]), path, path.stat().st_size,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+        log.info(
+            "checkpoint %d: version %d, %.1f MB in %.2f s -> %s",
+            number, info.version, info.bytes / 1e6, info.seconds, path,
+        )  # fmt: skip
+        return info
+
+    def close(self) -> None:
+        if self.wal is not None:
+            self.wal.close()
+            self.wal = None
+
+    # ------------------------------------------------------------------ recovery
+
+    def resume(self, fed: Federation) -> int:
+        """Load the newest checkpoint into ``fed`` and replay the log after it; the number of
+        records replayed. The next records go to a new segment."""
+        found = D.latest_checkpoint(self.directory)
+        if found is None:
+            raise RecoveryError(f"{self.directory} holds no checkpoint to resume from")
+        number, path = found
+        try:
+            payload = D.load_checkpoint(path)
+        except ValueError as exc:
+            raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
+        restore(fed, payload)
+        strategy = fed.strategy
+        sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
+        replayed = 0
+        try:
+            for segment, record in D.iter_records(self.directory, number):
+                try:
+                    replay(fed, record)
+                except Exception as exc:
+                    raise RecoveryError(
+                        f"replaying segment {segment} record {replayed} ({record.kind}) diverged "
+                        f"from the log: {exc}"
+                    ) from exc
+                replayed += 1
+        finally:
+            strategy.event_sink = sink
+        fed.publish()
+        last = max([n for n, _ in D.list_segments(self.directory)], default=number)
+        self._open_log(max(last, number) + 1)
+        log.info(
+            "resumed from checkpoint %d (%s): version %d after replaying %d logged records",
+            number, path.name, fed.version, replayed,
+        )  # fmt: skip
+        return replayed
+
+
+# ---------------------------------------------------------------------- payload
+
+
+def snapshot(fed: Federation) -> dict[str, Any]:
+    """The federation as a checkpoint payload (tensors cloned: a point-in-time copy)."""
+    strategy = fed.strategy
+    assert strategy is not None and fed.layout is not None
+    return {
+        "format": FORMAT,
+        "created_at": fed.clock(),
+        "layout": P.layout_to_pb(fed.layout).SerializeToString().hex(),
+        "strategy": strategy.name,
+        "strategy_config": dict(fed.config.strategy_config),
+        "state": strategy.state_dict(),
+        "clients": [
+            [r.client_id, r.registered_at, dict(r.labels)] for r in list(fed.clients.values())
+        ],
+        "counters": dict(fed.counters),
+        "rejected_by_code": dict(fed.rejected_by_code),
+    }
+
+
+def restore(fed: Federation, payload: dict[str, Any]) -> None:
+    """Rebuild the federation from a checkpoint payload."""
+    if payload.get("format") != FORMAT:
+        raise RecoveryError(f"not an aggsrv checkpoint (format {payload.get('format')!r})")
+    cfg = fed.config
+    if payload["strategy"] != strategy_name(cfg.strategy):
+        raise RecoveryError(
+            f"the checkpoint is for strategy {payload['strategy']!r} but the server is configured "
+            f"for {cfg.strategy!r}: resume with the same strategy"
+        )
+    if payload["strategy_config"] != dict(cfg.strategy_config):
+        log.warning(
+            "resuming with the checkpoint's strategy_config %s (the configured %s is ignored)",
+            payload["strategy_config"], dict(cfg.strategy_config),
+        )  # fmt: skip
+    layout = P.layout_from_pb(tpb.ModelLayout.FromString(bytes.fromhex(payload["layout"])))
+    state = payload["state"]
+    # Placeholders of the right shapes: load_state_dict sets the model and the statistics.
+    strategy = make_strategy(
+        cfg.strategy,
+        layout=layout,
+        initial=state["model"],
+        initial_buffers=torch.ones(layout.buffer_numel) if layout.buffer_numel else None,
+        config=payload["strategy_config"],
+        device=fed.device,
+        max_clients=cfg.max_clients,
+    )
+    strategy.load_state_dict(state)
+    fed.install(layout, strategy)
+    lease = cfg.lease_seconds
+    from aggsrv.server.federation import ClientRecord  # a cycle at import time otherwise
+
+    for client_id, registered_at, labels in payload["clients"]:
+        expires = registered_at + lease
+        fed.clients[client_id] = ClientRecord(client_id, registered_at, expires, labels)
+    fed.counters.update(payload["counters"])
+    fed.rejected_by_code.update(payload["rejected_by_code"])
+
+
+def strategy_name(name: str) -> str:
+    from aggsrv.strategies import strategy_class
+
+    return strategy_class(name).name
+
+
+# ---------------------------------------------------------------------- replay
+
+
+def replay(fed: Federation, record: D.WalRecord) -> None:
+    """Repeat one logged call with its logged inputs (same thread discipline: called before the
+    server serves, or by an oracle, never beside the aggregation loop)."""
+    strategy = fed.strategy
+    assert strategy is not None
+    m = record.meta
+    if record.kind == "register":
+        strategy.on_register(m["client"], m["now"])
+        fed.record_registration(m["client"], m["labels"], m["now"])
+    elif record.kind == "job":
+        strategy.job_for(m["client"], m["now"])
+    elif record.kind == "timer":
+        strategy.on_timer(m["now"])
+    elif record.kind == "update":
+        tensors = record.tensors
+        update = Update(
+            client_id=m["client"],
+            job_id=int(m["job_id"]),
+            base_version=int(m["base_version"]),
+            update_id=m["update_id"],
+            num_samples=int(m["num_samples"]),
+            work_done=float(m["work_done"]),
+            kind=UpdateKind[m["kind"]],
+            tensor=_on(tensors["update"], strategy.device),
+            buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
+        )
+        outcome = strategy.on_update(update, m["now"])
+        logged = Outcome.from_tuple(m["outcome"])
+        if outcome != logged:
+            raise RecoveryError(
+                f"update {m['update_id']!r} of {m['client']!r} gave {outcome} on replay, "
+                f"{logged} when it was acknowledged"
+            )
+        fed.counters["accepted"] += 1
+        if outcome.status.name == "APPLIED":
+            fed.counters["applied"] += 1
+    else:
+        raise RecoveryError(f"unknown record kind {record.kind!r}")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
