@@ -163,8 +163,6 @@ class Server:
                     "--resume to continue it, or choose an empty state_dir"
                 )
             store.resume(fed)
-            if fed.store is None:
-                fed.last_checkpoint = (fed.version, fed.clock())
         elif cfg.resume:
             log.warning("--resume: %s holds no checkpoint yet; starting fresh", cfg.state_dir)
         fed.store = store

@@ -128,6 +128,7 @@ class StateStore:
         except ValueError as exc:
             raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
         restore(fed, payload)
+        fed.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
         strategy = fed.strategy
         sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
         replayed = 0

@@ -475,8 +475,9 @@ class AggregationService(pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ PushUpdate
 
     async def PushUpdate(self, request_iterator, context):  # noqa: N802
+        seen: dict[str, pb.UpdateHeader] = {}  # the header, once read (for the refusal's log)
         try:
-            return await self._push_update(request_iterator, context)
+            return await self._push_update(request_iterator, context, seen)
         except DurabilityError as exc:
             await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
         except grpc.aio.AbortError:
@@ -485,15 +486,32 @@ class AggregationService(pb_grpc.AggregationServicer):
             if code is not None and code != SC.UNAVAILABLE:
                 self.fed.reject(code.name)
                 self.fed.metrics.record_update(code.name)
+                self._log_refusal(seen.get("header"), code, context)
             raise
 
-    async def _push_update(self, request_iterator, context) -> pb.PushUpdateResponse:
+    def _log_refusal(
+        self, h: pb.UpdateHeader | None, code: SC, context: grpc.aio.ServicerContext
+    ) -> None:
+        """One structured line per refused update; ids only when well-formed (no log injection)."""
+        client_id = h.client_id if h is not None and ID_PATTERN.fullmatch(h.client_id) else None
+        update_id = h.update_id if h is not None and ID_PATTERN.fullmatch(h.update_id) else None
+        log.info(
+            "update %s of %s refused: %s: %s", update_id, client_id, code.name,
+            str(context.details() or "")[:300],
+            extra={"event": "update", "client_id": client_id, "update_id": update_id,
+                   "version": self.fed.version, "outcome": code.name.lower()},
+        )  # fmt: skip
+
+    async def _push_update(
+        self, request_iterator, context, seen: dict[str, pb.UpdateHeader]
+    ) -> pb.PushUpdateResponse:
         await self._check_open(context)
         await self._require_model(context)
         first = await self._next_message(request_iterator, context)
         if first is None or first.WhichOneof("kind") != "header":
             await self._abort(context, SC.INVALID_ARGUMENT, "PushUpdate must start with a header")
         h = first.header
+        seen["header"] = h
         fed = self.fed
         await self._check_id("client_id", h.client_id, context)
         await self._authorize(context, h.client_id)
@@ -679,20 +697,6 @@ class AggregationService(pb_grpc.AggregationServicer):
             resp.oldest_retained_version = next(iter(fed.snapshots))
         return resp
 
-
-def _job_number(job_id: str) -> int | None:
-    """Job ids are decimal strings on the wire; anything else names no job of ours."""
-    return int(job_id) if job_id.isdecimal() else None
-
-
-def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:
-    """The work figure strategies compare with the recipe: steps or epochs, as it counts."""
-    return float(work.steps) if counts_steps else float(work.epochs)
-
-
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
-
     # ------------------------------------------------------------------ operator calls
 
     async def Checkpoint(self, request, context):  # noqa: N802
@@ -728,6 +732,20 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # After this answer is on its way: the handler must return before the server stops.
         asyncio.get_running_loop().call_later(0.05, self.on_shutdown, grace)
         return pb.ShutdownResponse(version=self.fed.version)
+
+
+def _job_number(job_id: str) -> int | None:
+    """Job ids are decimal strings on the wire; anything else names no job of ours."""
+    return int(job_id) if job_id.isdecimal() else None
+
+
+def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:
+    """The work figure strategies compare with the recipe: steps or epochs, as it counts."""
+    return float(work.steps) if counts_steps else float(work.epochs)
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def _payload_bytes(tensors: dict[str, torch.Tensor], dtype: WireDtype) -> int:
