@@ -213,9 +213,7 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, strategy: str) -> 
     assert log_text.count("resumed from checkpoint") == kills, log_text[-3000:]
 
     # Every acknowledged update is in the log exactly once.
-    logged = [
-        r.meta["update_id"] for _, r in D.iter_records(sup.state, 1) if r.kind == "update"
-    ]
+    logged = [r.meta["update_id"] for _, r in D.iter_records(sup.state, 1) if r.kind == "update"]
     assert len(logged) == len(set(logged)), "an update was logged (applied) twice"
     acked = [u for p in pushers for u in p.acked]
     assert len(acked) >= 20, f"too few updates acknowledged to mean anything: {len(acked)}"
