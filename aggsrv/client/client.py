@@ -35,6 +35,7 @@ from aggsrv.v1 import tensor_pb2 as tpb
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIB = 1 << 20
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,15 @@ class Client:
         self.close()
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Call `fn`, retrying UNAVAILABLE with exponential backoff."""
+        """Call `fn`, retrying UNAVAILABLE (and CANCELLED: this client never cancels its own
+        calls, so it is a server stopping mid-call) with exponential backoff. Every call is
+        safe to repeat: a push keeps its update id."""
         delay = self.backoff
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                if exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 log.warning(
                     "%s: server unavailable (%s), retrying in %.1fs", what, exc.details(), delay
@@ -176,7 +179,12 @@ class Client:
             elif kind == "trailer":
                 assert decoder is not None, "trailer before header"
                 views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
-                return header, {name: v.clone() for name, v in views.items()}
+                out = {name: v.clone() for name, v in views.items()}
+                # Read the call's end too: a stream left open holds one of the connection's
+                # concurrent streams until the server's status arrives.
+                for _ in stream:
+                    raise ConnectionError(f"a message followed the {header_field}'s trailer")
+                return header, out
         raise ConnectionError("stream ended before its trailer")
 
     # ------------------------------------------------------------------ calls

@@ -55,7 +55,8 @@ class ServerConfig(TomlConfig):
 
     # --- limits (each refusal is RESOURCE_EXHAUSTED, except the idle upload: DEADLINE_EXCEEDED)
     max_concurrent_rpcs: int = 256  # calls being served at once, all clients together
-    max_streams_per_connection: int = 64  # HTTP/2 concurrent streams on one connection
+    # HTTP/2 concurrent streams on one connection (many in-process clients share one).
+    max_streams_per_connection: int = 128
     # Token bucket per client over PushUpdate and Register (updates/s, burst); 0 turns it off.
     rate_limit_per_second: float = 20.0
     rate_limit_burst: int = 40

@@ -283,8 +283,9 @@ class AggregationService(pb_grpc.AggregationServicer):
         if first is None or first.WhichOneof("kind") != "header":
             await self._abort(context, SC.INVALID_ARGUMENT, "Register must start with a header")
         header = first.header
-        await self._check_id("client_id", header.client_id, context)
+        # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, header.client_id)
+        await self._check_id("client_id", header.client_id, context)
         await self._check_rate(header.client_id, context)
         await self._check_labels(header.labels, context)
         try:
@@ -400,7 +401,19 @@ class AggregationService(pb_grpc.AggregationServicer):
         """A server with a model reads and discards offered weights after checking them (a
         corrupt stream is refused like any other); the staging slot bounds the memory."""
         if not header.initial_tensors:
-            if await self._next_message(stream, context) is not None:
+            msg = await self._next_message(stream, context)
+            if msg is not None and msg.WhichOneof("kind") == "trailer":
+                # The wire contract accepts an empty trailer (crc32c 0) after a bare header.
+                if msg.trailer.crc32c or msg.trailer.payload_bytes:
+                    await self._abort(
+                        context,
+                        SC.INVALID_ARGUMENT,
+                        "a Register without initial_tensors may end with an empty trailer only "
+                        f"(crc32c 0, payload_bytes 0), got crc32c {msg.trailer.crc32c} and "
+                        f"payload_bytes {msg.trailer.payload_bytes}",
+                    )
+                msg = await self._next_message(stream, context)
+            if msg is not None:
                 await self._abort(
                     context,
                     SC.INVALID_ARGUMENT,
@@ -425,8 +438,9 @@ class AggregationService(pb_grpc.AggregationServicer):
 
     async def GetJob(self, request, context):  # noqa: N802
         await self._check_open(context)
-        await self._check_id("client_id", request.client_id, context)
+        # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, request.client_id)
+        await self._check_id("client_id", request.client_id, context)
         await self._require_model(context)
         await self._require_client(request.client_id, context)
         await self._require_hash(request.layout_hash, context)
@@ -513,8 +527,9 @@ class AggregationService(pb_grpc.AggregationServicer):
         h = first.header
         seen["header"] = h
         fed = self.fed
-        await self._check_id("client_id", h.client_id, context)
+        # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, h.client_id)
+        await self._check_id("client_id", h.client_id, context)
         await self._require_client(h.client_id, context)
         await self._check_rate(h.client_id, context)
         await self._require_hash(h.layout_hash, context)
@@ -631,8 +646,9 @@ class AggregationService(pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ Heartbeat, GetStatus
 
     async def Heartbeat(self, request, context):  # noqa: N802
-        await self._check_id("client_id", request.client_id, context)
+        # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, request.client_id)
+        await self._check_id("client_id", request.client_id, context)
         await self._require_client(request.client_id, context)
         fed = self.fed
         fed.touch(request.client_id)
