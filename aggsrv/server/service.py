@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -61,6 +62,7 @@ UPLOAD_DTYPES = [P.WIRE_TO_PB[d] for d in WireDtype]
 
 
 LABEL_BYTES = 256  # each label key and value
+JOB_ID = re.compile(r"[1-9][0-9]{0,18}")  # how the server writes job ids (str of an int >= 1)
 
 
 class AggregationService(pb_grpc.AggregationServicer):
@@ -539,9 +541,16 @@ class AggregationService(pb_grpc.AggregationServicer):
             await self._abort(context, SC.INVALID_ARGUMENT, "kind must be WEIGHTS or DELTA")
         try:
             dtype = P.wire_dtype(h.dtype)
-            job_id = int(h.job_id)
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, f"bad header: {exc}")
+        job_id = _job_number(h.job_id)
+        if job_id is None:
+            await self._abort(
+                context,
+                SC.INVALID_ARGUMENT,
+                f"job_id {h.job_id[:40]!r} is not a job id this server issued (the JobHeader's "
+                "job_id, echoed exactly)",
+            )
         fed.touch(h.client_id)
         key = (h.client_id, h.update_id)
         if key in fed.in_flight_updates:
@@ -751,8 +760,9 @@ class AggregationService(pb_grpc.AggregationServicer):
 
 
 def _job_number(job_id: str) -> int | None:
-    """Job ids are decimal strings on the wire; anything else names no job of ours."""
-    return int(job_id) if job_id.isdecimal() else None
+    """The job a wire job id names: exactly the decimal string the server sent (no sign, spaces,
+    leading zeros or non-ASCII digits, which int() would take); None for anything else."""
+    return int(job_id) if JOB_ID.fullmatch(job_id) else None
 
 
 def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:

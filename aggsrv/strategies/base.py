@@ -180,8 +180,9 @@ class Recipe:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         for name in ("momentum", "weight_decay", "elastic_lambda", "proximal_mu"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):  # NaN fails `value < 0` too
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
         if not 0.0 <= self.elastic_alpha <= 1.0:
             raise ValueError(f"elastic_alpha must be in [0, 1], got {self.elastic_alpha}")
         object.__setattr__(self, "projection", ProjectionMode(self.projection))

@@ -91,7 +91,12 @@ def to_wire(tensor: torch.Tensor, wire_dtype: WireDtype) -> torch.Tensor:
             f"cannot send a {tensor.dtype} tensor: only floating-point tensors go on the wire"
         )
     t = tensor.detach().to(dtype=wire_dtype.torch_dtype).to(device="cpu")
-    u8 = t.reshape(-1).contiguous().view(torch.uint8)
+    flat = t.reshape(-1).contiguous()
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a 0- or 1-element tensor contiguous whatever its stride, and .view
+        # needs a unit stride: give it a fresh one.
+        flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+    u8 = flat.view(torch.uint8)
     return u8 if _NATIVE_LITTLE else _swap_bytes(u8, wire_dtype.itemsize)
 
 
