@@ -107,22 +107,27 @@ def _connect(args: argparse.Namespace, client_id: str = "aggsrv-cli"):
     )  # fmt: skip
 
 
-def _rpc_error(command: str, exc) -> int:
-    sys.stderr.write(f"aggsrv {command}: {exc.code().name}: {exc.details()}\n")
-    return 1
-
-
-def _status(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, command: str, call):
+    """``call(client)`` on a connection made from the command's options; (answer, exit code),
+    the answer None and the code 1 when the server refused (the reason on stderr)."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     try:
         with _connect(args) as client:
-            status = client.status()
+            return call(client), 0
     except grpc.RpcError as exc:
-        return _rpc_error("status", exc)
+        sys.stderr.write(f"aggsrv {command}: {exc.code().name}: {exc.details()}\n")
+        return None, 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    status, rc = _ask(args, "status", lambda client: client.status())
+    if status is None:
+        return rc
     if args.json:
         import json
+
+        from google.protobuf.json_format import MessageToDict
 
         sys.stdout.write(json.dumps(MessageToDict(status), indent=2, sort_keys=True) + "\n")
         return 0
@@ -158,34 +163,27 @@ def format_status(s) -> str:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    import grpc
-
     from aggsrv.v1 import aggregation_pb2 as pb
 
-    try:
-        with _connect(args) as client:
-            resp = client.admin_call("Checkpoint", pb.CheckpointRequest())
-    except grpc.RpcError as exc:
-        return _rpc_error("checkpoint", exc)
-    sys.stdout.write(
-        f"checkpoint of version {resp.version}: {resp.bytes / 1e6:.1f} MB in "
-        f"{resp.took.ToTimedelta().total_seconds():.2f} s -> {resp.path}\n"
+    resp, rc = _ask(
+        args, "checkpoint", lambda c: c.admin_call("Checkpoint", pb.CheckpointRequest())
     )
-    return 0
+    if resp is not None:
+        sys.stdout.write(
+            f"checkpoint of version {resp.version}: {resp.bytes / 1e6:.1f} MB in "
+            f"{resp.took.ToTimedelta().total_seconds():.2f} s -> {resp.path}\n"
+        )
+    return rc
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    import grpc
-
     from aggsrv.v1 import aggregation_pb2 as pb
 
-    try:
-        with _connect(args) as client:
-            resp = client.admin_call("Shutdown", pb.ShutdownRequest(grace_seconds=args.grace))
-    except grpc.RpcError as exc:
-        return _rpc_error("shutdown", exc)
-    sys.stdout.write(f"server stopping at version {resp.version}\n")
-    return 0
+    request = pb.ShutdownRequest(grace_seconds=args.grace)
+    resp, rc = _ask(args, "shutdown", lambda c: c.admin_call("Shutdown", request))
+    if resp is not None:
+        sys.stdout.write(f"server stopping at version {resp.version}\n")
+    return rc
 
 
 def _token(args: argparse.Namespace) -> int:

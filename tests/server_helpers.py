@@ -4,11 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
+from pathlib import Path
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client
@@ -130,3 +138,69 @@ def raw_push(address: str, messages) -> grpc.RpcError | pb.PushUpdateResponse:
             return stub.PushUpdate(iter(messages), timeout=30)
         except grpc.RpcError as exc:
             return exc
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`python -m aggsrv.cli [-v] serve --host 127.0.0.1 --port PORT ARGS...` with its log
+    (stderr) in ``log_path``; ``--auth none`` unless ARGS name another."""
+
+    def __init__(self, log_path: Path, port: int, *args: str, verbose: bool = False) -> None:
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        cmd = [sys.executable, "-m", "aggsrv.cli", *(["-v"] if verbose else []), "serve"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        if "--auth" not in args:
+            cmd += ["--auth", "none"]
+        cmd += list(args)
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=REPO, env=dict(os.environ)
+        )
+
+    def wait_serving(self, limit: float = 30.0) -> float:
+        """Seconds from process start until health answers SERVING."""
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() - self.started < limit:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"serve exited with {self.proc.returncode}: {self.log()}")
+                try:
+                    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - self.started
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.02)
+        raise AssertionError(f"not SERVING after {limit} s: {self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> tuple[int, float]:
+        """Send `sig`; (exit code, seconds it took to exit)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        return rc, time.monotonic() - t0
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        return self.stop(signal.SIGTERM, timeout)[0]
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()

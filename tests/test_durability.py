@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from crc_oracle import crc32c_oracle
 
 from aggsrv.server import durability as D
 from aggsrv.server.durability import (
@@ -50,27 +51,6 @@ SIZES = [1, 7, 1001, 0, 33]
 # --------------------------------------------------------------------------------------------
 # Oracles and helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _crc32c_table() -> list[int]:
-    poly = 0x82F63B78  # Castagnoli, reflected
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ poly if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def crc32c_oracle(data: bytes) -> int:
-    c = 0xFFFFFFFF
-    for byte in data:
-        c = _TABLE[(c ^ byte) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
 
 
 def oracle_parse(data: bytes) -> list[tuple[int, str, dict, list[tuple[str, bytes]], int]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_helpers import ServeProcess, free_port
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
@@ -38,76 +37,45 @@ ORACLE = r"""
 import json, sys, torch
 from aggsrv.server import durability as D, persistence
 from aggsrv.server.config import ServerConfig
-from aggsrv.server.federation import Federation
 state_dir, config_path, out = sys.argv[1:4]
-config = ServerConfig.load(config_path)
-fed = Federation(config)
-persistence.restore(fed, D.load_checkpoint(D.checkpoint_path(state_dir, 1)))
+fed = persistence.rebuild(ServerConfig.load(config_path), state_dir, 1)
 kinds = {}
 for _, record in D.iter_records(state_dir, 1):
-    persistence.replay(fed, record)
     kinds[record.kind] = kinds.get(record.kind, 0) + 1
 torch.save({"model": fed.strategy.global_model().clone(), "version": fed.version}, out)
 print(json.dumps(kinds))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Supervisor:
     """Starts, kills and restarts one `aggsrv serve` process on a fixed port."""
 
     def __init__(self, tmp: Path, config: Path) -> None:
-        self.port = _free_port()
+        self.tmp = tmp
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.config = config
         self.state = tmp / "state"
-        self.log = open(tmp / "serve.log", "a")  # noqa: SIM115 - closed in close()
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
+        self.runs: list[ServeProcess] = []
 
     def start(self) -> None:
-        args = ["--resume", str(self.state)] if self.starts else ["--state-dir", str(self.state)]
-        cmd = [sys.executable, "-m", "aggsrv.cli", "serve", "--config", str(self.config)]
-        cmd += ["--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=REPO)
-        self.starts += 1
-        deadline = time.monotonic() + 30
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"serve exited: {self.read_log()[-3000:]}"
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == 1:
-                        return
-                except grpc.RpcError:
-                    time.sleep(0.05)
-        raise AssertionError("serve did not become healthy")
+        args = ["--resume", str(self.state)] if self.runs else ["--state-dir", str(self.state)]
+        log = self.tmp / f"serve-{len(self.runs)}.log"
+        self.runs.append(ServeProcess(log, self.port, "--config", str(self.config), *args))
+        self.runs[-1].wait_serving()
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        self.runs[-1].stop(signal.SIGKILL, timeout=10)
 
     def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+        return self.runs[-1].terminate(timeout=30)
 
     def read_log(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return Path(self.log.name).read_text()
+        return "".join(run.log() for run in self.runs)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.log.close()
+        for run in self.runs:
+            run.close()
 
 
 class Pusher(threading.Thread):

@@ -14,10 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,13 +24,20 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_helpers import RunningServer, flat, raw_push, tiny_model, update_messages
+from server_helpers import (
+    RunningServer,
+    ServeProcess,
+    flat,
+    free_port,
+    raw_push,
+    tiny_model,
+    update_messages,
+)
 from state_helpers import assert_same_state
 
 from aggsrv.client.client import Client
 from aggsrv.server import durability, persistence
 from aggsrv.server.config import ServerConfig
-from aggsrv.server.federation import Federation
 from aggsrv.strategies import Strategy
 from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
@@ -66,18 +69,10 @@ def wait_until(cond: Callable[[], bool], limit: float = 10.0) -> bool:
 
 def replay_log(config: ServerConfig, state_dir: Path) -> Strategy:
     """The strategy a fresh federation reaches from checkpoint 1 plus every logged record."""
-    fed = Federation(config)
-    try:
-        number, path = durability.list_checkpoints(state_dir)[0]
-        assert number == 1, durability.list_checkpoints(state_dir)
-        persistence.restore(fed, durability.load_checkpoint(path))
-        for _, record in durability.iter_records(state_dir, 1):
-            persistence.replay(fed, record)
-        assert fed.strategy is not None
-        return fed.strategy
-    finally:
-        fed._executor.shutdown()
-        fed._sync_pool.shutdown()
+    assert durability.list_checkpoints(state_dir)[0][0] == 1, "checkpoint 1 was pruned"
+    strategy = persistence.rebuild(config, state_dir, 1).strategy
+    assert strategy is not None
+    return strategy
 
 
 def logged_updates(state_dir: Path) -> list[tuple[str, str]]:
@@ -309,56 +304,6 @@ def test_reconnecting_client_re_pushing_the_same_update_id_is_applied_once(serve
 
 
 # ----------------------------------------------------------------------------- 4. restart
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    """`python -m aggsrv.cli serve ...` on a given port, its log (stderr) in a file."""
-
-    def __init__(self, log_path: Path, port: int, *args: str) -> None:
-        self.address = f"127.0.0.1:{port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        cmd = [sys.executable, "-m", "aggsrv.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--auth", "none", *args]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=REPO, env=dict(os.environ)
-        )
-
-    def wait_serving(self, limit: float = 30.0) -> float:
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() - self.started < limit:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"serve exited with {self.proc.returncode}: {self.log()}")
-                try:
-                    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return time.monotonic() - self.started
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.02)
-        raise AssertionError(f"not SERVING after {limit} s: {self.log()}")
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
 
 
 N_RESTART_CLIENTS = 8

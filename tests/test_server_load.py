@@ -48,7 +48,6 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability, persistence
 from aggsrv.server.config import ServerConfig
-from aggsrv.server.federation import Federation
 from aggsrv.strategies import Strategy
 from aggsrv.strategies.base import Status
 
@@ -109,18 +108,10 @@ class RssSampler:
 
 def replay_log(config: ServerConfig, state_dir: Path) -> Strategy:
     """The strategy a fresh federation reaches from checkpoint 1 plus every logged record."""
-    fed = Federation(config)
-    try:
-        number, path = durability.list_checkpoints(state_dir)[0]
-        assert number == 1, durability.list_checkpoints(state_dir)
-        persistence.restore(fed, durability.load_checkpoint(path))
-        for _, record in durability.iter_records(state_dir, 1):
-            persistence.replay(fed, record)
-        assert fed.strategy is not None
-        return fed.strategy
-    finally:
-        fed._executor.shutdown()
-        fed._sync_pool.shutdown()
+    assert durability.list_checkpoints(state_dir)[0][0] == 1, "checkpoint 1 was pruned"
+    strategy = persistence.rebuild(config, state_dir, 1).strategy
+    assert strategy is not None
+    return strategy
 
 
 @dataclass

@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,8 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_helpers import update_messages
+from server_helpers import ServeProcess, free_port, update_messages
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
@@ -33,12 +31,6 @@ READY_LIMIT_S = 5.0
 APPLY_LINE = re.compile(r"fedasync: (\S+) s=(\d+) alpha=\S+ -> v(\d+)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tiny_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
@@ -48,59 +40,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return ModelLayout.from_module(model).flatten(model, dtype=torch.float32)
 
 
-class ServeProcess:
-    """`python -m aggsrv.cli [-v] serve ...` with its log (stderr) in a file."""
-
-    def __init__(self, tmp_path: Path, *args: str, verbose: bool = False) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.log_path = tmp_path / f"serve-{self.port}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
-        cmd = [sys.executable, "-m", "aggsrv.cli", *(["-v"] if verbose else []), "serve"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        # Tests speak without tokens and keep their state in tmp_path unless they say otherwise.
-        if "--auth" not in args:
-            cmd += ["--auth", "none"]
-        if "--state-dir" not in args and "--resume" not in args:
-            cmd += ["--state-dir", str(tmp_path / f"state-{self.port}")]
-        cmd += list(args)
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=REPO, env=dict(os.environ)
-        )
-
-    def wait_serving(self, limit: float = 20.0) -> float:
-        """Seconds from process start until health answers SERVING."""
-        with grpc.insecure_channel(self.address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() - self.started < limit:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"serve exited with {self.proc.returncode}: {self.log()}")
-                try:
-                    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return time.monotonic() - self.started
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.02)
-        raise AssertionError(f"not SERVING after {limit} s: {self.log()}")
-
-    def stop(self, sig: int, timeout: float) -> tuple[int, float]:
-        """Send `sig`; (exit code, seconds it took to exit)."""
-        t0 = time.monotonic()
-        self.proc.send_signal(sig)
-        rc = self.proc.wait(timeout=timeout)
-        return rc, time.monotonic() - t0
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
+def _serve_process(tmp_path: Path, *args: str, verbose: bool = False) -> ServeProcess:
+    """A serve process on a free port, its state in tmp_path unless ARGS say otherwise."""
+    port = free_port()
+    if "--state-dir" not in args and "--resume" not in args:
+        args = (*args, "--state-dir", str(tmp_path / f"state-{port}"))
+    return ServeProcess(tmp_path / f"serve-{port}.log", port, *args, verbose=verbose)
 
 
 @pytest.fixture
@@ -108,7 +53,7 @@ def serve(tmp_path) -> Iterator:
     procs: list[ServeProcess] = []
 
     def start(*args: str, verbose: bool = False) -> ServeProcess:
-        p = ServeProcess(tmp_path, *args, verbose=verbose)
+        p = _serve_process(tmp_path, *args, verbose=verbose)
         procs.append(p)
         return p
 

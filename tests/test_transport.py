@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from crc_oracle import crc32c_oracle
 
 from aggsrv import transport as T
 from aggsrv.transport import dtypes as dtypes_mod
@@ -20,28 +21,6 @@ from aggsrv.transport import dtypes as dtypes_mod
 # --------------------------------------------------------------------------------------------
 # Oracles and helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _crc32c_table() -> list[int]:
-    poly = 0x82F63B78  # Castagnoli, reflected
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ poly if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def crc32c_oracle(data: bytes) -> int:
-    """Plain table-driven CRC-32C (reflected, init and xorout 0xFFFFFFFF)."""
-    c = 0xFFFFFFFF
-    for byte in data:
-        c = _TABLE[(c ^ byte) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
 
 
 @pytest.fixture

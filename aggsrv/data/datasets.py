@@ -17,7 +17,6 @@ stays cheap.
 from __future__ import annotations
 
 import gzip
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from aggsrv.imports import load_callable
 
 __all__ = [
     "DATASETS",
@@ -348,21 +349,7 @@ DATASETS: dict[str, Loader] = {
 
 
 def _resolve_user_loader(name: str) -> Loader:
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"data set {name!r}: a user data set is written 'module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"data set {name!r}: cannot import module {module_name!r}: {exc}") from exc
-    loader = module
-    for part in attr.split("."):
-        loader = getattr(loader, part, None)
-        if loader is None:
-            raise ValueError(f"data set {name!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(loader):
-        raise ValueError(f"data set {name!r}: {attr!r} is not callable")
-    return loader
+    return load_callable(name, "data set")
 
 
 def load_dataset(name: str, data_dir: str | None = None, seed: int = 0) -> Dataset:

@@ -28,13 +28,14 @@ may follow after a second colon) and is called like the built-ins in :data:`PART
 from __future__ import annotations
 
 import bisect
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from aggsrv.imports import load_callable
 
 __all__ = [
     "PARTITIONS",
@@ -517,23 +518,7 @@ def parse_partition(spec: str) -> tuple[str, dict]:
 def _resolve(name: str) -> Partitioner:
     if name in PARTITIONS:
         return PARTITIONS[name]
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"partition {name!r}: cannot import module {module_name!r}: {exc}"
-        ) from exc
-    fn: Any = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(
-                f"partition {name!r}: module {module_name!r} has no attribute {attr!r}"
-            )
-    if not callable(fn):
-        raise ValueError(f"partition {name!r}: {attr!r} is not callable")
-    return fn
+    return load_callable(name, "partition")
 
 
 def _check_params(name: str, fn: Partitioner, params: Mapping[str, Any]) -> None:

@@ -9,7 +9,6 @@ of metric names to numbers, e.g. ``{"accuracy": 0.91, "loss": 0.27}``.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -17,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
+
+from aggsrv.imports import load_callable
 
 if TYPE_CHECKING:
     from aggsrv.server.federation import Federation, Snapshot
@@ -27,21 +28,7 @@ EvalHook = Callable[[dict[str, torch.Tensor]], Mapping[str, float]]
 
 def load_hook(spec: str) -> EvalHook:
     """Import ``package.module:function``; ValueError naming what is missing."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"eval hook must be 'module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"eval hook {spec!r}: cannot import {module_name!r}: {exc}") from exc
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"eval hook {spec!r}: {module_name} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ValueError(f"eval hook {spec!r} is not callable")
-    return fn
+    return load_callable(spec, "eval hook")
 
 
 class Evaluator:

@@ -464,9 +464,12 @@ class Federation:
     async def shutdown_executors(self) -> None:
         """Stop the aggregation and log-sync threads (after :meth:`close` and the final
         checkpoint)."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._executor.shutdown)
-        await loop.run_in_executor(None, self._sync_pool.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown_threads)
+
+    def shutdown_threads(self) -> None:
+        """Blocking form of :meth:`shutdown_executors` (a federation that never served)."""
+        self._executor.shutdown()
+        self._sync_pool.shutdown()
 
 
 def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:

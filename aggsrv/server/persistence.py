@@ -28,6 +28,7 @@ from aggsrv.strategies import Outcome, Update, UpdateKind, make_strategy
 from aggsrv.v1 import tensor_pb2 as tpb
 
 if TYPE_CHECKING:
+    from aggsrv.server.config import ServerConfig
     from aggsrv.server.federation import Federation
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,20 @@ def restore(fed: Federation, payload: dict[str, Any]) -> None:
         fed.clients[client_id] = ClientRecord(client_id, registered_at, expires, labels)
     fed.counters.update(payload["counters"])
     fed.rejected_by_code.update(payload["rejected_by_code"])
+
+
+def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int) -> Federation:
+    """A fresh federation from checkpoint ``checkpoint`` of ``directory`` plus every record
+    logged after it, as recovery does it (from the first checkpoint when nothing was pruned:
+    an audit of the whole log, and the oracle of the crash tests). Needs no event loop."""
+    from aggsrv.server.federation import Federation  # a cycle at import time otherwise
+
+    fed = Federation(config)
+    restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
+    for _, record in D.iter_records(directory, checkpoint):
+        replay(fed, record)
+    fed.shutdown_threads()
+    return fed
 
 
 def strategy_name(name: str) -> str:

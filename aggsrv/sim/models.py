@@ -27,7 +27,6 @@ reproducible.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from aggsrv.imports import load_callable
 
 __all__ = ["MODELS", "build_model"]
 
@@ -329,23 +330,7 @@ MODELS: dict[str, ModelBuilder] = {
 
 def _load_user_factory(name: str) -> ModelBuilder:
     """Import ``"package.module:attr.path"`` and return the callable it names."""
-    module_name, _, attr_path = name.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"a user model is 'module:callable', got {name!r}")
-    try:
-        obj: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for model {name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(
-                f"model {name!r}: {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    if not callable(obj):
-        raise ValueError(f"model {name!r} does not name a callable")
-    return obj  # type: ignore[return-value]
+    return load_callable(name, "model")
 
 
 def _check_kwargs(name: str, builder: ModelBuilder, kwargs: dict[str, object]) -> None:

@@ -136,17 +136,9 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def _user_strategy(spec: str) -> type[Strategy]:
-    import importlib
+    from aggsrv.imports import load_object
 
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"strategy {spec!r}: cannot import {module_name!r} ({exc})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"strategy {spec!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = load_object(spec, "strategy")
     if not (isinstance(obj, type) and issubclass(obj, Strategy)):
         raise ValueError(f"strategy {spec!r} is not a subclass of aggsrv.strategies.Strategy")
     return obj
