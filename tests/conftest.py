@@ -6,7 +6,26 @@ here, before any test imports `aggsrv.kernels.triton`. On a CUDA machine the rea
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def servers():
+    """A factory of in-process RunningServers (tests/server_helpers.py), all stopped at the end
+    of the test."""
+    from server_helpers import RunningServer  # grpc only for the tests that use a server
+
+    started = []
+
+    def make(**config):
+        srv = RunningServer(**config)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()

@@ -77,21 +77,6 @@ def _close(got: torch.Tensor, want64: torch.Tensor, atol: float = ATOL) -> None:
     assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
 
 
-@pytest.fixture
-def servers() -> Iterator[Callable[..., RunningServer]]:
-    """A factory of RunningServers, all stopped at the end of the test."""
-    started: list[RunningServer] = []
-
-    def make(**config) -> RunningServer:
-        srv = RunningServer(**config)
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
-
-
 def _clients(
     address: str, names: list[str], model: torch.nn.Module, chunk_bytes: int | None = None
 ) -> list[Client]:

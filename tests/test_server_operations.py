@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -23,7 +23,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import RunningServer, raw_push, tiny_model, update_messages
+from server_helpers import (
+    raw_push,
+    tiny_model,
+    update_messages,
+)
 
 from aggsrv.client.client import Client
 from aggsrv.logs import JsonFormatter
@@ -33,20 +37,6 @@ from aggsrv.strategies.base import Status
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 20.0  # every poll below gives up after this long
-
-
-@pytest.fixture
-def servers() -> Iterator[Callable[..., RunningServer]]:
-    started: list[RunningServer] = []
-
-    def make(**config) -> RunningServer:
-        srv = RunningServer(**config)
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
