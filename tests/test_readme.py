@@ -27,7 +27,7 @@ def test_readme_commands_match_ci() -> None:
     setup, tests = blocks[0], blocks[1]
     commands = [line.split("#")[0].strip() for line in setup.splitlines()]
     # The first command block sets up and runs the main job; CI installs the same way.
-    for command in ("pip install torch==2.13.0", 'pip install -e ".[dev,sim]"'):
+    for command in ("pip install torch==2.13.0", 'pip install -e ".[dev,sim,flower]"'):
         assert command in commands
         assert command in ci
     assert commands[-1] == "aggsrv simulate"

@@ -1,0 +1,1 @@
+"""Adapters that embed aggsrv in other federated-learning stacks (optional extras)."""

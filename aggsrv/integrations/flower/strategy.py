@@ -1,0 +1,238 @@
+"""An aggsrv strategy inside Flower's ServerApp rounds (``flwr.serverapp.strategy.Strategy``).
+
+:class:`AggsrvStrategy` runs the server side of any aggsrv strategy (FedAvg, FedAsync, FedBuff,
+Fed-OGD, ORTHOFL, FedHist, FedDGIC, FedEN, ...) with ``aggsrv.kernels``, driven by Flower's
+``start()`` loop: ``configure_train`` asks the strategy for each sampled node's job (Flower node
+ids are the client ids), ``aggregate_train`` folds the replies in, in the order given, exactly
+as our server folds pushes in the order they arrive. So the same updates in the same order give
+the same global model as ``aggsrv serve`` (bit for bit: the same strategy code runs).
+
+Messages carry the job's weights as the "arrays" record (the model's own names and shapes), the
+job's recipe and ids in the "config" record (``aggsrv.*`` keys; a ClientApp trains by them with
+the helpers of :mod:`aggsrv.integrations.flower.client`), and any further job tensor (Fed-OGD's
+basis) as a record of its own, ``aggsrv.<name>``. A reply carries the client's final weights as
+"arrays" and its sample count as the "num-examples" metric, as with Flower's own strategies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy as FlowerStrategy
+
+from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat
+from aggsrv.layout import ModelLayout
+from aggsrv.strategies import Job, Strategy, StrategyError, Update, UpdateKind, make_strategy
+
+log = logging.getLogger(__name__)
+
+JOB_ID = "aggsrv.job-id"
+BASE_VERSION = "aggsrv.base-version"
+RECIPE_PREFIX = "aggsrv.recipe."
+
+
+class AggsrvStrategy(FlowerStrategy):
+    """Flower strategy that delegates aggregation to the aggsrv strategy ``name``."""
+
+    def __init__(
+        self,
+        name: str,
+        config: Mapping[str, Any] | None = None,
+        *,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_available_nodes: int = 1,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        device: str | torch.device = "cpu",
+        max_clients: int = 1024,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 <= fraction_train <= 1.0 or not 0.0 <= fraction_evaluate <= 1.0:
+            raise ValueError("fraction_train and fraction_evaluate must be in [0, 1]")
+        self.name = name
+        self.config = dict(config or {})
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.min_available_nodes = min_available_nodes
+        self.weighted_by_key = weighted_by_key
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.device = torch.device(device)
+        self.max_clients = max_clients
+        self.clock = clock
+        self._random = random.Random(seed)
+        self.strategy: Strategy | None = None
+        self.layout: ModelLayout | None = None
+        self._jobs: dict[int, Job] = {}
+        self.outcomes: list[tuple[int, str, int]] = []  # (node, status, version) per reply
+        # Fail now, not at the first round, on a bad name or config key.
+        from aggsrv.strategies import strategy_class
+
+        strategy_class(name).config_class.from_dict(self.config)
+
+    # ------------------------------------------------------------------ the aggsrv strategy
+
+    def adopt(self, arrays: ArrayRecord) -> None:
+        """Create the aggsrv strategy with ``arrays`` as version 0 (first round, or by hand)."""
+        self.layout = layout_of(arrays)
+        self.strategy = make_strategy(
+            self.name,
+            layout=self.layout,
+            initial=record_to_flat(arrays, self.layout),
+            config=self.config,
+            device=self.device,
+            max_clients=self.max_clients,
+        )
+
+    def global_arrays(self) -> ArrayRecord:
+        """The aggsrv strategy's current global model as a Flower record."""
+        assert self.strategy is not None and self.layout is not None
+        return flat_to_record(self.strategy.global_model(), self.layout)
+
+    def _sample(self, grid: Grid, fraction: float) -> list[int]:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) < self.min_available_nodes:
+            log.warning("%d nodes connected, %d wanted", len(nodes), self.min_available_nodes)
+        k = max(1, math.ceil(len(nodes) * fraction)) if nodes and fraction > 0 else 0
+        return sorted(self._random.sample(nodes, k))
+
+    # ------------------------------------------------------------------ Flower's interface
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.strategy is None:
+            self.adopt(arrays)
+        strategy = self.strategy
+        assert strategy is not None and self.layout is not None
+        messages = []
+        for node in self._sample(grid, self.fraction_train):
+            client = str(node)
+            now = self.clock()
+            if client not in strategy.clients:
+                strategy.on_register(client, now)
+            job = strategy.job_for(client, now)
+            if job is None:  # e.g. FedHist: this node's last update still waits in the round
+                continue
+            self._jobs[node] = job
+            messages.append(self._job_message(server_round, node, job, config))
+        return messages
+
+    def _job_message(self, server_round: int, node: int, job: Job, config: ConfigRecord) -> Message:
+        layout = self.layout
+        assert layout is not None
+        values: dict[str, Any] = dict(config)
+        values.update({"server-round": server_round, JOB_ID: job.job_id,
+                       BASE_VERSION: job.base_version})  # fmt: skip
+        for key, value in job.recipe.to_dict().items():
+            if isinstance(value, bool | int | float | str):
+                values[RECIPE_PREFIX + key] = value
+            elif isinstance(value, Mapping):
+                values.update({f"{RECIPE_PREFIX}extra.{k}": float(v) for k, v in value.items()})
+        content = RecordDict(
+            {
+                self.arrayrecord_key: flat_to_record(job.weights, layout),
+                self.configrecord_key: ConfigRecord(values),
+            }
+        )
+        for name, tensor in job.tensors.items():
+            if name not in ("weights", "buffers") and tensor.numel() == layout.numel:
+                content[f"aggsrv.{name}"] = flat_to_record(tensor, layout)
+        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        strategy = self.strategy
+        assert strategy is not None and self.layout is not None
+        metrics: list[tuple[float, MetricRecord]] = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            job = self._jobs.pop(node, None)
+            if msg.has_error() or job is None:
+                log.warning("round %d: no usable reply from node %s", server_round, node)
+                continue
+            content = msg.content
+            reply_metrics = content.metric_records.get("metrics", MetricRecord())
+            n = float(reply_metrics.get(self.weighted_by_key, 1))
+            update = Update(
+                client_id=str(node),
+                job_id=job.job_id,
+                base_version=job.base_version,
+                update_id=msg.metadata.message_id or f"{node}-{job.job_id}",
+                num_samples=int(n),
+                work_done=job.recipe.work_target,
+                kind=UpdateKind.WEIGHTS,
+                tensor=record_to_flat(content[self.arrayrecord_key], self.layout).to(
+                    strategy.device
+                ),
+            )
+            try:
+                outcome = strategy.on_update(update, self.clock())
+            except StrategyError as exc:  # e.g. too stale: dropped, as our server refuses it
+                log.warning("round %d: update of node %s refused: %s", server_round, node, exc)
+                continue
+            self.outcomes.append((node, outcome.status.name, outcome.version))
+            metrics.append((n, reply_metrics))
+        return self.global_arrays(), _weighted_mean(metrics, self.weighted_by_key)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.fraction_evaluate == 0.0:
+            return []
+        values = dict(config)
+        values["server-round"] = server_round
+        content = RecordDict(
+            {self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(values)}
+        )
+        return [
+            Message(content=content, dst_node_id=node, message_type=MessageType.EVALUATE)
+            for node in self._sample(grid, self.fraction_evaluate)
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        metrics = []
+        for msg in replies:
+            if msg.has_error():
+                continue
+            record = msg.content.metric_records.get("metrics", MetricRecord())
+            metrics.append((float(record.get(self.weighted_by_key, 1)), record))
+        return _weighted_mean(metrics, self.weighted_by_key)
+
+    def summary(self) -> None:
+        log.info(
+            "AggsrvStrategy: aggsrv %s %s, fraction_train %.2f, fraction_evaluate %.2f",
+            self.name, self.config, self.fraction_train, self.fraction_evaluate,
+        )  # fmt: skip
+
+
+def _weighted_mean(
+    metrics: list[tuple[float, MetricRecord]], weight_key: str
+) -> MetricRecord | None:
+    """Sample-weighted mean of every numeric metric (the weight key itself is summed)."""
+    if not metrics:
+        return None
+    total = sum(n for n, _ in metrics)
+    out: dict[str, float] = {}
+    for key in metrics[0][1]:
+        if key == weight_key:
+            out[key] = total
+            continue
+        values = [(n, r[key]) for n, r in metrics if isinstance(r.get(key), int | float)]
+        if values and total > 0:
+            out[key] = sum(n * float(v) for n, v in values) / total
+    return MetricRecord(out)
