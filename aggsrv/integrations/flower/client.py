@@ -94,7 +94,9 @@ def train_job(
     model_layout = ModelLayout.from_module(model)
     if model_layout.hash != job.layout.hash:
         raise ValueError(
-            "the model's parameters (names and shapes, in order) differ from the job's arrays"
+            "the model's trainable parameters (names and shapes, in named_parameters() order) "
+            "differ from the job's arrays: build the ServerApp's initial ArrayRecord from "
+            "{name: p for name, p in model.named_parameters()}"
         )
     return train(
         model, loader, job.recipe, job.weights, layout=model_layout,
