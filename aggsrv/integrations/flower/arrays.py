@@ -9,6 +9,7 @@ straight from a view of the flat vector (one copy, into the bytes Flower keeps).
 from __future__ import annotations
 
 import ast
+import functools
 import struct
 from collections.abc import Mapping
 
@@ -41,14 +42,23 @@ def npy_view(array: Array) -> np.ndarray:
     else:
         (hlen,) = struct.unpack_from("<I", data, 8)
         start = 12
-    header = ast.literal_eval(data[start : start + hlen].decode("latin1"))
-    if header.get("fortran_order") or np.dtype(header["descr"]).hasobject:
+    parsed = _npy_header(data[start : start + hlen])
+    if parsed is None:
         return array.numpy()
-    shape = tuple(header["shape"])
-    count = int(np.prod(shape, dtype=np.int64))
-    return np.frombuffer(data, dtype=header["descr"], count=count, offset=start + hlen).reshape(
-        shape
-    )
+    dtype, shape, count = parsed
+    return np.frombuffer(data, dtype=dtype, count=count, offset=start + hlen).reshape(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _npy_header(text: bytes) -> tuple[np.dtype, tuple[int, ...], int] | None:
+    """(dtype, shape, count) of an NPY header; None for what a plain view cannot read.
+    Cached: a model's records repeat the same few headers, and parsing one costs ~30 us."""
+    header = ast.literal_eval(text.decode("latin1"))
+    dtype = np.dtype(header["descr"])
+    if header.get("fortran_order") or dtype.hasobject:
+        return None
+    shape = tuple(int(n) for n in header["shape"])
+    return dtype, shape, int(np.prod(shape, dtype=np.int64))
 
 
 def record_to_flat(
