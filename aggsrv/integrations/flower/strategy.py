@@ -7,6 +7,11 @@ ids are the client ids), ``aggregate_train`` folds the replies in, in the order 
 as our server folds pushes in the order they arrive. So the same updates in the same order give
 the same global model as ``aggsrv serve`` (bit for bit: the same strategy code runs).
 
+Flower's rounds wait for every sampled node. For asynchronous aggregation (FedAsync, ORTHOFL,
+FedHist, FedDGIC, ...) :func:`aggsrv.integrations.flower.async_loop.run_async` drives the same
+object from a ServerApp's own loop through :meth:`AggsrvStrategy.issue_job`,
+:meth:`AggsrvStrategy.job_message` and :meth:`AggsrvStrategy.fold_reply`.
+
 Messages carry the job's weights as the "arrays" record (the model's own names and shapes), the
 job's recipe and ids in the "config" record (``aggsrv.*`` keys; a ClientApp trains by them with
 the helpers of :mod:`aggsrv.integrations.flower.client`), and any further job tensor (Fed-OGD's
@@ -30,7 +35,15 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies import Job, Strategy, StrategyError, Update, UpdateKind, make_strategy
+from aggsrv.strategies import (
+    Job,
+    Outcome,
+    Strategy,
+    StrategyError,
+    Update,
+    UpdateKind,
+    make_strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,25 +127,44 @@ class AggsrvStrategy(FlowerStrategy):
     ) -> Iterable[Message]:
         if self.strategy is None:
             self.adopt(arrays)
-        strategy = self.strategy
-        assert strategy is not None and self.layout is not None
         messages = []
         for node in self._sample(grid, self.fraction_train):
-            client = str(node)
-            now = self.clock()
-            if client not in strategy.clients:
-                strategy.on_register(client, now)
-            job = strategy.job_for(client, now)
+            job = self.issue_job(node)
             if job is None:  # e.g. FedHist: this node's last update still waits in the round
                 continue
-            self._jobs[node] = job
-            messages.append(self._job_message(server_round, node, job, config))
+            messages.append(self.job_message(node, job, server_round=server_round, config=config))
         return messages
 
-    def _job_message(self, server_round: int, node: int, job: Job, config: ConfigRecord) -> Message:
+    def issue_job(self, node: int, now: float | None = None) -> Job | None:
+        """The node's next job from the aggsrv strategy (registering the node on first sight),
+        remembered as its outstanding one; None while the strategy has none for it."""
+        strategy = self.strategy
+        assert strategy is not None, "adopt() the initial arrays first"
+        now = self.clock() if now is None else now
+        client = str(node)
+        if client not in strategy.clients:
+            strategy.on_register(client, now)
+        job = strategy.job_for(client, now)
+        if job is not None:
+            self._jobs[node] = job
+        return job
+
+    def job_message(
+        self,
+        node: int,
+        job: Job,
+        *,
+        server_round: int,
+        config: ConfigRecord | None = None,
+        ttl: float | None = None,
+    ) -> Message:
+        """A TRAIN message to ``node`` for ``job``: weights, recipe and ids, further tensors.
+
+        ``config`` adds the ServerApp's own keys; ``ttl`` (seconds) is Flower's message lifetime
+        (None: Flower's default)."""
         layout = self.layout
         assert layout is not None
-        values: dict[str, Any] = dict(config)
+        values: dict[str, Any] = dict(config or {})
         values.update({"server-round": server_round, JOB_ID: job.job_id,
                        BASE_VERSION: job.base_version})  # fmt: skip
         for key, value in job.recipe.to_dict().items():
@@ -149,43 +181,59 @@ class AggsrvStrategy(FlowerStrategy):
         for name, tensor in job.tensors.items():
             if name not in ("weights", "buffers") and tensor.numel() == layout.numel:
                 content[f"aggsrv.{name}"] = flat_to_record(tensor, layout)
-        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=ttl)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        strategy = self.strategy
-        assert strategy is not None and self.layout is not None
+        assert self.strategy is not None and self.layout is not None
         metrics: list[tuple[float, MetricRecord]] = []
         for msg in replies:
-            node = msg.metadata.src_node_id
-            job = self._jobs.pop(node, None)
-            if msg.has_error() or job is None:
-                log.warning("round %d: no usable reply from node %s", server_round, node)
+            if self.fold_reply(msg) is None:
                 continue
-            content = msg.content
-            reply_metrics = content.metric_records.get("metrics", MetricRecord())
-            n = float(reply_metrics.get(self.weighted_by_key, 1))
-            update = Update(
-                client_id=str(node),
-                job_id=job.job_id,
-                base_version=job.base_version,
-                update_id=msg.metadata.message_id or f"{node}-{job.job_id}",
-                num_samples=int(n),
-                work_done=job.recipe.work_target,
-                kind=UpdateKind.WEIGHTS,
-                tensor=record_to_flat(content[self.arrayrecord_key], self.layout).to(
-                    strategy.device
-                ),
-            )
-            try:
-                outcome = strategy.on_update(update, self.clock())
-            except StrategyError as exc:  # e.g. too stale: dropped, as our server refuses it
-                log.warning("round %d: update of node %s refused: %s", server_round, node, exc)
-                continue
-            self.outcomes.append((node, outcome.status.name, outcome.version))
-            metrics.append((n, reply_metrics))
+            reply_metrics = msg.content.metric_records.get("metrics", MetricRecord())
+            metrics.append((float(reply_metrics.get(self.weighted_by_key, 1)), reply_metrics))
         return self.global_arrays(), _weighted_mean(metrics, self.weighted_by_key)
+
+    def fold_reply(
+        self, msg: Message, job: Job | None = None, *, now: float | None = None
+    ) -> Outcome | None:
+        """Fold one TRAIN reply into the aggsrv strategy; its outcome, or None (logged) for an
+        error reply, a reply without an outstanding job, or an update the strategy refuses.
+
+        ``job`` is the job the reply answers; without it, the node's outstanding job (one per
+        node, as in a synchronous round)."""
+        strategy = self.strategy
+        assert strategy is not None and self.layout is not None
+        node = msg.metadata.src_node_id
+        if job is None:
+            job = self._jobs.pop(node, None)
+        elif self._jobs.get(node) is job:
+            del self._jobs[node]
+        if msg.has_error() or job is None:
+            log.warning("no usable reply from node %s (%s)", node,
+                        msg.error.reason if msg.has_error() else "no outstanding job")  # fmt: skip
+            return None
+        content = msg.content
+        reply_metrics = content.metric_records.get("metrics", MetricRecord())
+        n = float(reply_metrics.get(self.weighted_by_key, 1))
+        update = Update(
+            client_id=str(node),
+            job_id=job.job_id,
+            base_version=job.base_version,
+            update_id=msg.metadata.message_id or f"{node}-{job.job_id}",
+            num_samples=int(n),
+            work_done=job.recipe.work_target,
+            kind=UpdateKind.WEIGHTS,
+            tensor=record_to_flat(content[self.arrayrecord_key], self.layout).to(strategy.device),
+        )
+        try:
+            outcome = strategy.on_update(update, self.clock() if now is None else now)
+        except StrategyError as exc:  # e.g. too stale: dropped, as our server refuses it
+            log.warning("update of node %s refused: %s", node, exc)
+            return None
+        self.outcomes.append((node, outcome.status.name, outcome.version))
+        return outcome
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
