@@ -29,3 +29,15 @@ def servers():
     yield make
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture
+def flower_identity(monkeypatch):
+    """A run identity for building Flower Messages outside a real ServerApp/ClientApp process
+    (which sets it); tests set ``TaskIdentity.node_id`` to the node that replies."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    return TaskIdentity

@@ -34,13 +34,7 @@ from aggsrv.integrations.flower.arrays import (  # noqa: E402
 from aggsrv.integrations.flower.strategy import JOB_ID, AggsrvStrategy  # noqa: E402
 from aggsrv.strategies.base import UpdateKind  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    """Messages need a run identity; a real ServerApp/ClientApp process sets it."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+pytestmark = pytest.mark.usefixtures("flower_identity")
 
 
 class FakeGrid:

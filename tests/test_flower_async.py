@@ -27,7 +27,6 @@ from flwr.app import (  # noqa: E402
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat  # noqa: E402
 from aggsrv.integrations.flower.async_loop import REFUSED, AsyncResult, run_async  # noqa: E402
@@ -37,12 +36,7 @@ from aggsrv.strategies import Update, UpdateKind, make_strategy  # noqa: E402
 POLL = 0.05
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    """Messages need a run identity; a real ServerApp process sets it."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+pytestmark = pytest.mark.usefixtures("flower_identity")
 
 
 @dataclass

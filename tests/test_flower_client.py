@@ -26,12 +26,7 @@ from aggsrv.integrations.flower.client import (  # noqa: E402
 )
 from aggsrv.layout import ModelLayout  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+pytestmark = pytest.mark.usefixtures("flower_identity")
 
 
 class Grid:
