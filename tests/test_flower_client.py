@@ -78,8 +78,6 @@ def test_project_gradients_matches_the_float64_projection() -> None:
         p.grad = torch.randn(p.shape, generator=gen)
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     basis = torch.randn(layout.numel, generator=gen)
-    adapter = AggsrvStrategy("fedasync", {})
-    adapter.adopt(ArrayRecord(torch_state_dict=_trainable_state(model)))
     from aggsrv.integrations.flower.client import FlowerJob
     from aggsrv.strategies.base import ProjectionMode, Recipe
 

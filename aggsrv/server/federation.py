@@ -221,6 +221,12 @@ class Federation:
                 self.on_failure(reason)
         self.closing = True
 
+    def count_accepted(self, outcome: Outcome) -> None:
+        """Count an accepted update (served or replayed from the log)."""
+        self.counters["accepted"] += 1
+        if outcome.status is Status.APPLIED:
+            self.counters["applied"] += 1
+
     def record_registration(
         self, client_id: str, labels: dict[str, str], now: float
     ) -> ClientRecord:
@@ -285,9 +291,7 @@ class Federation:
                 # The original's record may still be on its way to disk: ack after it.
                 wal = self.store.wal if self.store is not None else None
                 return s, outcome, (wal.written_lsn if wal is not None else None), took
-            self.counters["accepted"] += 1
-            if outcome.status is Status.APPLIED:
-                self.counters["applied"] += 1
+            self.count_accepted(outcome)
             lsn = self._log("update", update_record(update, now, outcome), wire)
             return s, outcome, lsn, took
 

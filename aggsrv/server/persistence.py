@@ -272,9 +272,7 @@ def replay(fed: Federation, record: D.WalRecord) -> None:
                 f"update {m['update_id']!r} of {m['client']!r} gave {outcome} on replay, "
                 f"{logged} when it was acknowledged"
             )
-        fed.counters["accepted"] += 1
-        if outcome.status.name == "APPLIED":
-            fed.counters["applied"] += 1
+        fed.count_accepted(outcome)
     else:
         raise RecoveryError(f"unknown record kind {record.kind!r}")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import functools
 import struct
-from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -106,8 +105,3 @@ def _npy(a: np.ndarray) -> bytes:
     pad = 64 - (10 + len(header) + 1) % 64
     text = (header + " " * pad + "\n").encode("latin1")
     return NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(text)) + text + a.tobytes()
-
-
-def flat_dict(record: ArrayRecord) -> Mapping[str, np.ndarray]:
-    """The record's arrays as zero-copy NumPy views, by name."""
-    return {name: npy_view(record[name]) for name in record}

@@ -32,6 +32,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat
 from aggsrv.layout import ModelLayout
@@ -271,16 +272,13 @@ class AggsrvStrategy(FlowerStrategy):
 def _weighted_mean(
     metrics: list[tuple[float, MetricRecord]], weight_key: str
 ) -> MetricRecord | None:
-    """Sample-weighted mean of every numeric metric (the weight key itself is summed)."""
+    """Sample-weighted mean of every metric (Flower's own aggregation); the weight key itself is
+    summed, and a reply without it counts with the weight it was folded in with."""
     if not metrics:
         return None
-    total = sum(n for n, _ in metrics)
-    out: dict[str, float] = {}
-    for key in metrics[0][1]:
-        if key == weight_key:
-            out[key] = total
-            continue
-        values = [(n, r[key]) for n, r in metrics if isinstance(r.get(key), int | float)]
-        if values and total > 0:
-            out[key] = sum(n * float(v) for n, v in values) / total
-    return MetricRecord(out)
+    records = [
+        RecordDict({"metrics": MetricRecord({**dict(r), weight_key: n})}) for n, r in metrics
+    ]
+    out = aggregate_metricrecords(records, weight_key)
+    out[weight_key] = sum(n for n, _ in metrics)
+    return out
