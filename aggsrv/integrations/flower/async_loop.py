@@ -41,7 +41,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from aggsrv.integrations.flower.strategy import AggsrvStrategy
-from aggsrv.strategies import Job, Status, Strategy, StrategyError
+from aggsrv.strategies import Job, Status, Strategy
 
 __all__ = ["AsyncResult", "UpdateRecord", "run_async"]
 
@@ -266,11 +266,8 @@ class _AsyncLoop:
             client = str(node)
             if node in self.excluded or client in self.strategy.clients:
                 continue
-            try:
-                self.strategy.on_register(client, now)
-            except StrategyError as exc:  # e.g. max_clients reached: leave the node idle
+            if not self.adapter.register(node, now):  # e.g. max_clients: leave the node idle
                 self.excluded.add(node)
-                log.warning("node %d not registered: %s", node, exc)
                 continue
             joined = True
             log.info("node %d joined (%d registered)", node, len(self.strategy.clients))

@@ -26,8 +26,13 @@ from torch import nn
 
 from aggsrv import kernels
 from aggsrv.client.train import TrainResult, train
-from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat
-from aggsrv.integrations.flower.strategy import BASE_VERSION, JOB_ID, RECIPE_PREFIX
+from aggsrv.integrations.flower.arrays import (
+    flat_to_record,
+    layout_of,
+    record_to_buffers,
+    record_to_flat,
+)
+from aggsrv.integrations.flower.strategy import BASE_VERSION, JOB_ID, LAYOUT, RECIPE_PREFIX
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.base import Recipe
 
@@ -45,6 +50,7 @@ class FlowerJob:
     weights: torch.Tensor  # flat [D] float32 start weights
     tensors: Mapping[str, torch.Tensor]  # further flat job tensors by name (Fed-OGD: "basis")
     config: Mapping[str, Any]  # the whole config record (the ServerApp's own keys too)
+    buffers: torch.Tensor | None = None  # flat [B] float buffers to start from (BatchNorm)
 
 
 def recipe_from_config(config: Mapping[str, Any]) -> Recipe:
@@ -70,7 +76,7 @@ def job_from_message(
     if JOB_ID not in config:
         raise ValueError(f"the message's config has no {JOB_ID!r}: not an AggsrvStrategy job")
     arrays: ArrayRecord = content[arrayrecord_key]
-    layout = layout_of(arrays)
+    layout = _job_layout(msg, arrayrecord_key, configrecord_key)
     tensors = {
         name[len("aggsrv.") :]: record_to_flat(record, layout)
         for name, record in content.array_records.items()
@@ -84,23 +90,32 @@ def job_from_message(
         weights=record_to_flat(arrays, layout),
         tensors=tensors,
         config=config,
+        buffers=record_to_buffers(arrays, layout),
     )
 
 
 def train_job(
     model: nn.Module, loader: Iterable[Any], job: FlowerJob, **train_kwargs: Any
 ) -> TrainResult:
-    """Run the job's recipe on ``model`` from the job's weights (aggsrv's local loop)."""
+    """Run the job's recipe on ``model`` from the job's weights and float buffers (aggsrv's
+    local loop)."""
     model_layout = ModelLayout.from_module(model)
     if model_layout.hash != job.layout.hash:
         raise ValueError(
             "the model's trainable parameters (names and shapes, in named_parameters() order) "
-            "differ from the job's arrays: build the ServerApp's initial ArrayRecord from "
-            "{name: p for name, p in model.named_parameters()}"
+            "differ from the job's: build the ServerApp's initial ArrayRecord from "
+            "model.state_dict(), or pass model= to AggsrvStrategy when some float parameters "
+            "are frozen"
+        )
+    # A job without statistics (a parameters-only record) leaves the model's own in place.
+    if job.layout.buffer_numel and model_layout.buffer_names != job.layout.buffer_names:
+        raise ValueError(
+            f"the model's float buffers {list(model_layout.buffer_names)[:4]} differ from the "
+            f"job's {list(job.layout.buffer_names)[:4]}"
         )
     return train(
         model, loader, job.recipe, job.weights, layout=model_layout,
-        basis=job.tensors.get("basis"), **train_kwargs,
+        basis=job.tensors.get("basis"), start_buffers=job.buffers, **train_kwargs,
     )  # fmt: skip
 
 
@@ -110,19 +125,43 @@ def reply(
     num_examples: int,
     metrics: Mapping[str, float] | None = None,
     layout: ModelLayout | None = None,
+    buffers: torch.Tensor | None = None,
 ) -> Message:
-    """The reply AggsrvStrategy expects: final weights as "arrays", "num-examples" and any
-    further metrics in "metrics"."""
+    """The reply AggsrvStrategy expects: final weights (and float buffers: BatchNorm's running
+    statistics) as "arrays", "num-examples" and any further metrics in "metrics".
+
+    ``weights`` is the trained model, or its flat [D] weights with ``layout`` and, when the
+    layout has float buffers, the flat [B] ``buffers``. Statistics go back only when the job
+    carried some (a parameters-only job leaves each client its own)."""
+    with_stats = bool(_job_layout(msg).buffer_numel)
     if isinstance(weights, nn.Module):
         layout = ModelLayout.from_module(weights)
         flat = layout.flatten(weights, dtype=torch.float32)
+        if with_stats and layout.buffer_numel:
+            buffers = layout.flatten_buffers(weights, dtype=torch.float32)
     else:
         if layout is None:
             raise ValueError("a flat weights tensor needs its layout")
         flat = weights
+    if with_stats and buffers is None:
+        raise ValueError(
+            "the job carried float buffers (BatchNorm statistics): pass the trained ones as "
+            "buffers= (TrainResult.buffers)"
+        )
     record = MetricRecord({"num-examples": int(num_examples), **dict(metrics or {})})
-    content = RecordDict({"arrays": flat_to_record(flat, layout), "metrics": record})
+    arrays = flat_to_record(flat, layout, buffers if with_stats else None)
+    content = RecordDict({"arrays": arrays, "metrics": record})
     return Message(content, reply_to=msg)
+
+
+def _job_layout(
+    msg: Message, arrayrecord_key: str = "arrays", configrecord_key: str = "config"
+) -> ModelLayout:
+    """The layout a job message was sent with: the ServerApp's, else its record's."""
+    config = msg.content.config_records.get(configrecord_key, {})
+    if LAYOUT in config:
+        return ModelLayout.from_json(config[LAYOUT])
+    return layout_of(msg.content[arrayrecord_key])
 
 
 # ------------------------------------------------------------------ per-step helpers

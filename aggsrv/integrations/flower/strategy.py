@@ -33,8 +33,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from torch import nn
 
-from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat
+from aggsrv.integrations.flower.arrays import (
+    flat_to_record,
+    layout_of,
+    record_to_buffers,
+    record_to_flat,
+)
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import (
     Job,
@@ -51,6 +57,9 @@ log = logging.getLogger(__name__)
 JOB_ID = "aggsrv.job-id"
 BASE_VERSION = "aggsrv.base-version"
 RECIPE_PREFIX = "aggsrv.recipe."
+# The job's ModelLayout as JSON: which arrays are parameters, float buffers or outside, so a
+# ClientApp splits the record exactly as the ServerApp did.
+LAYOUT = "aggsrv.layout"
 
 
 class AggsrvStrategy(FlowerStrategy):
@@ -71,7 +80,12 @@ class AggsrvStrategy(FlowerStrategy):
         max_clients: int = 1024,
         clock: Callable[[], float] = time.time,
         seed: int | None = None,
+        model: nn.Module | None = None,
     ) -> None:
+        """``model`` (optional) fixes which arrays are trained, as ``aggsrv serve`` sees a
+        registering model (``ModelLayout.from_module``); without it the initial record decides
+        (:func:`~aggsrv.integrations.flower.arrays.layout_of`: float arrays are parameters,
+        BatchNorm's running statistics float buffers, integer arrays stay outside)."""
         if not 0.0 <= fraction_train <= 1.0 or not 0.0 <= fraction_evaluate <= 1.0:
             raise ValueError("fraction_train and fraction_evaluate must be in [0, 1]")
         self.name = name
@@ -87,7 +101,12 @@ class AggsrvStrategy(FlowerStrategy):
         self.clock = clock
         self._random = random.Random(seed)
         self.strategy: Strategy | None = None
-        self.layout: ModelLayout | None = None
+        self.layout: ModelLayout | None = (
+            ModelLayout.from_module(model) if model is not None else None
+        )
+        # Arrays outside the layout (integer buffers: num_batches_tracked), sent back as given
+        # in the initial record so a job loads into the model with load_state_dict.
+        self._outside: dict[str, Any] = {}
         self._jobs: dict[int, Job] = {}
         self.outcomes: list[tuple[int, str, int]] = []  # (node, status, version) per reply
         # Fail now, not at the first round, on a bad name or config key.
@@ -98,21 +117,35 @@ class AggsrvStrategy(FlowerStrategy):
     # ------------------------------------------------------------------ the aggsrv strategy
 
     def adopt(self, arrays: ArrayRecord) -> None:
-        """Create the aggsrv strategy with ``arrays`` as version 0 (first round, or by hand)."""
-        self.layout = layout_of(arrays)
+        """Create the aggsrv strategy with ``arrays`` as version 0 (first round, or by hand).
+
+        ``arrays`` holds the parameters and, for a model with BatchNorm, its running
+        statistics (``ArrayRecord(model.state_dict())``), which the strategy then aggregates
+        as ``aggsrv serve`` does (aggsrv/strategies/float_buffers.py)."""
+        layout = self.layout or layout_of(arrays)
+        initial = record_to_flat(arrays, layout)
+        initial_buffers = record_to_buffers(arrays, layout)
         self.strategy = make_strategy(
             self.name,
-            layout=self.layout,
-            initial=record_to_flat(arrays, self.layout),
+            layout=layout,
+            initial=initial,
             config=self.config,
             device=self.device,
             max_clients=self.max_clients,
+            initial_buffers=initial_buffers,
         )
+        self.layout = layout
+        self._outside = {n: arrays[n] for n in layout.int_buffer_names if n in arrays}
 
     def global_arrays(self) -> ArrayRecord:
         """The aggsrv strategy's current global model as a Flower record."""
         assert self.strategy is not None and self.layout is not None
-        return flat_to_record(self.strategy.global_model(), self.layout)
+        return flat_to_record(
+            self.strategy.global_model(),
+            self.layout,
+            self.strategy.global_buffers(),
+            self._outside,
+        )
 
     def _sample(self, grid: Grid, fraction: float) -> list[int]:
         nodes = sorted(grid.get_node_ids())
@@ -128,13 +161,36 @@ class AggsrvStrategy(FlowerStrategy):
     ) -> Iterable[Message]:
         if self.strategy is None:
             self.adopt(arrays)
+        # Every connected node registers before any job is asked for, as clients register
+        # with `aggsrv serve` on connecting: strategies that wait for min_available clients
+        # (Fed-OGD, ORTHOFL) or sample among the registered ones (FedEN) see them all.
+        now = self.clock()
+        for node in sorted(grid.get_node_ids()):
+            self.register(node, now)
         messages = []
         for node in self._sample(grid, self.fraction_train):
-            job = self.issue_job(node)
+            if str(node) not in self.strategy.clients:
+                continue  # refused at registration (max_clients)
+            job = self.issue_job(node, now)
             if job is None:  # e.g. FedHist: this node's last update still waits in the round
                 continue
             messages.append(self.job_message(node, job, server_round=server_round, config=config))
         return messages
+
+    def register(self, node: int, now: float | None = None) -> bool:
+        """Register ``node`` with the aggsrv strategy on first sight; False (logged) when the
+        strategy refuses it (e.g. ``max_clients`` reached)."""
+        strategy = self.strategy
+        assert strategy is not None, "adopt() the initial arrays first"
+        client = str(node)
+        if client in strategy.clients:
+            return True
+        try:
+            strategy.on_register(client, self.clock() if now is None else now)
+        except StrategyError as exc:
+            log.warning("node %s not registered: %s", node, exc)
+            return False
+        return True
 
     def issue_job(self, node: int, now: float | None = None) -> Job | None:
         """The node's next job from the aggsrv strategy (registering the node on first sight),
@@ -167,7 +223,7 @@ class AggsrvStrategy(FlowerStrategy):
         assert layout is not None
         values: dict[str, Any] = dict(config or {})
         values.update({"server-round": server_round, JOB_ID: job.job_id,
-                       BASE_VERSION: job.base_version})  # fmt: skip
+                       BASE_VERSION: job.base_version, LAYOUT: layout.to_json()})  # fmt: skip
         for key, value in job.recipe.to_dict().items():
             if isinstance(value, bool | int | float | str):
                 values[RECIPE_PREFIX + key] = value
@@ -175,7 +231,9 @@ class AggsrvStrategy(FlowerStrategy):
                 values.update({f"{RECIPE_PREFIX}extra.{k}": float(v) for k, v in value.items()})
         content = RecordDict(
             {
-                self.arrayrecord_key: flat_to_record(job.weights, layout),
+                self.arrayrecord_key: flat_to_record(
+                    job.weights, layout, job.tensors.get("buffers"), self._outside
+                ),
                 self.configrecord_key: ConfigRecord(values),
             }
         )
@@ -218,6 +276,15 @@ class AggsrvStrategy(FlowerStrategy):
         content = msg.content
         reply_metrics = content.metric_records.get("metrics", MetricRecord())
         n = float(reply_metrics.get(self.weighted_by_key, 1))
+        try:
+            if self.arrayrecord_key not in content.array_records:
+                raise ValueError(f"the reply has no {self.arrayrecord_key!r} record")
+            arrays = content.array_records[self.arrayrecord_key]
+            tensor = record_to_flat(arrays, self.layout).to(strategy.device)
+            buffers = record_to_buffers(arrays, self.layout)
+        except ValueError as exc:  # a reply of another model, or without its statistics
+            log.warning("reply of node %s refused: %s", node, exc)
+            return None
         update = Update(
             client_id=str(node),
             job_id=job.job_id,
@@ -226,7 +293,8 @@ class AggsrvStrategy(FlowerStrategy):
             num_samples=int(n),
             work_done=job.recipe.work_target,
             kind=UpdateKind.WEIGHTS,
-            tensor=record_to_flat(content[self.arrayrecord_key], self.layout).to(strategy.device),
+            tensor=tensor,
+            buffers=None if buffers is None else buffers.to(strategy.device),
         )
         try:
             outcome = strategy.on_update(update, self.clock() if now is None else now)
