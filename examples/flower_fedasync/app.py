@@ -2,12 +2,15 @@
 asynchronously, and whose ClientApps train by the job's recipe with aggsrv's local loop.
 
 Data: scikit-learn's digits (offline), split over the nodes by a Dirichlet(0.5) partition per
-class. Model: a 64-32-10 MLP. Run it with `python examples/flower_fedasync/run.py` (README.md).
+class. Model: a 64-32-10 MLP. This directory is a Flower App (pyproject.toml): run it with
+`flwr run examples/flower_fedasync` or with `python examples/flower_fedasync/run.py` (README.md).
 """
 
 from __future__ import annotations
 
 import os
+import tomllib
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord
@@ -20,10 +23,23 @@ from aggsrv.integrations.flower import AggsrvStrategy, record_to_flat, run_async
 from aggsrv.integrations.flower.client import job_from_message, reply, train_job
 from aggsrv.layout import ModelLayout
 
-STRATEGY = os.environ.get("AGGSRV_EXAMPLE_STRATEGY", "fedasync")
-UPDATES = int(os.environ.get("AGGSRV_EXAMPLE_UPDATES", "60"))
-NODES = int(os.environ.get("AGGSRV_EXAMPLE_NODES", "4"))
 SEED = 0
+# run.py's knobs; `flwr run` takes `--run-config "strategy='fedhist' num-updates=20"` instead.
+ENVIRONMENT = {"strategy": "AGGSRV_EXAMPLE_STRATEGY", "num-updates": "AGGSRV_EXAMPLE_UPDATES"}
+
+
+def run_config(context: Context) -> dict[str, str | int]:
+    """The run config: `flwr run` passes [tool.flwr.app.config] of pyproject.toml, with any
+    `--run-config` overrides, as `context.run_config`; `run_simulation` (run.py) passes an empty
+    one, so the same table is read from pyproject.toml, with the environment over it."""
+    if context.run_config:
+        return dict(context.run_config)
+    with open(Path(__file__).resolve().parent / "pyproject.toml", "rb") as f:
+        config = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    for key, variable in ENVIRONMENT.items():
+        if variable in os.environ:
+            config[key] = type(config[key])(os.environ[variable])
+    return config
 
 
 def make_model() -> torch.nn.Module:
@@ -31,10 +47,10 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
-def _data():
+def _data(num_nodes: int):
     data = load_dataset("digits", seed=SEED)
     x = data.x_train.reshape(len(data.x_train), -1)
-    parts = partition(data.y_train.numpy(), NODES, "dirichlet_per_class:beta=0.5", SEED)
+    parts = partition(data.y_train.numpy(), num_nodes, "dirichlet_per_class:beta=0.5", SEED)
     return data, x, parts
 
 
@@ -50,24 +66,27 @@ server_app = ServerApp()
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
+    config = run_config(context)
+    strategy_name, updates = str(config["strategy"]), int(config["num-updates"])
     model = make_model()
     layout = ModelLayout.from_module(model)
-    data, _, _ = _data()
+    data = load_dataset("digits", seed=SEED)
     x_test = data.x_test.reshape(len(data.x_test), -1)
     initial = ArrayRecord(torch_state_dict={n: p.detach() for n, p in model.named_parameters()})
-    strategy = AggsrvStrategy(STRATEGY, {"learning_rate": 0.1} if STRATEGY != "fedavg" else {})
+    options = {"learning_rate": 0.1} if strategy_name != "fedavg" else {}
+    strategy = AggsrvStrategy(strategy_name, options)
 
     def central_eval(version: int, arrays: ArrayRecord) -> MetricRecord:
         _load(model, record_to_flat(arrays, layout))
         return MetricRecord({"accuracy": _accuracy(model, x_test, data.y_test)})
 
     result = run_async(
-        grid, strategy, initial, max_updates=UPDATES, job_timeout=120.0,
-        evaluate_fn=central_eval, evaluate_every=max(1, UPDATES // 4),
+        grid, strategy, initial, max_updates=updates, job_timeout=120.0,
+        evaluate_fn=central_eval, evaluate_every=max(1, updates // 4),
     )  # fmt: skip
     accuracy = {v: m["accuracy"] for v, m in sorted(result.evaluations.items())}
     print(
-        f"aggsrv {STRATEGY} in Flower: {result.updates_applied} updates, version "
+        f"aggsrv {strategy_name} in Flower: {result.updates_applied} updates, version "
         f"{result.version}, accuracy by version {accuracy}",
         flush=True,
     )
@@ -91,9 +110,10 @@ client_app = ClientApp()
 
 @client_app.train()
 def client_train(msg: Message, context: Context) -> Message:
+    # Flower's simulation gives each node its partition-id and the number of partitions.
     node = int(context.node_config.get("partition-id", 0))
-    data, x, parts = _data()
-    idx = torch.as_tensor(parts[node % len(parts)])
+    data, x, parts = _data(int(context.node_config.get("num-partitions", 1)))
+    idx = torch.as_tensor(parts[node])
     xs, ys = x[idx], data.y_train[idx]
     batch = 32
     loader = [(xs[i : i + batch], ys[i : i + batch]) for i in range(0, len(xs), batch)]
