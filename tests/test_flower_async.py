@@ -1,36 +1,29 @@
 """`run_async`: asynchronous aggregation in a Flower ServerApp loop, against a fake Grid.
 
-The fake Grid simulates client nodes with different delays on a virtual clock that only the
-loop's `sleep` advances, so runs are deterministic and take no real waiting. Each TRAIN message
-is answered after its node's delay with the message's weights plus a seeded random delta. The
-loop must give FedAsync the model an independent replay of the same jobs and replies gives (bit
-for bit) and the FedAsync formula by hand (float64); fast nodes must not wait for slow ones; stop
-conditions, dead nodes, error replies, joining nodes and refusals must behave.
+The fake Grid (tests/flower_helpers.py) simulates client nodes with different delays on a
+virtual clock that only the loop's `sleep` advances, so runs are deterministic and take no real
+waiting. Each TRAIN message is answered after its node's delay with the message's weights plus a
+seeded random delta. The loop must give FedAsync the model an independent replay of the same
+jobs and replies gives (bit for bit) and the FedAsync formula by hand (float64); fast nodes must
+not wait for slow ones; stop conditions, dead nodes, error replies, joining nodes and refusals
+must behave.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 flwr = pytest.importorskip("flwr")
 
-from flwr.app import (  # noqa: E402
-    ArrayRecord,
-    Error,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flower_helpers import FakeGrid, Push, Reply, initial_record  # noqa: E402
+from flwr.app import ArrayRecord, MetricRecord  # noqa: E402
 
-from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_to_flat  # noqa: E402
+from aggsrv.integrations.flower.arrays import layout_of, record_to_flat  # noqa: E402
 from aggsrv.integrations.flower.async_loop import REFUSED, AsyncResult, run_async  # noqa: E402
-from aggsrv.integrations.flower.strategy import BASE_VERSION, JOB_ID, AggsrvStrategy  # noqa: E402
+from aggsrv.integrations.flower.strategy import AggsrvStrategy  # noqa: E402
 from aggsrv.strategies import Update, UpdateKind, make_strategy  # noqa: E402
 
 POLL = 0.05
@@ -39,124 +32,8 @@ POLL = 0.05
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
 
-@dataclass
-class Push:
-    time: float
-    node: int
-    job_id: int
-    base_version: int
-    weights: torch.Tensor
-
-
-@dataclass
-class Reply:
-    time: float
-    node: int
-    job_id: int
-    final: torch.Tensor
-    n: int
-
-
-class FakeGrid:
-    """Client nodes with per-node delays on a virtual clock (seconds; `sleep` advances it).
-
-    A node with delay `math.inf` never replies; nodes in `errors` answer with an error; nodes in
-    `joins` connect at the given time. `log` records pushes and delivered replies in order.
-    """
-
-    def __init__(
-        self,
-        delays: dict[int, float],
-        layout,
-        seed: int,
-        joins: dict[int, float] | None = None,
-        errors: frozenset[int] = frozenset(),
-    ) -> None:
-        self.delays = delays
-        self.layout = layout
-        self.joins = joins or {}
-        self.errors = errors
-        self.now = 0.0
-        self.gen = torch.Generator().manual_seed(seed)
-        self.rng = random.Random(seed)
-        self.pending: dict[str, tuple[float, int, Message, Reply | None]] = {}
-        self.log: list[Push | Reply] = []
-        self.count = 0
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.now += seconds
-
-    def get_node_ids(self) -> list[int]:
-        return [n for n in self.delays if self.joins.get(n, 0.0) <= self.now]
-
-    def push_messages(self, messages) -> list[str]:
-        ids = []
-        for msg in messages:
-            assert msg.metadata.message_type == MessageType.TRAIN
-            message_id = f"m{self.count}"
-            self.count += 1
-            msg.metadata.__dict__["_message_id"] = message_id  # as Flower's grids do
-            node = msg.metadata.dst_node_id
-            config = msg.content["config"]
-            job_id = int(config[JOB_ID])
-            base = record_to_flat(msg.content["arrays"], self.layout)
-            assert config["server-round"] == int(config[BASE_VERSION]) + 1
-            self.log.append(Push(self.now, node, job_id, int(config[BASE_VERSION]), base))
-            delay = self.delays[node] * (1.0 + 0.2 * self.rng.random())
-            if node in self.errors:
-                reply, record = Message(Error(code=1, reason="boom"), reply_to=msg), None
-            else:
-                final = base + torch.randn(self.layout.numel, generator=self.gen) * 0.1
-                n = self.rng.randrange(5, 50)
-                content = RecordDict(
-                    {
-                        "arrays": flat_to_record(final, self.layout),
-                        "metrics": MetricRecord({"num-examples": n}),
-                    }
-                )
-                reply, record = Message(content, reply_to=msg), Reply(0.0, node, job_id, final, n)
-            reply.metadata.__dict__["_message_id"] = "r" + message_id
-            self.pending[message_id] = (self.now + delay, self.count, reply, record)
-            ids.append(message_id)
-        return ids
-
-    def pull_messages(self, message_ids) -> list[Message]:
-        ready = sorted(
-            (self.pending[m][:2], m)
-            for m in message_ids
-            if m in self.pending and self.pending[m][0] <= self.now
-        )
-        out = []
-        for _, m in ready:
-            _, _, reply, record = self.pending.pop(m)
-            if record is not None:
-                record.time = self.now
-                self.log.append(record)
-            out.append(reply)
-        return out
-
-    def pushes(self, node: int) -> list[Push]:
-        return [e for e in self.log if isinstance(e, Push) and e.node == node]
-
-
-def _initial(seed: int) -> ArrayRecord:
-    gen = torch.Generator().manual_seed(seed)
-    return ArrayRecord(
-        torch_state_dict={
-            "conv.weight": torch.randn(4, 3, 3, 3, generator=gen),
-            "conv.bias": torch.randn(4, generator=gen),
-            "fc.weight": torch.randn(5, 36, generator=gen),
-            "fc.bias": torch.randn(5, generator=gen),
-        }
-    )
-
-
 def _run(name, config, delays, seed=0, **kwargs) -> tuple[AsyncResult, FakeGrid, AggsrvStrategy]:
-    initial = _initial(seed)
+    initial = initial_record(seed)
     grid = FakeGrid(
         delays,
         layout_of(initial),
@@ -186,7 +63,7 @@ def test_fedasync_matches_a_replay_and_the_formula_and_nobody_waits() -> None:
     seed = 1234
     config = {"alpha": 0.6}
     snapshots: dict[int, torch.Tensor] = {}
-    initial = _initial(seed)
+    initial = initial_record(seed)
     layout = layout_of(initial)
 
     def evaluate(version: int, arrays: ArrayRecord) -> MetricRecord:

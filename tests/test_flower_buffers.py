@@ -21,6 +21,7 @@ from torch import nn
 
 flwr = pytest.importorskip("flwr")
 
+from flower_helpers import NodeGrid  # noqa: E402
 from flwr.app import (  # noqa: E402
     Array,
     ArrayRecord,
@@ -47,14 +48,6 @@ from aggsrv.strategies.base import UpdateKind  # noqa: E402
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
 NODES = [3, 8, 21, 34]
-
-
-class FakeGrid:
-    def __init__(self, nodes: list[int]) -> None:
-        self.nodes = nodes
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.nodes)
 
 
 def _bn_model(seed: int) -> nn.Module:
@@ -138,7 +131,7 @@ def test_statistics_aggregate_as_the_server_aggregates_them(name: str) -> None:
     initial = ArrayRecord(model.state_dict())
     layout = layout_of(initial)
     adapter = AggsrvStrategy(name, CASES[name], seed=seed)
-    grid = FakeGrid(NODES)
+    grid = NodeGrid(NODES)
     arrays = initial
     rounds: list[list[tuple[int, torch.Tensor, torch.Tensor, int]]] = []
     sent_buffers: list[dict[int, torch.Tensor]] = []  # what each round's jobs carried
@@ -215,7 +208,7 @@ def test_clientapp_trains_from_the_jobs_statistics_and_replies_them() -> None:
     model = _bn_model(seed)
     adapter = AggsrvStrategy("fedasync", {"alpha": 0.5, "local_epochs": 1})
     (msg,) = adapter.configure_train(1, ArrayRecord(model.state_dict()), ConfigRecord(),
-                                     FakeGrid([5]))  # fmt: skip
+                                     NodeGrid([5]))  # fmt: skip
     job = job_from_message(msg)
     assert torch.equal(job.buffers, adapter.strategy.global_buffers())
 
@@ -235,7 +228,7 @@ def test_clientapp_trains_from_the_jobs_statistics_and_replies_them() -> None:
     torch.testing.assert_close(adapter.strategy.global_buffers().double(), want, rtol=0, atol=1e-6)
 
     # Flower's own idiom on the ClientApp side: strict load, train, reply the whole state dict.
-    (msg2,) = adapter.configure_train(2, ArrayRecord(), ConfigRecord(), FakeGrid([5]))
+    (msg2,) = adapter.configure_train(2, ArrayRecord(), ConfigRecord(), NodeGrid([5]))
     plain = _bn_model(seed + 2)
     plain.load_state_dict(msg2.content["arrays"].to_torch_state_dict())
     layout = ModelLayout.from_module(plain)
@@ -267,7 +260,7 @@ def test_bad_replies_are_refused_and_change_nothing() -> None:
     gen = torch.Generator().manual_seed(seed)
     model = _bn_model(seed)
     adapter = AggsrvStrategy("fedasync", {"alpha": 0.5})
-    grid = FakeGrid([9])
+    grid = NodeGrid([9])
     arrays = ArrayRecord(model.state_dict())
     layout = layout_of(arrays)
     good = layout.flatten(model) + 0.1

@@ -167,6 +167,7 @@ class AggsrvStrategy(FlowerStrategy):
         now = self.clock()
         for node in sorted(grid.get_node_ids()):
             self.register(node, now)
+        self._fire_due_timer(now)
         messages = []
         for node in self._sample(grid, self.fraction_train):
             if str(node) not in self.strategy.clients:
@@ -252,7 +253,18 @@ class AggsrvStrategy(FlowerStrategy):
                 continue
             reply_metrics = msg.content.metric_records.get("metrics", MetricRecord())
             metrics.append((float(reply_metrics.get(self.weighted_by_key, 1)), reply_metrics))
+        self._fire_due_timer(self.clock())
         return self.global_arrays(), _weighted_mean(metrics, self.weighted_by_key)
+
+    def _fire_due_timer(self, now: float) -> None:
+        """Run the aggsrv strategy's timer once its deadline (round, epoch or grouping
+        timeout) has passed, as ``aggsrv serve`` does: a round that a node never answers (an
+        error reply, a node gone) then closes with the updates it got instead of waiting for
+        that node in every later Flower round."""
+        assert self.strategy is not None
+        deadline = self.strategy.next_deadline()
+        if deadline is not None and now >= deadline:
+            self.strategy.on_timer(now)
 
     def fold_reply(
         self, msg: Message, job: Job | None = None, *, now: float | None = None
