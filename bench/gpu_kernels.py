@@ -5,7 +5,8 @@
                                                # every kernel and baseline checked, exit 1 on error
 
 Effective bandwidth counts the bytes the fused algorithm must move (the same count for both
-sides, so the ratio is the time ratio); cosine matrices report 2*K*M*D / t as GFLOP/s.
+sides, so the ratio is the time ratio); the Gram-based kernels (cosines, Gram, squared distances)
+report 2*K*M*D / t as GFLOP/s.
 """
 
 from __future__ import annotations
@@ -205,6 +206,20 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             lambda: ref.cosine_matrix(X, offs, None, True),
             flops=gram_flops,
             cosine=True,
+        ),
+        Case(
+            "gram_matrix",
+            lambda: tk.gram_matrix(X, None),
+            lambda: X.to(acc) @ X.to(acc).T,
+            lambda: ref.gram_matrix(X, None),
+            flops=gram_flops,
+        ),
+        Case(
+            "pairwise_sq_distances",
+            lambda: tk.pairwise_sq_distances(X, None),
+            lambda: torch.cdist(X.to(acc), X.to(acc)).square(),
+            lambda: ref.pairwise_sq_distances(X, None),
+            flops=gram_flops,
         ),
         Case(
             "layer_normalized_cosine",

@@ -235,3 +235,42 @@ def test_layer_normalized_cosine(benchmark, shape: Shape) -> None:
         lambda: K_.layer_normalized_cosine(X, offs, backend="cpu"),
         lambda: torch.stack([_cos(X[:, s:e]) for s, e in segs]).mean(0),
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Raw Gram and squared distances (Krum, Multi-Krum, Bulyan): target <= 1.2x one torch.mm
+
+
+def test_gram_matrix(benchmark, shape: Shape) -> None:
+    """G = X X^T, exactly symmetric: BLAS in chunks summed in float64, one triangle mirrored."""
+    X = shape.X
+    fns = {"ours": lambda: K_.gram_matrix(X, backend="cpu"), "mm": lambda: torch.mm(X, X.T)}
+    run_case(
+        benchmark, shape.title("gram_matrix"), fns, flops=2.0 * shape.K * shape.K * shape.D,
+        floor="mm", floor_max=1.2, naive=None,
+    )  # fmt: skip
+
+
+def _sq_dists_via_cosines(X: torch.Tensor) -> torch.Tensor:
+    """Before gram_matrix: the Gram rebuilt from cosine_matrix and the norms of layer_dots (one
+    more pass over X), as bench/test_bench_flower.py's Krum did."""
+    n = K_.layer_dots(X, X, backend="cpu").double()
+    r = n.sqrt()
+    gram = K_.cosine_matrix(X, backend="cpu").double() * r[:, None] * r[None, :]
+    return (n[:, None] + n[None, :] - 2.0 * gram).clamp_min_(0.0)
+
+
+def test_pairwise_sq_distances(benchmark, shape: Shape) -> None:
+    """|x_i - x_j|^2 from the same Gram pass (norms from its diagonal); `naive` is the cosine
+    route it replaces, `cdist` what a torch user writes."""
+    X = shape.X
+    fns = {
+        "ours": lambda: K_.pairwise_sq_distances(X, backend="cpu"),
+        "naive": lambda: _sq_dists_via_cosines(X),
+        "cdist": lambda: torch.cdist(X, X).square_(),
+        "mm": lambda: torch.mm(X, X.T),
+    }
+    run_case(
+        benchmark, shape.title("pairwise_sq_distances"), fns,
+        flops=2.0 * shape.K * shape.K * shape.D, floor="mm", floor_max=1.2, naive_min=None,
+    )  # fmt: skip

@@ -25,6 +25,8 @@ __all__ = [
     "project_out",
     "orthogonal_calibrate",
     "cosine_matrix",
+    "gram_matrix",
+    "pairwise_sq_distances",
     "layer_normalized_cosine",
     "group_means",
     "weighted_sum",
@@ -187,6 +189,16 @@ def _out(
             allowed = f" (only {name}={alias} exactly is allowed)" if alias else ""
             raise ValueError(f"{name} overlaps {in_name} in memory{allowed}")
     return out
+
+
+def _row_pair(X: Any, other: Any) -> None:
+    """Check the rows of a Gram-type call: X [K, D] and optionally other [M, D], one kind."""
+    _data("X", X, dims=(2,))
+    if other is not None:
+        _data("other", other, dims=(2,))
+        _same_kind("X", X, other=other)
+        if other.shape[1] != X.shape[1]:
+            raise ValueError(f"other has rows of length {other.shape[1]} but X has {X.shape[1]}")
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -361,12 +373,7 @@ def cosine_matrix(
     With `layerwise=True`, one matrix per segment of `offsets`: [L, K, K] / [L, K, M].
     Self-similarity matrices are exactly symmetric with 1 on the diagonal of non-zero rows.
     """
-    _data("X", X, dims=(2,))
-    if other is not None:
-        _data("other", other, dims=(2,))
-        _same_kind("X", X, other=other)
-        if other.shape[1] != X.shape[1]:
-            raise ValueError(f"other has rows of length {other.shape[1]} but X has {X.shape[1]}")
+    _row_pair(X, other)
     if layerwise and offsets is None:
         raise ValueError("layerwise=True needs offsets")
     offs = _offsets(offsets, X.shape[1])
@@ -374,6 +381,38 @@ def cosine_matrix(
     return impl.cosine_matrix(
         _rows(X), offs, None if other is None else _rows(other), bool(layerwise)
     ).to(_acc_dtype(X))
+
+
+def gram_matrix(
+    X: torch.Tensor, *, other: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Inner products of the rows of X: G = X X^T [K, K], or X Y^T [K, M] against `other`.
+
+    float32 (float64 for float64 inputs). The self Gram is exactly symmetric (one triangle
+    computed and mirrored); its diagonal holds the squared row norms. The same Gram pass as
+    `cosine_matrix`, without the normalisation.
+    """
+    _row_pair(X, other)
+    impl = _backend(backend, X.device)
+    Y = None if other is None else _rows(other)
+    return impl.gram_matrix(_rows(X), Y).to(_acc_dtype(X))
+
+
+def pairwise_sq_distances(
+    X: torch.Tensor, *, other: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Squared Euclidean distances |x_i - y_j|^2 of the rows of X to themselves [K, K] or to
+    the rows of `other` [K, M], from one Gram pass: max(|x_i|^2 + |y_j|^2 - 2 <x_i, y_j>, 0).
+
+    float32 (float64 for float64 inputs). Without `other` the matrix is exactly symmetric with
+    an exactly zero diagonal, the squared norms coming from the Gram diagonal (Krum, Multi-Krum,
+    Bulyan). The error is relative to |x_i|^2 + |y_j|^2, not to the distance: for rows much
+    closer to each other than to 0, subtract a common point first (the global model, as deltas).
+    """
+    _row_pair(X, other)
+    impl = _backend(backend, X.device)
+    Y = None if other is None else _rows(other)
+    return impl.pairwise_sq_distances(_rows(X), Y).to(_acc_dtype(X))
 
 
 def layer_normalized_cosine(

@@ -1,5 +1,6 @@
 """CPU backend: fused numba passes for the bandwidth-bound kernels (thin cross Gram matrices
-included), BLAS for the other Gram matrices.
+included), BLAS for the other Gram matrices (one Gram pass shared by the cosine, Gram and
+distance kernels).
 
 Arguments arrive validated and normalised (BACKENDS.md). Work is cut into tiles that never span
 two segments, so one parallel pass handles any number of segments; each tile's partial sums are
@@ -29,6 +30,14 @@ TILE = 16384
 # (memory-bound, thin); larger ones are GEMMs, where BLAS wins.
 CROSS_DOTS_MAX = 64 * 64
 CROSS_TILE = 2048
+# With fewer than SMALL_GEMM rows on either side, BLAS (MKL here) multiplies float32 rows as a
+# gemv: one float32 sum along all of D, off by up to 5e-5 relative at D = 4M, and 3-4x slower
+# than its blocked kernel (K = 15: 128 ms against 19 ms at K = 16). Such products over rows
+# longer than GRAM_CHUNK are cut into chunks of that length, multiplied by one batched call and
+# summed in float64: below 1e-6 at D = 4M, about as fast as one read of the rows. From
+# SMALL_GEMM rows on, one sgemm: its blocked kernel measured 1.3e-6 to 2.8e-6 at D = 4M to 11M.
+SMALL_GEMM = 16
+GRAM_CHUNK = 65536
 
 # reassoc lets LLVM vectorise the reductions; no `nnan`/`ninf`, so NaN and Inf keep IEEE
 # semantics (a NaN update must stay visible to the validation that follows).
@@ -463,29 +472,47 @@ def orthogonal_calibrate(
     return torch.from_numpy(coef).to(_work_dtype(x))
 
 
+def _mm(X: torch.Tensor, Y: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out (float64 [K, M]) = X Y^T (Y = X when None) via BLAS: one GEMM, or for float32 rows
+    longer than GRAM_CHUNK with fewer than SMALL_GEMM rows on a side, one batched GEMM over
+    chunks of GRAM_CHUNK elements whose products are summed in float64."""
+    Yv = X if Y is None else Y
+    D = X.shape[1]
+    small = 0 < min(X.shape[0], Yv.shape[0]) < SMALL_GEMM
+    if X.dtype == torch.float64 or D <= GRAM_CHUNK or not small:
+        out.copy_(torch.mm(X, Yv.T))
+        return
+    T = D // GRAM_CHUNK
+    n = T * GRAM_CHUNK
+    # [T, K, GRAM_CHUNK] views of the rows (strides (GRAM_CHUNK, row stride, 1)): no copy.
+    A = X[:, :n].unflatten(1, (T, GRAM_CHUNK)).transpose(0, 1)
+    B = A if Y is None else Y[:, :n].unflatten(1, (T, GRAM_CHUNK)).transpose(0, 1)
+    torch.sum(torch.bmm(A, B.transpose(1, 2)), dim=0, dtype=torch.float64, out=out)
+    if n < D:
+        out += torch.mm(X[:, n:], Yv[:, n:].T)
+
+
 def _gram_blocks(
     X: torch.Tensor, Y: torch.Tensor | None, offs: torch.Tensor, layerwise: bool
 ) -> torch.Tensor:
-    """Gram matrices per segment ([L, K, M]) or of the whole rows ([1, K, M]), via BLAS."""
-    if not layerwise:
-        return torch.mm(X, (X if Y is None else Y).T).unsqueeze(0)
-    o = offs.tolist()
+    """float64 Gram matrices per segment ([L, K, M]) or of the whole rows ([1, K, M]), via
+    BLAS (`_mm`)."""
+    o = offs.tolist() if layerwise else [0, X.shape[1]]
     K = X.shape[0]
     M = K if Y is None else Y.shape[0]
-    grams = torch.empty(len(o) - 1, K, M, dtype=X.dtype)
+    grams = torch.empty(len(o) - 1, K, M, dtype=torch.float64)
     for l in range(len(o) - 1):
         s, e = o[l], o[l + 1]
-        xs = X[:, s:e]
-        torch.mm(xs, (xs if Y is None else Y[:, s:e]).T, out=grams[l])
+        _mm(X[:, s:e], None if Y is None else Y[:, s:e], grams[l])
     return grams
 
 
 def _cross_dots(
     X: torch.Tensor, Y: torch.Tensor
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """([K, M] dots of the rows of X and Y, ([1, K], [1, M]) row norms), float64, from one
-    tiled pass (tile sums combined in order). Tiles of CROSS_TILE elements keep the tile of all
-    K + M rows in L2 between the norm and the product loops."""
+    """([K, M] dots of the rows of X and Y, ([1, K], [1, M]) squared row norms), float64, from
+    one tiled pass (tile sums combined in order). Tiles of CROSS_TILE elements keep the tile of
+    all K + M rows in L2 between the norm and the product loops."""
     D = X.shape[1]
     ts = np.arange(0, D, CROSS_TILE, dtype=np.int64)
     te = np.minimum(ts + CROSS_TILE, D)
@@ -495,54 +522,105 @@ def _cross_dots(
     NB = np.zeros((Y.shape[0], T), dtype=np.float64)
     if ts.shape[0]:
         _tile_cross_dots(_np(X), _np(Y), ts, te, P, NA, NB)
-    norms = (
-        torch.from_numpy(np.sqrt(NA.sum(axis=1)))[None],
-        torch.from_numpy(np.sqrt(NB.sum(axis=1)))[None],
-    )
-    return torch.from_numpy(P.sum(axis=2)), norms
+    sq_norms = (torch.from_numpy(NA.sum(axis=1))[None], torch.from_numpy(NB.sum(axis=1))[None])
+    return torch.from_numpy(P.sum(axis=2)), sq_norms
 
 
-def _cosines(grams: torch.Tensor, norms_other: torch.Tensor | None) -> torch.Tensor:
+def _row_sq_norms(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[L, K] float64 per-segment squared row norms from one fused pass."""
+    return torch.from_numpy(_segment_dots(X, X, offs)).T.contiguous()
+
+
+SqNorms = tuple[torch.Tensor, torch.Tensor]
+
+
+def _grams(
+    X: torch.Tensor, Y: torch.Tensor | None, offs: torch.Tensor, layerwise: bool, norms: bool
+) -> tuple[torch.Tensor, SqNorms | None]:
+    """The Gram pass shared by the cosine, Gram and distance kernels.
+
+    Returns the Gram matrices of the rows of X (as given) against Y (X itself when None), per
+    segment [L, K, M] or of the whole rows [1, K, M], and, when Y is given and `norms` is set,
+    the squared row norms ([L, K], [L, M], float64) of both sides (None otherwise: a self Gram
+    holds them on its diagonal). Thin cross products (not layerwise, K x M <= CROSS_DOTS_MAX)
+    come from one tiled numba pass with float64 sums (norms included, whatever `norms`); the
+    others from BLAS (`_mm`: float32 sums for float32 and half inputs, over chunks of GRAM_CHUNK
+    elements added in float64 when a side has fewer than SMALL_GEMM rows) plus, for the norms,
+    one fused pass per side. The Gram matrices are float64 either way. A self Gram is returned
+    as BLAS computed it: callers read its upper triangle only (`_mirror_upper`), which makes
+    their results exactly symmetric.
+    """
+    Xw = _as_work(X)
+    Yw = None if Y is None else _as_work(Y)
+    if Yw is not None and not layerwise and X.shape[0] * Yw.shape[0] <= CROSS_DOTS_MAX:
+        dots, sq = _cross_dots(Xw, Yw)
+        return dots.unsqueeze(0), sq
+    grams = _gram_blocks(Xw, Yw, offs, layerwise)
+    if Yw is None or not norms:
+        return grams, None
+    seg = offs if layerwise else torch.tensor([0, X.shape[1]], dtype=torch.int64)
+    return grams, (_row_sq_norms(Xw, seg), _row_sq_norms(Yw, seg))
+
+
+def _mirror_upper(G: torch.Tensor) -> torch.Tensor:
+    """[..., K, K] with the upper triangle (diagonal included) copied onto the lower one."""
+    upper = torch.ones(G.shape[-2:], dtype=torch.bool).triu()
+    return torch.where(upper, G, G.transpose(-1, -2))
+
+
+def _cosines(grams: torch.Tensor, sq_norms: SqNorms | None) -> torch.Tensor:
     """Cosines from Gram matrices [L, K, M] in float64; the self case is mirrored exactly."""
     G = grams.to(torch.float64)
-    if norms_other is None:
+    if sq_norms is None:
         G = torch.triu(G, diagonal=1)
         diag = torch.sqrt(grams.diagonal(dim1=1, dim2=2).to(torch.float64).clamp_min(0.0))
         nr, nc = diag, diag
     else:
-        nr, nc = norms_other
+        nr, nc = sq_norms[0].sqrt(), sq_norms[1].sqrt()
     denom = nr[:, :, None] * nc[:, None, :]
     ok = denom > 0
     cos = torch.where(ok, G / torch.where(ok, denom, 1.0), 0.0).clamp_(-1.0, 1.0)
-    if norms_other is None:
+    if sq_norms is None:
         cos = cos + cos.transpose(1, 2)
         cos.diagonal(dim1=1, dim2=2).copy_((nr > 0).to(torch.float64))
     return cos
 
 
-def _row_norms(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[L, K] float64 per-segment row norms from one fused pass."""
-    sq = _segment_dots(X, X, offs)
-    return torch.from_numpy(np.sqrt(sq)).T.contiguous()
+def _whole(X: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([0, X.shape[1]], dtype=torch.int64)
 
 
 def cosine_matrix(
     X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None, layerwise: bool
 ) -> torch.Tensor:
-    Xw = _as_work(X)
-    Yw = None if other is None else _as_work(other)
-    if Yw is not None and not layerwise and X.shape[0] * Yw.shape[0] <= CROSS_DOTS_MAX:
-        dots, norms = _cross_dots(Xw, Yw)
-        return _cosines(dots.unsqueeze(0), norms)[0].to(_work_dtype(X))
-    grams = _gram_blocks(Xw, Yw, offs, layerwise)
-    if Yw is None:
-        norms = None
-    else:
-        seg = offs if layerwise else torch.tensor([0, X.shape[1]], dtype=torch.int64)
-        norms = (_row_norms(Xw, seg), _row_norms(Yw, seg))
-    cos = _cosines(grams, norms)
+    grams, sq_norms = _grams(X, other, offs, layerwise, norms=True)
+    cos = _cosines(grams, sq_norms)
     cos = cos if layerwise else cos[0]
     return cos.to(_work_dtype(X))
+
+
+def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    G = _grams(X, other, _whole(X), False, norms=False)[0][0]
+    if other is None:
+        G = _mirror_upper(G)
+    return G.to(_work_dtype(X))
+
+
+def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """max(n_i + m_j - 2 G_ij, 0) formed in float64 from the Gram (float64 sums on the thin
+    path, BLAS float32 otherwise) and squared norms; self: norms from the mirrored Gram's
+    diagonal, so the result is exactly symmetric, and an exactly zero diagonal."""
+    grams, sq_norms = _grams(X, other, _whole(X), False, norms=True)
+    G = grams[0].to(torch.float64)
+    if sq_norms is None:
+        G = _mirror_upper(G)
+        n = m = G.diagonal()
+    else:
+        n, m = sq_norms[0][0], sq_norms[1][0]
+    dist = (n[:, None] + m[None, :] - 2.0 * G).clamp_min_(0.0)
+    if sq_norms is None:
+        dist.fill_diagonal_(0.0)
+    return dist.to(_work_dtype(X))
 
 
 def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,36 @@ def cosine_matrix(
     return _segment_cosines(X, whole, other)[0].to(_acc_dtype(X))
 
 
+def _mirror_upper(G: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (diagonal included) copied onto the lower one: exactly symmetric."""
+    upper = torch.ones(G.shape, dtype=torch.bool, device=G.device).triu()
+    return torch.where(upper, G, G.T)
+
+
+def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    X64 = X.to(F64)
+    if other is None:
+        return _mirror_upper(X64 @ X64.T).to(_acc_dtype(X))
+    return (X64 @ other.to(F64).T).to(_acc_dtype(X))
+
+
+def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """|x|^2 + |y|^2 - 2<x, y> in float64, clamped at 0; the self case with exact zeros on the
+    diagonal, its norms from the Gram diagonal."""
+    X64 = X.to(F64)
+    if other is None:
+        gram = _mirror_upper(X64 @ X64.T)
+        nx = ny = gram.diagonal()
+    else:
+        Y64 = other.to(F64)
+        gram = X64 @ Y64.T
+        nx, ny = (X64 * X64).sum(dim=1), (Y64 * Y64).sum(dim=1)
+    dist = (nx[:, None] + ny[None, :] - 2.0 * gram).clamp_min(0.0)
+    if other is None:
+        dist.fill_diagonal_(0.0)
+    return dist.to(_acc_dtype(X))
+
+
 def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     nonempty = (offs[1:] > offs[:-1]).nonzero().flatten().tolist()
     K = X.shape[0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gram import cosine_matrix, layer_normalized_cosine
+from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -16,11 +16,13 @@ from .sparse import nnz_per_layer, sparse_accumulate
 __all__ = [
     "average_linkage",
     "cosine_matrix",
+    "gram_matrix",
     "group_means",
     "layer_dots",
     "layer_normalized_cosine",
     "nnz_per_layer",
     "orthogonal_calibrate",
+    "pairwise_sq_distances",
     "project_out",
     "sparse_accumulate",
     "weighted_sum",

@@ -1,5 +1,7 @@
-"""Cosine-similarity matrices: split-D Gram partials, a fixed-order segment reduction, and a
-finalisation kernel (norms, clamp, mirrored triangle, unit diagonal, optional mean over layers).
+"""Gram-based kernels (cosine matrices, raw Gram matrices, squared distances): split-D Gram
+partials, a fixed-order segment reduction, and one finalisation kernel (the mirrored triangle,
+then cosines with norms, clamp, unit diagonal and optional mean over layers; or the Gram as is;
+or squared distances with a zero diagonal).
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ def _gram_partial_kernel(
             tl.store(yn_ptr + t.to(tl.int64) * M + cols, yn, mask=cm)
 
 
+# What the finalisation kernel writes from the Gram partial sums.
+COSINE, GRAM, SQ_DIST = 0, 1, 2
+
+
 @triton.jit
-def _cos_finalize_kernel(
+def _finalize_kernel(
     g_ptr, xn_ptr, yn_ptr, seg_len_ptr, out_ptr, K, M, L, count,
-    IS_SELF: tl.constexpr, MEAN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+    IS_SELF: tl.constexpr, MEAN: tl.constexpr, KIND: tl.constexpr,
+    BK: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    """Cosines of segment l (or their mean over the non-empty segments) from Gram and norms."""
+    """From the reduced Gram of segment l and the squared norms: cosines (or their mean over the
+    non-empty segments), the Gram itself, or squared distances (KIND = COSINE, GRAM, SQ_DIST)."""
     pl = tl.program_id(0)
     pi = tl.program_id(1)
     pj = tl.program_id(2)
@@ -86,6 +94,7 @@ def _cos_finalize_kernel(
     rm = rows < K
     cm = cols < M
     m2 = rm[:, None] & cm[None, :]
+    diag = rows[:, None] == cols[None, :]
     if MEAN:
         l0 = 0
         l1 = L
@@ -101,25 +110,37 @@ def _cos_finalize_kernel(
             lo = tl.minimum(rows[:, None], cols[None, :])
             hi = tl.maximum(rows[:, None], cols[None, :])
             dot = tl.load(base + lo * M + hi, mask=m2, other=0.0)
-            ni = tl.sqrt(tl.load(base + rows * (M + 1), mask=rm, other=0.0))
-            nj = tl.sqrt(tl.load(base + cols * (M + 1), mask=cm, other=0.0))
+            ni2 = tl.load(base + rows * (M + 1), mask=rm, other=0.0)
+            nj2 = tl.load(base + cols * (M + 1), mask=cm, other=0.0)
         else:
             dot = tl.load(base + rows[:, None] * M + cols[None, :], mask=m2, other=0.0)
-            ni = tl.sqrt(tl.load(xn_ptr + l * K + rows, mask=rm, other=0.0))
-            nj = tl.sqrt(tl.load(yn_ptr + l * M + cols, mask=cm, other=0.0))
-        den = ni[:, None] * nj[None, :]
-        ok = den > 0
-        cos = tl.where(ok, dot / tl.where(ok, den, 1.0), 0.0)
-        cos = tl.minimum(tl.maximum(cos, -1.0), 1.0)
-        if IS_SELF:
-            unit = tl.where(ni > 0, 1.0, 0.0).to(acc_ty)
-            diag = rows[:, None] == cols[None, :]
-            cos = tl.where(diag, unit[:, None], cos)
-        if MEAN:
-            nonempty = tl.load(seg_len_ptr + l) > 0
-            total += tl.where(nonempty, cos, 0.0)
+            ni2 = tl.load(xn_ptr + l * K + rows, mask=rm, other=0.0)
+            nj2 = tl.load(yn_ptr + l * M + cols, mask=cm, other=0.0)
+        if KIND == 0:
+            ni = tl.sqrt(ni2)
+            nj = tl.sqrt(nj2)
+            den = ni[:, None] * nj[None, :]
+            ok = den > 0
+            cos = tl.where(ok, dot / tl.where(ok, den, 1.0), 0.0)
+            cos = tl.minimum(tl.maximum(cos, -1.0), 1.0)
+            if IS_SELF:
+                unit = tl.where(ni > 0, 1.0, 0.0).to(acc_ty)
+                cos = tl.where(diag, unit[:, None], cos)
+            if MEAN:
+                nonempty = tl.load(seg_len_ptr + l) > 0
+                total += tl.where(nonempty, cos, 0.0)
+            else:
+                total = cos
+        elif KIND == 1:
+            total = dot
         else:
-            total = cos
+            # n_i + n_j - 2 G_ij formed in float64 and rounded once; the two float32 sums
+            # it cancels are exact in float64.
+            n2 = ni2.to(tl.float64)[:, None] + nj2.to(tl.float64)[None, :]
+            dist = tl.maximum(n2 - 2.0 * dot.to(tl.float64), 0.0)
+            if IS_SELF:
+                dist = tl.where(diag, 0.0, dist)
+            total = dist.to(acc_ty)
     if MEAN:
         # A division (not a product with 1/count) keeps an all-ones diagonal exactly 1.
         total = total / count
@@ -208,8 +229,10 @@ def _finalize(
     seg_len: torch.Tensor,
     is_self: bool,
     mean_count: int,
+    kind: int = COSINE,
 ) -> torch.Tensor:
-    """Cosines per segment [L, K, M], or their mean over non-empty segments [K, M]."""
+    """Cosines per segment [L, K, M], or their mean over non-empty segments [K, M]; with
+    `kind` GRAM or SQ_DIST (mean_count 0), the Gram or squared distances per segment."""
     L, K, M = gram.shape
     mean = mean_count > 0
     out = torch.empty(1 if mean else L, K, M, dtype=gram.dtype, device=gram.device)
@@ -218,9 +241,9 @@ def _finalize(
     bk = min(64, max(16, next_pow2(K)))
     bm = min(64, max(16, next_pow2(M)))
     grid = (out.shape[0], triton.cdiv(K, bk), triton.cdiv(M, bm))
-    _cos_finalize_kernel[grid](
+    _finalize_kernel[grid](
         gram, xn, yn, seg_len, out, K, M, L, max(1, mean_count),
-        IS_SELF=is_self, MEAN=mean, BK=bk, BM=bm, num_warps=4,
+        IS_SELF=is_self, MEAN=mean, KIND=kind, BK=bk, BM=bm, num_warps=4,
     )  # fmt: skip
     return out[0] if mean else out
 
@@ -237,6 +260,24 @@ def cosine_matrix(
     seg_len = (offs[1:] - offs[:-1]).to(X.device)
     cos = _finalize(gram, xn, yn, seg_len, other is None, 0)
     return cos if layerwise else cos[0]
+
+
+def _whole_row(X: torch.Tensor, other: torch.Tensor | None, kind: int) -> torch.Tensor:
+    """[K, K] / [K, M] Gram or squared distances of the whole rows (one segment)."""
+    offs = torch.tensor([0, X.shape[1]], dtype=torch.int64)
+    gram, xn, yn = _segment_grams(X, offs, other)
+    seg_len = (offs[1:] - offs[:-1]).to(X.device)
+    return _finalize(gram, xn, yn, seg_len, other is None, 0, kind)[0]
+
+
+def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """[K, K] / [K, M] inner products; the self Gram mirrored from its upper triangle."""
+    return _whole_row(X, other, GRAM)
+
+
+def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """[K, K] / [K, M] max(|x_i|^2 + |y_j|^2 - 2 <x_i, y_j>, 0); self: zero diagonal."""
+    return _whole_row(X, other, SQ_DIST)
 
 
 def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
