@@ -17,9 +17,9 @@ K = 64 reply ``Message``s, each with an ``ArrayRecord`` ("arrays") of D = 4M flo
   the lowest score and returns its arrays weighted by num-examples / total (= 1: one record).
 - **ours**: the same selection with aggsrv.kernels: ``record_to_flat(..., out=X[k])`` per reply
   (zero-copy reads of the NPY bytes, one copy into a [K, D] buffer kept across rounds, as a
-  server would keep it; the layout is known beforehand), squared norms
-  ``kernels.layer_dots(X, X)``, the Gram matrix from ``kernels.cosine_matrix(X)`` times the
-  norms, d_ij = n_i + n_j - 2 G_ij (float64, clamped at 0), the same scores and argmin, then
+  server would keep it; the layout is known beforehand), the squared distances from one Gram
+  pass, ``kernels.pairwise_sq_distances(X)`` (d_ij = n_i + n_j - 2 G_ij formed in float64,
+  clamped at 0; the norms are the Gram's diagonal), the same scores and argmin, then
   ``flat_to_record`` of the chosen row and Flower's own ``aggregate_metricrecords`` on its reply.
 - **stack** (a part of ours, shown for the breakdown): the K ``record_to_flat`` copies alone.
 
@@ -34,8 +34,9 @@ by the stack, X read once by the Gram pass. The peak RSS of one call of each, ab
 before it (VmHWM reset through /proc/self/clear_refs), is shown too: what each allocates
 beyond the replies and ours' [K, D] buffer.
 
-Measured 2026-11-23 (scale 1, 2 cores, load 1.1; 61 s, max RSS 4.8 GB): ours 678 ms (3.2 GB/s;
-stack 299 ms) flower 3.06 s -> 4.1x faster; peak per call +2113 MB flower, +4 MB ours.
+Measured 2026-11-24 (scale 1, 2 cores, load 0.9-1.0; 44 s): ours 342-352 ms (6.1-6.3 GB/s;
+stack 177-213 ms) flower 2.83-2.90 s -> 8.1-8.5x faster; peak per call +2108 MB flower, +0 MB
+ours.
 """
 
 from __future__ import annotations
@@ -163,10 +164,7 @@ def _replies(D: int, seed: int) -> tuple[list[Message], int, list[int]]:
 def krum_scores(X: torch.Tensor, num_malicious: int) -> torch.Tensor:
     """Krum's score per row of X [K, D]: the sum of its n - f - 2 (at least 1) smallest squared
     distances to the other rows (float64 [K]), as Flower's ``select_multikrum``."""
-    n = kernels.layer_dots(X, X).to(torch.float64)  # squared norms
-    r = n.sqrt()
-    gram = kernels.cosine_matrix(X).to(torch.float64) * r[:, None] * r[None, :]
-    dist = (n[:, None] + n[None, :] - 2.0 * gram).clamp_min_(0.0)
+    dist = kernels.pairwise_sq_distances(X).to(torch.float64)  # one Gram pass over X
     dist.fill_diagonal_(math.inf)  # Flower drops each row's smallest entry: itself
     num_closest = max(1, X.shape[0] - num_malicious - 2)
     return dist.topk(num_closest, dim=1, largest=False).values.sum(dim=1)
