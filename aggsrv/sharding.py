@@ -1,0 +1,184 @@
+"""Shards of the flat layout, and the reductions that let shards act as one server (issue 9).
+
+A sharded federation splits the flat [D] vector (DESIGN.md "The flat layout") into N contiguous
+slices, one per server process. A cut may fall inside a tensor, so a layer that holds most of
+the parameters is still split evenly. Each shard keeps its slice of every [D] and [K, D] tensor.
+
+A shard's offset tables keep all L segments, clipped to its slice: a segment the slice does not
+touch has length 0 there, and a segment cut by the slice keeps only the part inside it. Per-
+segment partial sums (dots, Gram matrices, squared norms) that a shard computes are therefore
+indexed like the whole model's, and summing them over the shards gives the whole model's values.
+A :class:`Reducer` does that sum: every shard then derives the same coefficients and takes the
+same decisions from its slice.
+
+This module imports torch only (``torch.distributed`` when a :class:`TorchReducer` is made).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["LocalReducer", "Reducer", "ShardMap", "TorchReducer"]
+
+# Cuts fall on multiples of this many elements (256 bytes of float32): whole cache lines and
+# vector registers on every shard; a slice is still within ALIGN elements of D / N.
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """The cut points of a flat [D] vector into N contiguous slices: shard r holds
+    ``[bounds[r], bounds[r + 1])``. Slices may be empty (D < N * ALIGN)."""
+
+    bounds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        b = self.bounds
+        if len(b) < 2 or b[0] != 0:
+            raise ValueError(f"shard bounds must start at 0 and name at least one shard, got {b}")
+        if any(int(x) != x or x < 0 for x in b) or any(b[i] > b[i + 1] for i in range(len(b) - 1)):
+            raise ValueError(f"shard bounds must be non-decreasing integers, got {b}")
+
+    @classmethod
+    def even(cls, numel: int, shards: int, align: int = ALIGN) -> ShardMap:
+        """N slices of as equal length as cuts on multiples of ``align`` allow."""
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        if numel < 0 or align < 1:
+            raise ValueError(f"numel must be >= 0 and align >= 1, got {numel} and {align}")
+        cuts = [min(numel, round(numel * r / shards / align) * align) for r in range(1, shards)]
+        return cls((0, *cuts, numel))
+
+    @property
+    def shards(self) -> int:
+        """N, the number of shards."""
+        return len(self.bounds) - 1
+
+    @property
+    def numel(self) -> int:
+        """D, the length of the whole flat vector."""
+        return self.bounds[-1]
+
+    def slice(self, rank: int) -> tuple[int, int]:
+        """``(lo, hi)``: the part of the flat vector that shard ``rank`` holds."""
+        if not 0 <= rank < self.shards:
+            raise ValueError(f"rank must be in [0, {self.shards}), got {rank}")
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    def local_numel(self, rank: int) -> int:
+        """The length of shard ``rank``'s slice."""
+        lo, hi = self.slice(rank)
+        return hi - lo
+
+    def local_offsets(self, offsets: torch.Tensor | Sequence[int], rank: int) -> torch.Tensor:
+        """A whole-model offset table (int64 [L+1] over [0, D]) as shard ``rank`` sees it: the
+        same L segments clipped to its slice, in local coordinates (lengths 0 outside it)."""
+        offs = torch.as_tensor(offsets, dtype=torch.int64)
+        if offs.dim() != 1 or offs.numel() < 2 or int(offs[0]) != 0 or int(offs[-1]) != self.numel:
+            raise ValueError(
+                f"offsets must be an int64 [L+1] table from 0 to D = {self.numel}, got "
+                f"{offs.tolist()[:4]}..."
+            )
+        lo, hi = self.slice(rank)
+        return offs.clamp(lo, hi) - lo
+
+    def owner(self, index: int) -> int:
+        """The shard holding element ``index`` of the flat vector."""
+        if not 0 <= index < self.numel:
+            raise IndexError(f"index {index} outside [0, {self.numel})")
+        return bisect.bisect_right(self.bounds, index) - 1  # empty slices share a bound
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` ([D] or [K, D], the last dimension split) per shard."""
+        if flat.shape[-1] != self.numel:
+            raise ValueError(f"last dimension {flat.shape[-1]} is not D = {self.numel}")
+        return [flat[..., lo:hi] for lo, hi in zip(self.bounds, self.bounds[1:], strict=False)]
+
+    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole [D] (or [K, D]) tensor from one slice per shard."""
+        if len(parts) != self.shards:
+            raise ValueError(f"{len(parts)} parts for {self.shards} shards")
+        for rank, part in enumerate(parts):
+            if part.shape[-1] != self.local_numel(rank):
+                raise ValueError(
+                    f"part {rank} has {part.shape[-1]} elements, the shard {self.local_numel(rank)}"
+                )
+        return torch.cat(list(parts), dim=-1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (what a client learns at registration)."""
+        return {"bounds": list(self.bounds)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardMap:
+        """Inverse of :meth:`to_dict`."""
+        return cls(tuple(int(b) for b in data["bounds"]))
+
+
+class Reducer(Protocol):
+    """Sums partial results over the shards of one federation.
+
+    ``sum_(t)`` replaces ``t`` in place by the elementwise sum of every shard's ``t`` (all
+    shards call it with tensors of the same shape and dtype, in the same order) and returns it.
+    The sum's order is fixed for a given number of shards, so results repeat run to run.
+    """
+
+    rank: int
+    world_size: int
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalReducer:
+    """One shard, the whole model: the sum over shards is the tensor itself."""
+
+    rank = 0
+    world_size = 1
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class TorchReducer:
+    """The sum over the processes of a ``torch.distributed`` group (gloo for CPU tensors, NCCL
+    for CUDA ones): one ``all_reduce(SUM)`` per call.
+
+    Float32 partial sums are reduced in float64 (a copy), so the sum over shards adds no
+    float32 rounding of its own; float64 tensors are reduced in place.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group first "
+                "(aggsrv serve --shards does)"
+            )
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        if t.dtype == torch.float64 or not t.is_floating_point():
+            self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+            return t
+        wide = t.to(torch.float64)
+        self._dist.all_reduce(wide, op=self._dist.ReduceOp.SUM, group=self.group)
+        return t.copy_(wide)
+
+
+def imbalance(shard_map: ShardMap) -> float:
+    """The largest slice over the mean slice (1.0: perfectly even)."""
+    sizes = [shard_map.local_numel(r) for r in range(shard_map.shards)]
+    mean = shard_map.numel / shard_map.shards
+    return max(sizes) / mean if mean > 0 else math.nan

@@ -1,0 +1,152 @@
+"""Shards of the flat layout (aggsrv/sharding.py): cut points, local offset tables, and sums
+over real torch.distributed (gloo) processes that give the whole model's per-segment values from
+each shard's slice."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aggsrv import kernels
+from aggsrv.sharding import ALIGN, LocalReducer, ShardMap, TorchReducer, imbalance
+
+
+def _offsets(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
+
+
+def test_even_cuts_are_aligned_balanced_and_cover_the_vector() -> None:
+    for D in (0, 1, 63, 64, 1000, 4_194_304 + 17):
+        for N in (1, 2, 3, 7):
+            m = ShardMap.even(D, N)
+            assert m.shards == N and m.numel == D and m.bounds[0] == 0 and m.bounds[-1] == D
+            assert all(b % ALIGN == 0 or b == D for b in m.bounds[1:-1]), m.bounds
+            assert sum(m.local_numel(r) for r in range(N)) == D
+            # Within one alignment step of D / N on either side of each cut.
+            for r in range(1, N):
+                assert abs(m.bounds[r] - D * r / N) <= ALIGN / 2 or m.bounds[r] == D
+    assert imbalance(ShardMap.even(4_194_304 + 17, 3)) < 1.0001
+    assert ShardMap.even(100, 4, align=1).bounds == (0, 25, 50, 75, 100)
+
+
+def test_bad_maps_are_refused() -> None:
+    for bounds in ((), (0,), (1, 5), (0, 5, 3), (0, -1), (0, 2.5)):
+        with pytest.raises(ValueError):
+            ShardMap(bounds)
+    with pytest.raises(ValueError, match="shards"):
+        ShardMap.even(10, 0)
+    m = ShardMap((0, 4, 10))
+    with pytest.raises(ValueError, match="rank"):
+        m.slice(2)
+    with pytest.raises(ValueError, match="offset"):
+        m.local_offsets([0, 3, 9], 0)  # does not end at D
+    with pytest.raises(ValueError, match="last dimension"):
+        m.split(torch.zeros(9))
+
+
+def test_local_offsets_clip_every_segment_to_the_slice() -> None:
+    # Segments [0,5) [5,5) [5,12) [12,30); shards [0,8) [8,8) [8,30): the cut at 8 falls inside
+    # the third segment, and the middle shard is empty.
+    m = ShardMap((0, 8, 8, 30))
+    offs = _offsets([5, 0, 7, 18])
+    assert m.local_offsets(offs, 0).tolist() == [0, 5, 5, 8, 8]
+    assert m.local_offsets(offs, 1).tolist() == [0, 0, 0, 0, 0]
+    assert m.local_offsets(offs, 2).tolist() == [0, 0, 0, 4, 22]
+    # Segment lengths over the shards add up to the whole model's.
+    lengths = sum(torch.diff(m.local_offsets(offs, r)) for r in range(m.shards))
+    assert lengths.tolist() == [5, 0, 7, 18]
+    assert [m.owner(i) for i in (0, 7, 8, 29)] == [0, 0, 2, 2]
+    with pytest.raises(IndexError):
+        m.owner(30)
+
+
+def test_split_and_join_round_trip_rows() -> None:
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    X = torch.randn(3, 301, generator=gen)
+    m = ShardMap.even(301, 3, align=16)
+    parts = m.split(X)
+    assert [p.shape[-1] for p in parts] == [m.local_numel(r) for r in range(3)]
+    assert all(p.data_ptr() == X[:, lo:].data_ptr() for p, lo in zip(parts, m.bounds, strict=False))
+    assert torch.equal(m.join(parts), X)
+    assert ShardMap.from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="part 1"):
+        m.join([parts[0], parts[0], parts[2]])
+
+
+def test_local_reducer_is_the_identity() -> None:
+    t = torch.randn(4)
+    assert LocalReducer().sum_(t) is t
+
+
+# ------------------------------------------------------------------ real processes (gloo)
+
+
+def _rank_main(rank: int, world: int, init: str, seed: int, queue: mp.Queue) -> None:
+    """One shard: its slice of the same random rows, partial sums, reduced over the group."""
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        reducer = TorchReducer()
+        gen = torch.Generator().manual_seed(seed)
+        sizes = [int(n) for n in torch.randint(0, 90, (9,), generator=gen)] + [1, 333]
+        offs = _offsets(sizes)
+        D = int(offs[-1])
+        X = torch.randn(4, D, generator=gen)
+        Y = torch.randn(4, D, generator=gen)
+        m = ShardMap.even(D, world, align=8)  # small D: cuts inside segments
+        lo, hi = m.slice(rank)
+        local = m.local_offsets(offs, rank)
+        dots = reducer.sum_(kernels.layer_dots(X[:, lo:hi], Y[:, lo:hi], local))
+        gram = reducer.sum_(kernels.gram_matrix(X[:, lo:hi], other=Y[:, lo:hi]).double())
+        own = torch.full((3,), float(rank + 1), dtype=torch.float32)
+        total = reducer.sum_(own.clone())
+        queue.put((rank, dots, gram, total, reducer.world_size, reducer.rank, None))
+        dist.destroy_process_group()
+    except Exception:  # the parent reports it instead of hanging on the queue
+        queue.put((rank, None, None, None, None, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_partial_sums_over_gloo_processes_give_the_whole_models(world: int, tmp_path: Path):
+    seed = random.randrange(1 << 30)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, init, seed, queue)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=120) for _ in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [r[-1] for r in results if r[-1]]
+    assert not errors, errors[0]
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [int(n) for n in torch.randint(0, 90, (9,), generator=gen)] + [1, 333]
+    offs = _offsets(sizes)
+    D = int(offs[-1])
+    X = torch.randn(4, D, generator=gen).double()
+    Y = torch.randn(4, D, generator=gen).double()
+    want_dots = kernels.layer_dots(X, Y, offs, backend="reference")
+    want_gram = X @ Y.T
+    for rank, dots, gram, total, size, got_rank, _ in sorted(results, key=lambda r: r[0]):
+        assert size == world and got_rank == rank
+        # Every shard holds the same whole-model values (the sum's order is the same on all).
+        assert torch.equal(dots, results[0][1]) and torch.equal(gram, results[0][2])
+        scale = X.norm(dim=1, keepdim=True) * Y.norm(dim=1, keepdim=True)
+        assert ((dots.double() - want_dots).abs() <= 1e-5 * scale).all(), (seed, rank)
+        assert ((gram - want_gram).abs() <= 1e-5 * (X.norm(dim=1)[:, None] * Y.norm(dim=1))).all()
+        assert total.tolist() == [world * (world + 1) / 2] * 3
