@@ -11,7 +11,8 @@ indexed like the whole model's, and summing them over the shards gives the whole
 A :class:`Reducer` does that sum: every shard then derives the same coefficients and takes the
 same decisions from its slice.
 
-This module imports torch only (``torch.distributed`` when a :class:`TorchReducer` is made).
+This module imports torch and aggsrv.layout only (``torch.distributed`` when a
+:class:`TorchReducer` is made).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["LocalReducer", "Reducer", "ShardMap", "TorchReducer"]
+from aggsrv.layout import ModelLayout, TensorSpec
+
+__all__ = ["LocalReducer", "Reducer", "ShardLayout", "ShardMap", "TorchReducer"]
 
 # Cuts fall on multiples of this many elements (256 bytes of float32): whole cache lines and
 # vector registers on every shard; a slice is still within ALIGN elements of D / N.
@@ -119,6 +122,50 @@ class ShardMap:
     def from_dict(cls, data: Mapping[str, Any]) -> ShardMap:
         """Inverse of :meth:`to_dict`."""
         return cls(tuple(int(b) for b in data["bounds"]))
+
+
+class ShardLayout:
+    """What a strategy on shard ``rank`` sees of the model: its slice of the flat vector with
+    the whole model's L segments clipped to it (:meth:`ShardMap.local_offsets`), the whole
+    model's names, shapes, norm flags and hash, and the float buffers (BatchNorm statistics,
+    about 0.1% of a model) on rank 0 only.
+
+    It answers the attributes strategies read from a :class:`ModelLayout` (``numel``,
+    ``offsets``, ``module_offsets``, ``is_norm``, ``hash`` and the buffer section); ``whole``
+    is the model's layout, for quantities of whole tensors (FedDGIC's module sizes)."""
+
+    def __init__(self, whole: ModelLayout, shard_map: ShardMap, rank: int) -> None:
+        if shard_map.numel != whole.numel:
+            raise ValueError(
+                f"the shard map covers {shard_map.numel} elements, the layout {whole.numel}"
+            )
+        self.whole = whole
+        self.shard_map = shard_map
+        self.rank = rank
+        self.start, self.end = shard_map.slice(rank)
+        self.numel = self.end - self.start
+        self.offsets = shard_map.local_offsets(whole.offsets, rank)
+        self.module_offsets = shard_map.local_offsets(whole.module_offsets, rank)
+        self.is_norm = whole.is_norm
+        self.hash = whole.hash
+        self.names = whole.names
+        self.shapes = whole.shapes
+        own_buffers = rank == 0
+        self.buffer_specs: tuple[TensorSpec, ...] = whole.buffer_specs if own_buffers else ()
+        self.buffer_numel = whole.buffer_numel if own_buffers else 0
+        self.buffer_offsets = (
+            whole.buffer_offsets if own_buffers else torch.zeros(1, dtype=torch.int64)
+        )
+
+    def local(self, flat: torch.Tensor) -> torch.Tensor:
+        """This shard's slice (a view) of a whole-model [D] or [K, D] tensor."""
+        return self.shard_map.split(flat)[self.rank]
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardLayout(rank {self.rank} of {self.shard_map.shards}: [{self.start}, {self.end}) "
+            f"of D={self.whole.numel}, L={len(self.names)})"
+        )
 
 
 class Reducer(Protocol):
