@@ -6,6 +6,11 @@ one dtype among float32, float16, bfloat16 and float64. Every function takes
 the CPU implementation otherwise; ``reference`` is the float64 oracle. This module validates and
 normalises every argument, so the backends (see BACKENDS.md) never do.
 
+The kernels that derive values from whole-segment or whole-row sums (`layer_dots`,
+`project_out`, `orthogonal_calibrate`, `cosine_matrix`, `layer_normalized_cosine`,
+`gram_matrix`, `pairwise_sq_distances`, `nnz_per_layer`) take ``reduce=``: a callable that sums
+their partial sums over the shards of a sharded server (docs/kernels.md, "Sharded use").
+
 The package imports neither gRPC nor any server code, so other FL stacks can embed it.
 """
 
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "Reduce",
     "layer_dots",
     "project_out",
     "orthogonal_calibrate",
@@ -37,6 +43,10 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
+# Sums a kernel call's packed float64 partial sums over the shards (a collective, e.g.
+# `aggsrv.sharding.Reducer.sum_`): returns its argument summed in place, or a new tensor of the
+# same shape, dtype and device.
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 _DATA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKEND_MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton"}
 
@@ -222,18 +232,49 @@ def _eps(eps: Any) -> float:
     return v
 
 
+def _reduce(reduce: Any) -> Reduce | None:
+    """Check `reduce=` and wrap it so the backends get back a tensor like the one they passed
+    (same shape, dtype float64, device; made contiguous), or an error naming the argument."""
+    if reduce is None:
+        return None
+    if not callable(reduce):
+        raise TypeError(f"reduce must be callable (tensor -> tensor) or None, got {reduce!r}")
+
+    def checked(partials: torch.Tensor) -> torch.Tensor:
+        res = reduce(partials)
+        if not isinstance(res, torch.Tensor):
+            raise TypeError(f"reduce must return a torch.Tensor, got {type(res).__name__}")
+        if res.dtype != partials.dtype:
+            raise TypeError(f"reduce returned dtype {res.dtype}, expected {partials.dtype}")
+        if res.shape != partials.shape or res.device != partials.device:
+            raise ValueError(
+                f"reduce returned shape {tuple(res.shape)} on {res.device}, expected "
+                f"{tuple(partials.shape)} on {partials.device}"
+            )
+        return res.contiguous()
+
+    return checked
+
+
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
 
 
 def layer_dots(
-    a: torch.Tensor, b: torch.Tensor, offsets: Any = None, *, backend: str = "auto"
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: Any = None,
+    *,
+    reduce: Reduce | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Inner products of paired rows per segment of `offsets` (whole vector when None).
 
     `a` [D] or [K, D]; `b` [D] (broadcast over rows) or [K, D]. Returns [L] / [K, L], or a
-    scalar / [K] without offsets; float32 (float64 for float64 inputs).
+    scalar / [K] without offsets; float32 (float64 for float64 inputs). `reduce` gets the
+    float64 [K, L] dots of this slice (K = 1 for a [D] input) and returns their sum over the
+    shards, which the call returns.
     """
     _data("a", a)
     _data("b", b)
@@ -246,8 +287,9 @@ def layer_dots(
         raise ValueError(f"a and b lengths differ: {a.shape[-1]} vs {b.shape[-1]}")
     D = a.shape[-1]
     offs = _offsets(offsets, D)
+    red = _reduce(reduce)
     impl = _backend(backend, a.device)
-    res = impl.layer_dots(_rows(a), _rows(b), offs).to(_acc_dtype(a))
+    res = impl.layer_dots(_rows(a), _rows(b), offs, reduce=red).to(_acc_dtype(a))
     if offsets is None:
         res = res[:, 0]
     return res[0] if a.dim() == 1 else res
@@ -261,13 +303,15 @@ def project_out(
     only_conflicting: bool = False,
     eps: float = 0.0,
     out: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """`g - c * b` per segment with c = <g,b>/<b,b> (0 where <b,b> <= eps).
 
     With `only_conflicting=True`, c = min(c, 0): only the component that conflicts with `b` is
     removed (Fed-OGD). A segment whose coefficient is 0 is a bitwise copy of `g`. `out=g` is
-    safe.
+    safe. `reduce` gets the float64 [K+1, L] partial sums (rows 0..K-1: <g_k, b>, row K:
+    <b, b>; K = 1 for a [D] g) and returns their sum over the shards, from which c is formed.
     """
     _data("g", g)
     _data("b", b, dims=(1,))
@@ -276,6 +320,7 @@ def project_out(
         raise ValueError(f"g and b lengths differ: {g.shape[-1]} vs {b.shape[0]}")
     eps = _eps(eps)
     offs = _offsets(offsets, b.shape[0])
+    red = _reduce(reduce)
     impl = _backend(backend, g.device)
     if out is None:
         out = torch.empty_like(g, memory_format=torch.contiguous_format)
@@ -285,7 +330,7 @@ def project_out(
     out2 = _rows(out)
     if out2.data_ptr() != out.data_ptr() or (out.dim() == 2 and out2.stride() != out.stride()):
         raise ValueError("out must have unit stride in its last dimension")
-    impl.project_out(g2, _rows(b), offs, bool(only_conflicting), eps, out2)
+    impl.project_out(g2, _rows(b), offs, bool(only_conflicting), eps, out2, reduce=red)
     return out
 
 
@@ -303,6 +348,7 @@ def orthogonal_calibrate(
     out_y: torch.Tensor | None = None,
     out_ma: torch.Tensor | None = None,
     return_coeffs: bool = False,
+    reduce: Reduce | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, ...]:
     """ORTHOFL's per-arrival update in two fused passes over [D] vectors.
@@ -310,7 +356,9 @@ def orthogonal_calibrate(
     dm = x - sent, dg = w - snap; per segment c = <dg,dm>/<dm,dm> (0 where <dm,dm> <= eps) and
     y = x + (dg - c*dm), y = x on segments where `calibrate` is False; ma_new = (1-beta)*ma +
     beta*x with `ma` defaulting to `w`. Returns (y, ma_new) or (y, ma_new, c).
-    `out_y` may alias `x` and `out_ma` may alias `ma` (or `w` when ma is None).
+    `out_y` may alias `x` and `out_ma` may alias `ma` (or `w` when ma is None). `reduce` gets
+    the float64 [2, L] partial sums (<dg, dm>, <dm, dm> per segment; may be 0 where calibrate
+    is False) and returns their sum over the shards, from which c is formed.
     """
     for name, t in (("x", x), ("sent", sent), ("w", w), ("snap", snap)):
         _data(name, t, dims=(1,))
@@ -350,11 +398,13 @@ def orthogonal_calibrate(
         _out("out_ma", out_ma, x, inputs, alias=ma_name)
     if _overlaps(out_y, out_ma):
         raise ValueError("out_y and out_ma overlap in memory")
+    red = _reduce(reduce)
     impl = _backend(backend, x.device)
     r = _rows
     coeffs = impl.orthogonal_calibrate(
-        r(x), r(sent), r(w), r(snap), r(ma_in), offs, beta, mask, eps, r(out_y), r(out_ma)
-    ).to(_acc_dtype(x))
+        r(x), r(sent), r(w), r(snap), r(ma_in), offs, beta, mask, eps, r(out_y), r(out_ma),
+        reduce=red,
+    ).to(_acc_dtype(x))  # fmt: skip
     if return_coeffs:
         return out_y, out_ma, coeffs
     return out_y, out_ma
@@ -366,40 +416,56 @@ def cosine_matrix(
     *,
     other: torch.Tensor | None = None,
     layerwise: bool = False,
+    reduce: Reduce | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Cosine similarities of the rows of X: [K, K], or [K, M] against the rows of `other`.
 
     With `layerwise=True`, one matrix per segment of `offsets`: [L, K, K] / [L, K, M].
     Self-similarity matrices are exactly symmetric with 1 on the diagonal of non-zero rows.
+    `reduce` gets the float64 partial sums, per segment (L' = L) or of the whole rows (L' = 1):
+    the symmetric Gram [L', K, K] (squared norms on its diagonal), or with `other`
+    [L', K*M + K + M] (the Gram X Y^T flattened, then the squared norms of X's and Y's rows);
+    the cosines are formed from their sum over the shards.
     """
     _row_pair(X, other)
     if layerwise and offsets is None:
         raise ValueError("layerwise=True needs offsets")
     offs = _offsets(offsets, X.shape[1])
+    red = _reduce(reduce)
     impl = _backend(backend, X.device)
     return impl.cosine_matrix(
-        _rows(X), offs, None if other is None else _rows(other), bool(layerwise)
+        _rows(X), offs, None if other is None else _rows(other), bool(layerwise), reduce=red
     ).to(_acc_dtype(X))
 
 
 def gram_matrix(
-    X: torch.Tensor, *, other: torch.Tensor | None = None, backend: str = "auto"
+    X: torch.Tensor,
+    *,
+    other: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Inner products of the rows of X: G = X X^T [K, K], or X Y^T [K, M] against `other`.
 
     float32 (float64 for float64 inputs). The self Gram is exactly symmetric (one triangle
     computed and mirrored); its diagonal holds the squared row norms. The same Gram pass as
-    `cosine_matrix`, without the normalisation.
+    `cosine_matrix`, without the normalisation. `reduce` gets this slice's float64 Gram
+    ([K, K] symmetric, or [K, M]) and returns its sum over the shards, which the call returns.
     """
     _row_pair(X, other)
+    red = _reduce(reduce)
     impl = _backend(backend, X.device)
     Y = None if other is None else _rows(other)
-    return impl.gram_matrix(_rows(X), Y).to(_acc_dtype(X))
+    return impl.gram_matrix(_rows(X), Y, reduce=red).to(_acc_dtype(X))
 
 
 def pairwise_sq_distances(
-    X: torch.Tensor, *, other: torch.Tensor | None = None, backend: str = "auto"
+    X: torch.Tensor,
+    *,
+    other: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Squared Euclidean distances |x_i - y_j|^2 of the rows of X to themselves [K, K] or to
     the rows of `other` [K, M], from one Gram pass: max(|x_i|^2 + |y_j|^2 - 2 <x_i, y_j>, 0).
@@ -408,28 +474,36 @@ def pairwise_sq_distances(
     an exactly zero diagonal, the squared norms coming from the Gram diagonal (Krum, Multi-Krum,
     Bulyan). The error is relative to |x_i|^2 + |y_j|^2, not to the distance: for rows much
     closer to each other than to 0, subtract a common point first (the global model, as deltas).
+    `reduce` gets the float64 partial sums, the symmetric Gram [K, K] (norms on its diagonal)
+    or with `other` [K*M + K + M] (Gram, squared norms of X's rows, of Y's rows), and the
+    distances are formed from their sum over the shards.
     """
     _row_pair(X, other)
+    red = _reduce(reduce)
     impl = _backend(backend, X.device)
     Y = None if other is None else _rows(other)
-    return impl.pairwise_sq_distances(_rows(X), Y).to(_acc_dtype(X))
+    return impl.pairwise_sq_distances(_rows(X), Y, reduce=red).to(_acc_dtype(X))
 
 
 def layer_normalized_cosine(
-    X: torch.Tensor, offsets: Any, *, backend: str = "auto"
+    X: torch.Tensor, offsets: Any, *, reduce: Reduce | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """[K, K] mean over non-empty segments of the per-segment cosine matrices (FedDGIC).
 
     Equal to the plain cosine of rows whose segments were each scaled to unit norm, so no
     single large layer dominates the similarity. A row that is zero on a segment contributes 0
     there, so its diagonal entry is the fraction of non-empty segments where it is non-zero.
+    `reduce` gets the float64 [L, K*K + 1] partial sums (per segment: the symmetric Gram
+    flattened, then the segment's length in this slice); a segment is non-empty when its summed
+    length is > 0.
     """
     _data("X", X, dims=(2,))
     if offsets is None:
         raise ValueError("offsets is required (pass the layout's module_offsets)")
     offs = _offsets(offsets, X.shape[1])
+    red = _reduce(reduce)
     impl = _backend(backend, X.device)
-    return impl.layer_normalized_cosine(_rows(X), offs).to(_acc_dtype(X))
+    return impl.layer_normalized_cosine(_rows(X), offs, reduce=red).to(_acc_dtype(X))
 
 
 def group_means(
@@ -513,16 +587,20 @@ def weighted_sum(
     return out
 
 
-def nnz_per_layer(X: torch.Tensor, offsets: Any = None, *, backend: str = "auto") -> torch.Tensor:
+def nnz_per_layer(
+    X: torch.Tensor, offsets: Any = None, *, reduce: Reduce | None = None, backend: str = "auto"
+) -> torch.Tensor:
     """Non-zero elements per segment: int64 [L] for a [D] input, [K, L] for [K, D].
 
     NaN counts as non-zero and -0.0 as zero. With ``offsets=None`` the whole vector is one
-    segment. Tells whether an update is worth a sparse encoding, layer by layer.
+    segment. Tells whether an update is worth a sparse encoding, layer by layer. `reduce` gets
+    the counts of this slice as float64 [K, L] (exact) and returns their sum over the shards.
     """
     _data("X", X)
     offs = _offsets(offsets, X.shape[-1])
+    red = _reduce(reduce)
     impl = _backend(backend, X.device)
-    res = impl.nnz_per_layer(_rows(X), offs)
+    res = impl.nnz_per_layer(_rows(X), offs, reduce=red)
     return res[0] if X.dim() == 1 else res
 
 

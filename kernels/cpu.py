@@ -10,11 +10,16 @@ float64: on this memory-bound path the extra precision costs nothing measurable.
 
 Half-precision inputs take one conversion pass to float32 (numba has no float16/bfloat16
 arithmetic); the speed targets are for float32.
+
+With `reduce` (a sharded server, docs/kernels.md "Sharded use") the kernels run their phases
+apart: partial sums, one `reduce` of all of them packed into a float64 tensor, then the
+coefficients, cosines or distances and any elementwise pass. Without it the fused paths run.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numba as nb
 import numpy as np
@@ -44,6 +49,9 @@ GRAM_CHUNK = 65536
 _FM = {"reassoc", "nsz", "contract", "arcp"}
 _jit = functools.partial(nb.njit, cache=True, nogil=True, fastmath=_FM)
 _pjit = functools.partial(nb.njit, cache=True, nogil=True, fastmath=_FM, parallel=True)
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _tiles(offs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -291,6 +299,30 @@ def _calibrate_fused(
     _apply_calibration(X, S, W, N, M, coef, cal, beta, tile_seg, ts, te, Y, MA, y_in_place)
 
 
+@_jit
+def _projection_coefs(sums, eps, only_conf):  # pragma: no cover - compiled
+    """[K, L] c = sums[k] / sums[K] (0 where sums[K] <= eps, min(c, 0) when only_conf) from the
+    [K+1, L] dots <g_k, b> and <b, b>: the arithmetic of `_project_out_fused`."""
+    K, L = sums.shape[0] - 1, sums.shape[1]
+    coef = np.zeros((K, L))
+    for l in range(L):
+        if sums[K, l] > eps:
+            for k in range(K):
+                c = sums[k, l] / sums[K, l]
+                if only_conf and c > 0.0:
+                    c = 0.0
+                coef[k, l] = c
+    return coef
+
+
+@_jit
+def _calibration_coefs(sums, cal, eps, coef):  # pragma: no cover - compiled
+    """coef[l] = <dg,dm> / <dm,dm> from the [2, L] sums (0 where <dm,dm> <= eps or not cal):
+    the arithmetic of `_calibrate_fused`."""
+    for l in range(sums.shape[1]):
+        coef[l] = sums[0, l] / sums[1, l] if cal[l] and sums[1, l] > eps else 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # Backend functions (BACKENDS.md)
 # --------------------------------------------------------------------------------------------
@@ -410,9 +442,17 @@ def _segment_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> np.nd
     return res
 
 
-def layer_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    res = _segment_dots(_as_work(a), _as_work(b), offs)
-    return torch.from_numpy(res).to(_work_dtype(a))
+def _summed(reduce: Reduce | None, partials: torch.Tensor) -> torch.Tensor:
+    """The partial sums summed over the shards: one `reduce` call, or the partials as they are
+    for a single server."""
+    return partials if reduce is None else reduce(partials.contiguous())
+
+
+def layer_dots(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    res = torch.from_numpy(_segment_dots(_as_work(a), _as_work(b), offs))
+    return _summed(reduce, res).to(_work_dtype(a))
 
 
 def project_out(
@@ -422,9 +462,15 @@ def project_out(
     only_conflicting: bool,
     eps: float,
     out: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> None:
     gw, bw = _as_work(g), _as_work(b)
     ts, te, tile_seg, seg_tile_start = _tiles(offs)
+    if reduce is not None:
+        # Sharded: the [K+1, L] dots <g_k, b> and <b, b>, one reduce, then the coefficients.
+        sums = np.concatenate([_segment_dots(gw, bw, offs), _segment_dots(bw, bw, offs)])
+        sums = reduce(torch.from_numpy(sums)).numpy()
+        coef = _projection_coefs(sums, eps, only_conflicting)
     if not ts.shape[0]:
         if out.data_ptr() != g.data_ptr():
             out.copy_(g)
@@ -432,10 +478,13 @@ def project_out(
     direct = out.dtype == gw.dtype
     target = out if direct else torch.empty_like(gw)
     in_place = direct and target.data_ptr() == gw.data_ptr()
-    _project_out_fused(
-        _np(gw), _np(bw), ts, te, tile_seg, seg_tile_start, only_conflicting, eps, _np(target),
-        in_place,
-    )  # fmt: skip
+    if reduce is not None:
+        _apply_projection(_np(gw), _np(bw), coef, tile_seg, ts, te, _np(target), in_place)
+    else:
+        _project_out_fused(
+            _np(gw), _np(bw), ts, te, tile_seg, seg_tile_start, only_conflicting, eps,
+            _np(target), in_place,
+        )  # fmt: skip
     if not direct:
         out.copy_(target)
 
@@ -452,6 +501,7 @@ def orthogonal_calibrate(
     eps: float,
     out_y: torch.Tensor,
     out_ma: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     xw, sw, ww, nw = (_as_work(t) for t in (x, sent, w, snap))
     mw = ww if ma is w else _as_work(ma)
@@ -461,7 +511,22 @@ def orthogonal_calibrate(
     y_t = out_y if direct else torch.empty_like(xw)
     ma_t = out_ma if direct else torch.empty_like(xw)
     y_in_place = direct and y_t.data_ptr() == xw.data_ptr()
-    if ts.shape[0]:
+    if reduce is not None:
+        # Sharded: pass 1 (<dg, dm>, <dm, dm> per segment), one reduce, the coefficients, then
+        # pass 2. Pass 1 has read everything before pass 2 writes (the aliases stay safe).
+        P = np.zeros((2, ts.shape[0]))
+        if ts.shape[0]:
+            _tile_dots2(_np(ww), _np(nw), _np(xw), _np(sw), ts, te, P)
+        sums = np.empty((2, coef.shape[0]))
+        _reduce_tiles(P, seg_tile_start, sums)
+        sums = reduce(torch.from_numpy(sums)).numpy()
+        _calibration_coefs(sums, calibrate.numpy(), eps, coef)
+        if ts.shape[0]:
+            _apply_calibration(
+                _np(xw), _np(sw), _np(ww), _np(nw), _np(mw), coef, calibrate.numpy(), float(beta),
+                tile_seg, ts, te, _np(y_t), _np(ma_t), y_in_place,
+            )  # fmt: skip
+    elif ts.shape[0]:
         _calibrate_fused(
             _np(xw), _np(sw), _np(ww), _np(nw), _np(mw), calibrate.numpy(), eps, float(beta),
             ts, te, tile_seg, seg_tile_start, _np(y_t), _np(ma_t), y_in_place, coef,
@@ -590,27 +655,53 @@ def _whole(X: torch.Tensor) -> torch.Tensor:
     return torch.tensor([0, X.shape[1]], dtype=torch.int64)
 
 
+def _summed_grams(
+    grams: torch.Tensor, sq_norms: SqNorms | None, reduce: Reduce
+) -> tuple[torch.Tensor, SqNorms | None]:
+    """`_grams`' output summed over the shards by one `reduce`: a self Gram [L, K, K] mirrored
+    from its upper triangle (norms on its diagonal); against another matrix [L, K*M + K + M],
+    the Grams flattened, then the squared row norms of X and of Y."""
+    if sq_norms is None:
+        return reduce(_mirror_upper(grams).contiguous()), None
+    L, K, M = grams.shape
+    sums = reduce(torch.cat([grams.reshape(L, K * M), sq_norms[0], sq_norms[1]], dim=1))
+    G = sums[:, : K * M].reshape(L, K, M)
+    return G, (sums[:, K * M : K * M + K], sums[:, K * M + K :])
+
+
 def cosine_matrix(
-    X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None, layerwise: bool
+    X: torch.Tensor,
+    offs: torch.Tensor,
+    other: torch.Tensor | None,
+    layerwise: bool,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     grams, sq_norms = _grams(X, other, offs, layerwise, norms=True)
+    if reduce is not None:
+        grams, sq_norms = _summed_grams(grams, sq_norms, reduce)
     cos = _cosines(grams, sq_norms)
     cos = cos if layerwise else cos[0]
     return cos.to(_work_dtype(X))
 
 
-def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def gram_matrix(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     G = _grams(X, other, _whole(X), False, norms=False)[0][0]
     if other is None:
         G = _mirror_upper(G)
-    return G.to(_work_dtype(X))
+    return _summed(reduce, G).to(_work_dtype(X))
 
 
-def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def pairwise_sq_distances(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     """max(n_i + m_j - 2 G_ij, 0) formed in float64 from the Gram (float64 sums on the thin
     path, BLAS float32 otherwise) and squared norms; self: norms from the mirrored Gram's
     diagonal, so the result is exactly symmetric, and an exactly zero diagonal."""
     grams, sq_norms = _grams(X, other, _whole(X), False, norms=True)
+    if reduce is not None:
+        grams, sq_norms = _summed_grams(grams, sq_norms, reduce)
     G = grams[0].to(torch.float64)
     if sq_norms is None:
         G = _mirror_upper(G)
@@ -623,12 +714,26 @@ def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.
     return dist.to(_work_dtype(X))
 
 
-def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    nonempty = (offs[1:] > offs[:-1]).nonzero().flatten()
+def layer_normalized_cosine(
+    X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     K = X.shape[0]
-    if nonempty.numel() == 0:
-        return torch.zeros(K, K, dtype=_work_dtype(X))
-    cos = _cosines(_gram_blocks(_as_work(X), None, offs, True)[nonempty], None)
+    if reduce is None:
+        nonempty = (offs[1:] > offs[:-1]).nonzero().flatten()
+        if nonempty.numel() == 0:
+            return torch.zeros(K, K, dtype=_work_dtype(X))
+        cos = _cosines(_gram_blocks(_as_work(X), None, offs, True)[nonempty], None)
+    else:
+        # Every segment's Gram (zeros where this slice has none of it) and this slice's segment
+        # lengths in one reduce: a segment is non-empty when its whole-model length is > 0.
+        grams = _mirror_upper(_gram_blocks(_as_work(X), None, offs, True))
+        L = grams.shape[0]
+        lengths = (offs[1:] - offs[:-1]).to(torch.float64)[:, None]
+        sums = reduce(torch.cat([grams.reshape(L, K * K), lengths], dim=1))
+        nonempty = (sums[:, K * K] > 0).nonzero().flatten()
+        if nonempty.numel() == 0:
+            return torch.zeros(K, K, dtype=_work_dtype(X))
+        cos = _cosines(sums[:, : K * K].reshape(L, K, K)[nonempty], None)
     # Added one segment at a time: every (i, j) entry sums in the same fixed order, so the
     # result is deterministic and exactly symmetric (a torch reduction over dim 0 is neither).
     total = torch.zeros_like(cos[0])
@@ -712,7 +817,9 @@ def _scatter_add(out, idx, vals, weight):  # pragma: no cover - compiled
         out[i] = np.float64(out[i]) + weight * np.float64(vals[j])
 
 
-def nnz_per_layer(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def nnz_per_layer(
+    X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     Xw = X if X.dtype in (torch.float32, torch.float64) else X.to(torch.float32)
     ts, te, _, seg_tile_start = _tiles(offs)
     K = X.shape[0]
@@ -722,6 +829,10 @@ def nnz_per_layer(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     C = np.zeros((K, P.shape[1] + 1), dtype=np.int64)
     np.cumsum(P, axis=1, out=C[:, 1:])
     counts = C[:, seg_tile_start[1:]] - C[:, seg_tile_start[:-1]]  # empty segments: 0
+    if reduce is not None:
+        # float64 holds counts exactly (up to 2^53).
+        summed = reduce(torch.from_numpy(np.ascontiguousarray(counts, dtype=np.float64)))
+        return summed.round().to(torch.int64)
     return torch.from_numpy(counts)
 
 

@@ -1,12 +1,25 @@
 """Float64 torch reference backend: written for clarity, it is the oracle every other backend is
-tested against. Arguments are validated and normalised by `aggsrv.kernels` (see BACKENDS.md)."""
+tested against. Arguments are validated and normalised by `aggsrv.kernels` (see BACKENDS.md).
+
+With `reduce` (a sharded server, docs/kernels.md "Sharded use") a kernel packs its float64
+partial sums into one tensor, calls `reduce` once and derives its results from what it returns.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 F64 = torch.float64
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _summed(reduce: Reduce | None, partials: torch.Tensor) -> torch.Tensor:
+    """The partial sums summed over the shards: one `reduce` call, or the partials as they are
+    for a single server."""
+    return partials if reduce is None else reduce(partials.contiguous())
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -27,8 +40,10 @@ def _seg_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     return torch.stack(cols, dim=1)
 
 
-def layer_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return _seg_dots(a, b, offs).to(_acc_dtype(a))
+def layer_dots(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    return _summed(reduce, _seg_dots(a, b, offs)).to(_acc_dtype(a))
 
 
 def project_out(
@@ -38,9 +53,11 @@ def project_out(
     only_conflicting: bool,
     eps: float,
     out: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> None:
-    gb = _seg_dots(g, b, offs)
-    bb = _seg_dots(b, b, offs)[0]
+    K = g.shape[0]
+    sums = _summed(reduce, torch.cat([_seg_dots(g, b, offs), _seg_dots(b, b, offs)]))
+    gb, bb = sums[:K], sums[K]
     for l, (s, e) in enumerate(_segments(offs)):
         c = torch.zeros_like(gb[:, l]) if bb[l] <= eps else gb[:, l] / bb[l]
         if only_conflicting:
@@ -64,12 +81,12 @@ def orthogonal_calibrate(
     eps: float,
     out_y: torch.Tensor,
     out_ma: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     x64, sent64, w64, snap64, ma64 = (t.to(F64) for t in (x, sent, w, snap, ma))
     dm = x64 - sent64
     dg = w64 - snap64
-    num = _seg_dots(dg, dm, offs)[0]
-    den = _seg_dots(dm, dm, offs)[0]
+    num, den = _summed(reduce, torch.cat([_seg_dots(dg, dm, offs), _seg_dots(dm, dm, offs)]))
     coeffs = torch.zeros(len(num), dtype=F64, device=x.device)
     y = x64.clone()
     for l, (s, e) in enumerate(_segments(offs)):
@@ -104,11 +121,13 @@ def _cosines_from_gram(
 
 
 def _segment_cosines(
-    X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None
+    X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
 ) -> torch.Tensor:
     """[L, K, M] float64 per-segment cosines."""
     X64 = X.to(F64)
     Y64 = X64 if other is None else other.to(F64)
+    if reduce is not None:
+        return _segment_cosines_summed(X64, Y64, offs, other is None, reduce)
     mats = []
     for s, e in _segments(offs):
         xs, ys = X64[:, s:e], Y64[:, s:e]
@@ -121,51 +140,105 @@ def _segment_cosines(
     return torch.stack(mats)
 
 
+def _segment_cosines_summed(
+    X64: torch.Tensor, Y64: torch.Tensor, offs: torch.Tensor, symmetric: bool, reduce: Reduce
+) -> torch.Tensor:
+    """[L, K, M] per-segment cosines from partial sums summed by `reduce`: the mirrored Grams
+    [L, K, K] (norms on the diagonal), or [L, K*M + K + M] (Grams, squared row norms of X, of
+    Y) against another matrix."""
+    segs = _segments(offs)
+    L, K, M = len(segs), X64.shape[0], Y64.shape[0]
+    grams = torch.stack([X64[:, s:e] @ Y64[:, s:e].T for s, e in segs])
+    if symmetric:
+        G = reduce(_mirror_upper(grams).contiguous())
+        norms = [G[l].diagonal().clamp_min(0.0).sqrt() for l in range(L)]
+        return torch.stack([_cosines_from_gram(G[l], norms[l], norms[l], True) for l in range(L)])
+    nx = torch.stack([(X64[:, s:e] ** 2).sum(dim=1) for s, e in segs])
+    ny = torch.stack([(Y64[:, s:e] ** 2).sum(dim=1) for s, e in segs])
+    sums = reduce(torch.cat([grams.reshape(L, K * M), nx, ny], dim=1))
+    G = sums[:, : K * M].reshape(L, K, M)
+    nx, ny = sums[:, K * M : K * M + K], sums[:, K * M + K :]
+    return torch.stack(
+        [_cosines_from_gram(G[l], nx[l].sqrt(), ny[l].sqrt(), False) for l in range(L)]
+    )
+
+
 def cosine_matrix(
-    X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None, layerwise: bool
+    X: torch.Tensor,
+    offs: torch.Tensor,
+    other: torch.Tensor | None,
+    layerwise: bool,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     if layerwise:
-        return _segment_cosines(X, offs, other).to(_acc_dtype(X))
+        return _segment_cosines(X, offs, other, reduce).to(_acc_dtype(X))
     whole = torch.tensor([0, X.shape[1]], dtype=torch.int64)
-    return _segment_cosines(X, whole, other)[0].to(_acc_dtype(X))
+    return _segment_cosines(X, whole, other, reduce)[0].to(_acc_dtype(X))
 
 
 def _mirror_upper(G: torch.Tensor) -> torch.Tensor:
     """The upper triangle (diagonal included) copied onto the lower one: exactly symmetric."""
-    upper = torch.ones(G.shape, dtype=torch.bool, device=G.device).triu()
-    return torch.where(upper, G, G.T)
+    upper = torch.ones(G.shape[-2:], dtype=torch.bool, device=G.device).triu()
+    return torch.where(upper, G, G.transpose(-1, -2))
 
 
-def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def gram_matrix(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     X64 = X.to(F64)
     if other is None:
-        return _mirror_upper(X64 @ X64.T).to(_acc_dtype(X))
-    return (X64 @ other.to(F64).T).to(_acc_dtype(X))
+        return _summed(reduce, _mirror_upper(X64 @ X64.T)).to(_acc_dtype(X))
+    return _summed(reduce, X64 @ other.to(F64).T).to(_acc_dtype(X))
 
 
-def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def pairwise_sq_distances(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     """|x|^2 + |y|^2 - 2<x, y> in float64, clamped at 0; the self case with exact zeros on the
     diagonal, its norms from the Gram diagonal."""
     X64 = X.to(F64)
     if other is None:
-        gram = _mirror_upper(X64 @ X64.T)
+        gram = _summed(reduce, _mirror_upper(X64 @ X64.T))
         nx = ny = gram.diagonal()
     else:
         Y64 = other.to(F64)
         gram = X64 @ Y64.T
         nx, ny = (X64 * X64).sum(dim=1), (Y64 * Y64).sum(dim=1)
+        if reduce is not None:
+            K, M = gram.shape
+            sums = reduce(torch.cat([gram.reshape(-1), nx, ny]))
+            gram, nx, ny = sums[: K * M].reshape(K, M), sums[K * M : K * M + K], sums[K * M + K :]
     dist = (nx[:, None] + ny[None, :] - 2.0 * gram).clamp_min(0.0)
     if other is None:
         dist.fill_diagonal_(0.0)
     return dist.to(_acc_dtype(X))
 
 
-def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    nonempty = (offs[1:] > offs[:-1]).nonzero().flatten().tolist()
+def layer_normalized_cosine(
+    X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     K = X.shape[0]
-    if not nonempty:
-        return torch.zeros(K, K, dtype=_acc_dtype(X), device=X.device)
-    per_layer = _segment_cosines(X, offs, None)[nonempty]
+    if reduce is None:
+        nonempty = (offs[1:] > offs[:-1]).nonzero().flatten().tolist()
+        if not nonempty:
+            return torch.zeros(K, K, dtype=_acc_dtype(X), device=X.device)
+        per_layer = _segment_cosines(X, offs, None)[nonempty]
+    else:
+        # One reduce for the mirrored per-segment Grams and the segment lengths of this slice:
+        # a segment is non-empty when its length over the whole model is > 0.
+        X64 = X.to(F64)
+        segs = _segments(offs)
+        grams = torch.stack([_mirror_upper(X64[:, s:e] @ X64[:, s:e].T) for s, e in segs])
+        lengths = torch.tensor([[e - s] for s, e in segs], dtype=F64, device=X.device)
+        sums = reduce(torch.cat([grams.reshape(len(segs), K * K), lengths], dim=1))
+        nonempty = (sums[:, K * K] > 0).nonzero().flatten().tolist()
+        if not nonempty:
+            return torch.zeros(K, K, dtype=_acc_dtype(X), device=X.device)
+        G = sums[:, : K * K].reshape(len(segs), K, K)
+        per_layer = []
+        for l in nonempty:
+            n = G[l].diagonal().clamp_min(0.0).sqrt()
+            per_layer.append(_cosines_from_gram(G[l], n, n, True))
     # Added one segment at a time so every (i, j) entry sums in the same order: exact symmetry.
     total = torch.zeros_like(per_layer[0])
     for mat in per_layer:
@@ -197,10 +270,14 @@ def average_linkage(condensed: np.ndarray) -> np.ndarray:
     return average_linkage_reference(condensed)
 
 
-def nnz_per_layer(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def nnz_per_layer(
+    X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     out = torch.zeros(X.shape[0], offs.numel() - 1, dtype=torch.int64, device=X.device)
     for l, (s, e) in enumerate(_segments(offs)):
         out[:, l] = (X[:, s:e] != 0).sum(dim=1)
+    if reduce is not None:
+        out = reduce(out.to(F64)).round().to(torch.int64)
     return out
 
 

@@ -2,9 +2,15 @@
 partials, a fixed-order segment reduction, and one finalisation kernel (the mirrored triangle,
 then cosines with norms, clamp, unit diagonal and optional mean over layers; or the Gram as is;
 or squared distances with a zero diagonal).
+
+With `reduce` (a sharded server) the reduced Gram (mirrored: exactly symmetric) and squared
+norms are upcast to float64 and packed into one tensor, summed over the shards by one `reduce`
+call, and the finalisation runs in float64 on the sums.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -75,6 +81,8 @@ def _gram_partial_kernel(
 
 # What the finalisation kernel writes from the Gram partial sums.
 COSINE, GRAM, SQ_DIST = 0, 1, 2
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @triton.jit
@@ -248,8 +256,42 @@ def _finalize(
     return out[0] if mean else out
 
 
+def _mirror_upper(gram: torch.Tensor) -> torch.Tensor:
+    """[L, K, K] with the upper triangle (diagonal included) copied onto the lower one; the
+    blocks below the diagonal that the self Gram kernel skips are never read."""
+    upper = torch.ones(gram.shape[-2:], dtype=torch.bool, device=gram.device).triu()
+    return torch.where(upper, gram, gram.transpose(-1, -2))
+
+
+def _summed_grams(
+    gram: torch.Tensor,
+    xn: torch.Tensor,
+    yn: torch.Tensor,
+    is_self: bool,
+    reduce: Reduce,
+    norms: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_segment_grams`' output in float64, summed over the shards by one `reduce`: a self Gram
+    [L, K, K] mirrored (norms on its diagonal); against another matrix [L, K*M + K + M] (the
+    Grams flattened, then the squared norms of X's and Y's rows), or [L, K, M] without norms."""
+    f64 = torch.float64
+    L, K, M = gram.shape
+    if is_self:
+        g = reduce(_mirror_upper(gram).to(f64).contiguous())
+        return g, xn.to(f64), yn.to(f64)  # norms unused: the Gram diagonal holds them
+    if not norms:
+        return reduce(gram.to(f64).contiguous()), xn.to(f64), yn.to(f64)
+    sums = reduce(torch.cat([gram.reshape(L, K * M), xn, yn], dim=1).to(f64).contiguous())
+    g = sums[:, : K * M].reshape(L, K, M).contiguous()
+    return g, sums[:, K * M : K * M + K].contiguous(), sums[:, K * M + K :].contiguous()
+
+
 def cosine_matrix(
-    X: torch.Tensor, offs: torch.Tensor, other: torch.Tensor | None, layerwise: bool
+    X: torch.Tensor,
+    offs: torch.Tensor,
+    other: torch.Tensor | None,
+    layerwise: bool,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """[K, K] / [K, M] cosine similarities, or per segment [L, K, K] / [L, K, M]."""
     if not layerwise:
@@ -257,35 +299,61 @@ def cosine_matrix(
         # lets tiles span layer boundaries.
         offs = torch.tensor([0, X.shape[1]], dtype=torch.int64)
     gram, xn, yn = _segment_grams(X, offs, other)
+    if reduce is not None:
+        gram, xn, yn = _summed_grams(gram, xn, yn, other is None, reduce)
     seg_len = (offs[1:] - offs[:-1]).to(X.device)
     cos = _finalize(gram, xn, yn, seg_len, other is None, 0)
     return cos if layerwise else cos[0]
 
 
-def _whole_row(X: torch.Tensor, other: torch.Tensor | None, kind: int) -> torch.Tensor:
+def _whole_row(
+    X: torch.Tensor, other: torch.Tensor | None, kind: int, reduce: Reduce | None
+) -> torch.Tensor:
     """[K, K] / [K, M] Gram or squared distances of the whole rows (one segment)."""
     offs = torch.tensor([0, X.shape[1]], dtype=torch.int64)
     gram, xn, yn = _segment_grams(X, offs, other)
+    if reduce is not None:
+        gram, xn, yn = _summed_grams(gram, xn, yn, other is None, reduce, norms=kind != GRAM)
     seg_len = (offs[1:] - offs[:-1]).to(X.device)
     return _finalize(gram, xn, yn, seg_len, other is None, 0, kind)[0]
 
 
-def gram_matrix(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def gram_matrix(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     """[K, K] / [K, M] inner products; the self Gram mirrored from its upper triangle."""
-    return _whole_row(X, other, GRAM)
+    return _whole_row(X, other, GRAM, reduce)
 
 
-def pairwise_sq_distances(X: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+def pairwise_sq_distances(
+    X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
+) -> torch.Tensor:
     """[K, K] / [K, M] max(|x_i|^2 + |y_j|^2 - 2 <x_i, y_j>, 0); self: zero diagonal."""
-    return _whole_row(X, other, SQ_DIST)
+    return _whole_row(X, other, SQ_DIST, reduce)
 
 
-def layer_normalized_cosine(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def layer_normalized_cosine(
+    X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
     """[K, K] mean over non-empty segments of the per-segment cosine matrices."""
     K = X.shape[0]
-    count = int((offs[1:] > offs[:-1]).sum())
-    if count == 0:
-        return torch.zeros(K, K, dtype=acc_dtype(X), device=X.device)
-    gram, xn, yn = _segment_grams(X, offs, None)
     seg_len = (offs[1:] - offs[:-1]).to(X.device)
-    return _finalize(gram, xn, yn, seg_len, True, count)
+    if reduce is None:
+        count = int((offs[1:] > offs[:-1]).sum())
+        if count == 0:
+            return torch.zeros(K, K, dtype=acc_dtype(X), device=X.device)
+        gram, xn, yn = _segment_grams(X, offs, None)
+        return _finalize(gram, xn, yn, seg_len, True, count)
+    # One reduce of every segment's mirrored Gram (zeros where this slice has none of it) and
+    # this slice's segment lengths: a segment is non-empty when its whole-model length is > 0.
+    gram, xn, yn = _segment_grams(X, offs, None)
+    L = gram.shape[0]
+    f64 = torch.float64
+    packed = [_mirror_upper(gram).to(f64).reshape(L, K * K), seg_len[:, None].to(f64)]
+    sums = reduce(torch.cat(packed, dim=1))
+    seg_len = sums[:, K * K].contiguous()
+    count = int((seg_len > 0).sum())
+    if count == 0:
+        return torch.zeros(K, K, dtype=f64, device=X.device)
+    gram = sums[:, : K * K].reshape(L, K, K).contiguous()
+    return _finalize(gram, xn.to(f64), yn.to(f64), seg_len, True, count)

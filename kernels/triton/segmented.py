@@ -3,15 +3,22 @@
 Every kernel walks a tile table (segments cut into tiles of at most `tile` elements): pass 1
 writes one partial sum per (tile, row), `seg_reduce` sums each segment's tiles in a fixed order
 (deterministic, no atomics), and the elementwise pass 2 reads its segment's coefficient per tile.
+With `reduce` (a sharded server) the segment sums are upcast to float64 and summed over the
+shards by one `reduce` call before the coefficients are formed (in float64, then rounded to the
+accumulation dtype for pass 2).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import acc_dtype, config, next_pow2, tile_table
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @triton.jit
@@ -183,8 +190,16 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
-def layer_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[K, L] per-segment dots of paired rows (b broadcast when it has one row), in acc dtype."""
+def layer_dots(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    """[K, L] per-segment dots of paired rows (b broadcast when it has one row), in acc dtype;
+    with `reduce`, their float64 sum over the shards."""
+    out = _layer_dots(a, b, offs)
+    return out if reduce is None else reduce(out.to(torch.float64).contiguous())
+
+
+def _layer_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     K = a.shape[0]
     cfg = config(a)
     tt = tile_table(offs, cfg.tile, a.device)
@@ -210,20 +225,27 @@ def project_out(
     only_conflicting: bool,
     eps: float,
     out: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> None:
     """out = g - c b per segment with c = <g,b>/<b,b> (0 for a tiny basis, <= 0 if asked)."""
     K = g.shape[0]
     cfg = config(g)
     tt = tile_table(offs, cfg.tile, g.device)
-    if tt.num_tiles == 0 or K == 0:
+    if (tt.num_tiles == 0 or K == 0) and reduce is None:
         return
-    gb = layer_dots(g, b, offs)  # [K, L]
-    bb = layer_dots(b, b, offs)[0]  # [L]: one row, cheap next to the K rows of g
+    gb = _layer_dots(g, b, offs)  # [K, L]
+    bb = _layer_dots(b, b, offs)[0]  # [L]: one row, cheap next to the K rows of g
+    if reduce is not None:
+        # One reduce of the [K+1, L] dots; c is formed in float64 and rounded once for pass 2.
+        sums = reduce(torch.cat([gb, bb[None]]).to(torch.float64).contiguous())
+        gb, bb = sums[:K], sums[K]
+        if tt.num_tiles == 0 or K == 0:
+            return
     ok = bb > eps
     c = torch.where(ok, gb / torch.where(ok, bb, torch.ones_like(bb)), torch.zeros_like(gb))
     if only_conflicting:
         c = torch.clamp(c, max=0.0)
-    c = c.contiguous()
+    c = c.to(acc_dtype(g)).contiguous()
     _project_apply_kernel[(tt.num_tiles, K)](
         g, b, out, c, tt.start, tt.end, tt.seg, g.stride(0), out.stride(0), tt.num_segs,
         SKIP_ZERO=_same_view(g, out), BLOCK=cfg.block, num_warps=cfg.num_warps,
@@ -242,6 +264,7 @@ def orthogonal_calibrate(
     eps: float,
     out_y: torch.Tensor,
     out_ma: torch.Tensor,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """ORTHOFL in two passes: per-segment coefficients, then y and the moving average."""
     cfg = config(x)
@@ -249,22 +272,31 @@ def orthogonal_calibrate(
     tt = tile_table(offs, cfg.tile, x.device)
     L = tt.num_segs
     coeffs = torch.zeros(L, dtype=acc, device=x.device)
-    if tt.num_tiles == 0:
+    if tt.num_tiles == 0 and reduce is None:
         return coeffs
     cal = calibrate.to(device=x.device, dtype=torch.int32)
-    part = torch.empty(tt.num_tiles, 2, dtype=acc, device=x.device)
-    _calib_partial_kernel[(tt.num_tiles,)](
-        x, sent, w, snap, part, cal, tt.start, tt.end, tt.seg,
-        BLOCK=cfg.block, num_warps=cfg.num_warps,
-    )  # fmt: skip
     dots = torch.zeros(L, 2, dtype=acc, device=x.device)
-    seg_reduce(part, tt, dots)
+    if tt.num_tiles:
+        part = torch.empty(tt.num_tiles, 2, dtype=acc, device=x.device)
+        _calib_partial_kernel[(tt.num_tiles,)](
+            x, sent, w, snap, part, cal, tt.start, tt.end, tt.seg,
+            BLOCK=cfg.block, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        seg_reduce(part, tt, dots)
     num, den = dots[:, 0], dots[:, 1]
+    if reduce is not None:
+        # One reduce of the [2, L] sums (0 where calibrate is False: those tiles are skipped);
+        # the coefficients are formed in float64 and returned so, rounded once for pass 2.
+        num, den = reduce(dots.T.to(torch.float64).contiguous())
+        coeffs = coeffs.to(torch.float64)
     ok = (den > eps) & (cal != 0)
     coeffs = torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), coeffs)
+    if tt.num_tiles == 0:
+        return coeffs
+    c_acc = coeffs.to(acc)
     par = torch.tensor([beta, 1.0 - beta], dtype=torch.float64).to(device=x.device, dtype=acc)
     _calib_apply_kernel[(tt.num_tiles,)](
-        x, sent, w, snap, ma, out_y, out_ma, coeffs, cal, par, tt.start, tt.end, tt.seg,
+        x, sent, w, snap, ma, out_y, out_ma, c_acc, cal, par, tt.start, tt.end, tt.seg,
         Y_IS_X=_same_view(x, out_y), BLOCK=cfg.block, num_warps=cfg.num_warps,
     )  # fmt: skip
     return coeffs

@@ -4,6 +4,8 @@ the same element, so no atomics are needed)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -49,21 +51,26 @@ def _sparse_acc_kernel(
     tl.store(out_ptr + i, r.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def nnz_per_layer(X: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def nnz_per_layer(
+    X: torch.Tensor,
+    offs: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """[K, L] int64 counts; with `reduce`, the float64 counts (exact) summed over the shards."""
     K, D = X.shape
     L = offs.numel() - 1
-    out = torch.zeros(K, L, dtype=torch.int64, device=X.device)
     cfg = config(X)
     tt = tile_table(offs, cfg.tile, X.device)
-    if tt.num_tiles == 0 or K == 0:
-        return out
-    part = torch.empty(tt.num_tiles, K, dtype=torch.float64, device=X.device)
-    _nnz_partial_kernel[(tt.num_tiles, K)](
-        X, part, tt.start, tt.end, X.stride(0), K,
-        BLOCK=cfg.block, num_warps=cfg.num_warps,
-    )  # fmt: skip
     sums = torch.zeros(K, L, dtype=torch.float64, device=X.device)
-    seg_reduce(part, tt, sums.T)  # [L, K] view: segments whose tiles are none stay 0
+    if tt.num_tiles and K:
+        part = torch.empty(tt.num_tiles, K, dtype=torch.float64, device=X.device)
+        _nnz_partial_kernel[(tt.num_tiles, K)](
+            X, part, tt.start, tt.end, X.stride(0), K,
+            BLOCK=cfg.block, num_warps=cfg.num_warps,
+        )  # fmt: skip
+        seg_reduce(part, tt, sums.T)  # [L, K] view: segments whose tiles are none stay 0
+    if reduce is not None:
+        sums = reduce(sums)
     return sums.round().to(torch.int64)
 
 
