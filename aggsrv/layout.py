@@ -263,6 +263,11 @@ class ModelLayout:
         return self.specs[-1].end if self.specs else 0
 
     @property
+    def whole(self) -> ModelLayout:
+        """The whole model's layout: this one (a shard's ShardLayout answers the model's)."""
+        return self
+
+    @property
     def buffer_names(self) -> tuple[str, ...]:
         """Float buffer names in layout order."""
         return tuple(s.name for s in self.buffer_specs)

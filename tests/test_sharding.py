@@ -258,3 +258,93 @@ def test_strategy_coverage() -> None:
     from aggsrv.strategies import STRATEGIES
 
     assert set(STRATEGY_CASES) == set(STRATEGIES)
+
+
+# ------------------------------------------------------------------ strategies on gloo shards
+
+REDUCING = ["orthofl", "fedhist", "feddgic", "fedfg"]
+
+
+def _whole_layout():
+    from aggsrv.layout import ModelLayout
+
+    return ModelLayout.from_named_shapes(
+        [("a.weight", (7, 13)), ("a.bias", (7,)), ("b.weight", (3, 7)), ("b.bias", (3,))]
+    )
+
+
+def _inputs(seed: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(D, generator=gen), torch.randn(24, CLIENTS, D, generator=gen)
+
+
+def _strategies_main(rank, world, init, seed, names, queue) -> None:
+    """One shard process: every strategy in ``names`` on this shard's slice, with a
+    TorchReducer over the gloo group, driven by the same calls as one server."""
+    try:
+        import torch.distributed as dist
+
+        from aggsrv.sharding import ShardLayout
+        from aggsrv.strategies import make_strategy
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        whole = _whole_layout()
+        initial, rows = _inputs(seed, whole.numel)
+        layout = ShardLayout(whole, ShardMap.even(whole.numel, world, align=8), rank)
+        for name in names:
+            strategy = make_strategy(
+                name, layout=layout, initial=layout.local(initial).clone(),
+                config=STRATEGY_CASES[name], device="cpu", reducer=TorchReducer(),
+            )  # fmt: skip
+            trace = _drive([(strategy, layout.local)], rows, seed)[0]
+            queue.put((rank, name, trace, strategy.global_model().clone(), None))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, None, None, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: Path) -> None:
+    from aggsrv.strategies import make_strategy
+
+    seed = random.randrange(1 << 30)
+    names = list(STRATEGY_CASES)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [
+        ctx.Process(target=_strategies_main, args=(r, world, init, seed, names, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[str, dict[int, tuple]] = {}
+    try:
+        for _ in range(world * len(names)):
+            rank, name, trace, model, error = queue.get(timeout=180)
+            assert error is None, error
+            got.setdefault(name, {})[rank] = (trace, model)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    whole = _whole_layout()
+    initial, rows = _inputs(seed, whole.numel)
+    shard_map = ShardMap.even(whole.numel, world, align=8)
+    for name in names:
+        single = make_strategy(name, layout=whole, initial=initial, config=STRATEGY_CASES[name],
+                               device="cpu")  # fmt: skip
+        trace = _drive([(single, lambda t: t)], rows, seed)[0]
+        assert single.version >= 2, name
+        shards = [got[name][r] for r in range(world)]
+        for r, (shard_trace, _) in enumerate(shards):
+            assert shard_trace == trace, f"{name}: shard {r} took other decisions ({seed=})"
+        joined = shard_map.join([m for _, m in shards])
+        want = single.global_model()
+        if name in REDUCING:  # partial sums over shards round differently from one pass
+            err = float((joined - want).norm() / want.norm())
+            assert err <= 1e-5, f"{name} on {world} shards: relative error {err:.2e} ({seed=})"
+        else:
+            assert torch.equal(joined, want), f"{name} on {world} shards ({seed=})"

@@ -48,6 +48,7 @@ from typing import Any, ClassVar, Self
 import torch
 
 from aggsrv.layout import ModelLayout
+from aggsrv.sharding import LocalReducer, Reducer
 from aggsrv.strategies.buffers import VersionBuffers
 from aggsrv.strategies.float_buffers import FloatBuffers
 
@@ -412,9 +413,14 @@ class Strategy(ABC):
         device: torch.device | str | None = None,
         max_clients: int = 1024,
         initial_buffers: torch.Tensor | None = None,
+        reducer: Reducer | None = None,
     ) -> None:
         """Start at version 0 from ``initial`` ([D], copied to float32 on ``device``) and, when
-        the layout has float buffers, ``initial_buffers`` ([B])."""
+        the layout has float buffers, ``initial_buffers`` ([B]).
+
+        On a shard of a sharded server (docs/sharding.md) ``layout`` is the shard's
+        :class:`~aggsrv.sharding.ShardLayout`, ``initial`` its slice, and ``reducer`` sums
+        partial results over the shards, so every shard takes the same decisions."""
         if isinstance(config, StrategyConfig):
             if not isinstance(config, self.config_class):
                 raise TypeError(
@@ -462,8 +468,19 @@ class Strategy(ABC):
         # Receives the strategy's events (FedDGIC's groupings, ...) as JSON-ready dicts: the
         # server and the simulator point it at their events.jsonl. Not part of the state.
         self.event_sink: Callable[[dict[str, Any]], None] | None = None
+        self.reducer: Reducer = reducer if reducer is not None else LocalReducer()
+        # What kernels get as reduce=: None on one server keeps their single-pass results.
+        self.reduce = self.reducer.sum_ if self.reducer.world_size > 1 else None
 
     # --------------------------------------------------------------------------- public API
+
+    def whole_norm(self, t: torch.Tensor) -> float:
+        """The L2 norm (float64) of the whole-model vector whose slice ``t`` is: on one server
+        ``t``'s own norm; on a shard the root of the squared norms summed over the shards."""
+        if self.reduce is None:
+            return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+        sq = torch.linalg.vector_norm(t, dtype=torch.float64).square().reshape(1)
+        return float(self.reduce(sq).sqrt())
 
     @property
     def dim(self) -> int:

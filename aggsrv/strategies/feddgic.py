@@ -145,6 +145,10 @@ class FedDGIC(Strategy):
         cfg = self.config
         offsets = self.layout.module_offsets if cfg.layer_unit == "module" else self.layout.offsets
         self._offsets = offsets.to(torch.int64)
+        # "param_weighted" weighs layers by their whole size (a shard holds slices of them).
+        whole = self.layout.whole
+        whole_offsets = whole.module_offsets if cfg.layer_unit == "module" else whole.offsets
+        self._layer_sizes = (whole_offsets[1:] - whole_offsets[:-1]).to(torch.float64)
         self.phase = "grouping"
         self.grouping: Grouping | None = None
         self.n_cal: int | None = None
@@ -363,11 +367,11 @@ class FedDGIC(Strategy):
         """[m, m] similarity of the given rows under ``layer_norm``."""
         mode = self.config.layer_norm
         if mode == "per_layer_mean":
-            return kernels.layer_normalized_cosine(rows, self._offsets)
+            return kernels.layer_normalized_cosine(rows, self._offsets, reduce=self.reduce)
         if mode == "none":
-            return kernels.cosine_matrix(rows)
-        per_layer = kernels.cosine_matrix(rows, self._offsets, layerwise=True)
-        sizes = (self._offsets[1:] - self._offsets[:-1]).to(per_layer.dtype)
+            return kernels.cosine_matrix(rows, reduce=self.reduce)
+        per_layer = kernels.cosine_matrix(rows, self._offsets, layerwise=True, reduce=self.reduce)
+        sizes = self._layer_sizes.to(per_layer.dtype)
         return torch.einsum("l,lij->ij", sizes / sizes.sum(), per_layer)
 
     def _add_similarity(self, members: list[int]) -> None:

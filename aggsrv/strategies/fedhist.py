@@ -198,7 +198,7 @@ class FedHist(Strategy):
             torch.div(update.tensor, -scale, out=row)
         else:
             torch.sub(job.weights, update.tensor, out=row).div_(scale)
-        self._cur_norms[i] = float(torch.linalg.vector_norm(row, dtype=torch.float64))
+        self._cur_norms[i] = self.whole_norm(row)
         self._cur_meta.append((update.client_id, job.base_version))
         if update.buffers is not None:
             self._cur_buffers[i].copy_(update.buffers)
@@ -262,6 +262,7 @@ class FedHist(Strategy):
             rescale=cfg.rescale,
             raw_norms=cfg.ina_norms == "raw",
             out=g_glob,
+            reduce=self.reduce,
         )
         self.clamped_weights += result.clamped
         self.fallback_rounds += int(result.fallback)
@@ -274,7 +275,7 @@ class FedHist(Strategy):
         new = self._new_model_buffer()
         torch.add(self._model, g_glob, alpha=-cfg.effective_server_lr, out=new)
         if self._keeps_history():
-            self._g_norms[slot] = float(torch.linalg.vector_norm(g_glob, dtype=torch.float64))
+            self._g_norms[slot] = self.whole_norm(g_glob)
             self._g_order.append(slot)
             self._g_used = max(self._g_used, slot + 1)
             if len(self._g_order) > h:
@@ -327,7 +328,9 @@ class FedHist(Strategy):
                         grads[i : i + 1], [1.0 / size], out=self._pred, beta=0.0 if first else 1.0
                     )
                     first = False
-            sims = kernels.cosine_matrix(his.grads, other=self._pred.unsqueeze(0))[:, 0]
+            sims = kernels.cosine_matrix(
+                his.grads, other=self._pred.unsqueeze(0), reduce=self.reduce
+            )[:, 0]
             for client, tau, s in zip(his.clients, his.taus, sims.tolist(), strict=True):
                 util = hindsight_utility(s, tau, self.config.sim_threshold, size)
                 self.ubar[client] = utility_ema(self.ubar.get(client, 0.0), util, self.config.gamma)

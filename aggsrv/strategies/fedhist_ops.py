@@ -24,7 +24,7 @@ the cosines and only the chosen history rows for the sum.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +174,7 @@ def aggregate_round(
     rescale: bool = True,
     raw_norms: bool = False,
     out: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RoundResult:
     """FedHist's EGS, HAA and INA for one round: ``out`` [D] <- the global gradient.
 
@@ -182,6 +183,8 @@ def aggregate_round(
     valid rows oldest first (the others are never read into the result), ``history_norms``
     [H] their float64 norms. ``raw_norms``: INA takes the mean norm of the raw rows instead of
     the fused ones (the spec's flag). ``out`` must not alias ``local`` or ``history``.
+    ``reduce`` sums partial results over shards (docs/sharding.md): ``local``, ``history`` and
+    ``out`` are then one shard's slices, the norms the whole vectors'.
     """
     k = local.shape[0]
     if local.dim() != 2 or k == 0 or len(taus) != k or len(utilities) != k:
@@ -194,7 +197,8 @@ def aggregate_round(
     if alpha != 0 and history is not None and len(recency) > 0:
         assert history_norms is not None
         order = torch.as_tensor(list(recency), dtype=torch.int64)
-        cos = kernels.cosine_matrix(local, other=history).to(torch.float64)[:, order]
+        cos = kernels.cosine_matrix(local, other=history, reduce=reduce)
+        cos = cos.to(torch.float64)[:, order]
         pos = _most_recent_minimum(cos)
         # A zero local gradient is not fused (spec 5 A7): chosen -1.
         chosen = torch.where(norms > 0, order[pos], -1)
@@ -211,7 +215,10 @@ def aggregate_round(
     scale = 1.0
     if rescale:
         target = float((norms if raw_norms else fused_norms).mean())
-        norm = float(torch.linalg.vector_norm(out, dtype=torch.float64))
+        norm_t = torch.linalg.vector_norm(out, dtype=torch.float64)
+        if reduce is not None:  # the whole aggregate's norm from the shards' squared norms
+            norm_t = reduce(norm_t.square().reshape(1)).sqrt()[0]
+        norm = float(norm_t)
         scale = target / norm if norm > 0.0 else 0.0
         out.mul_(scale)
     return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)

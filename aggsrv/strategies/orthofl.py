@@ -290,12 +290,15 @@ class OrthoFL(Strategy):
             mask = self._mask if t_minus_tau > 1 else self._no_mask
         if cfg.zero_sum_skip and bool(mask.any()):
             sums = torch.segment_reduce(w - snap, "sum", lengths=self._lengths)
+            if self.reduce is not None:  # a shard: the whole segments' sums
+                sums = self.reduce(sums.to(torch.float64))
             mask = mask & (sums != 0).cpu()
         y = self._versions.take()
         new = self._new_model_buffer()
         y, new, coeffs = kernels.orthogonal_calibrate(
             x, sent, w, snap, self._offsets, beta_t,
             calibrate=mask, ma=ma, eps=cfg.eps, out_y=y, out_ma=new, return_coeffs=True,
+            reduce=self.reduce,
         )  # fmt: skip
         self.last_coeffs = coeffs
         if update.buffers is not None:
@@ -326,6 +329,7 @@ class OrthoFL(Strategy):
         else:
             w, snap, ma = current, self._b_snap[cid], None
         mask = self._b_all if calibrate else self._b_none
+        # Float buffers live whole on one shard (ShardLayout): no reduce.
         yb, new_b = kernels.orthogonal_calibrate(
             xb, self._b_sent[cid], w, snap, self._b_offsets, beta_t,
             calibrate=mask, ma=ma, eps=self.config.eps,
