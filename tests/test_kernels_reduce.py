@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from aggsrv.kernels.triton import _common
+from kernel_tolerances import assert_close_normwise, cos_tol, vec_tol
 
 from aggsrv import kernels
 from aggsrv.sharding import LocalReducer, ShardMap
@@ -27,7 +28,6 @@ BACKENDS = ["reference", "cpu", "triton"]
 # Triton runs on CUDA tensors where there is a GPU, elsewhere under TRITON_INTERPRET=1
 # (conftest.py sets it).
 TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
-HALF = (torch.float16, torch.bfloat16)
 
 # Empty first, middle and last-but-one segments; lengths that are not multiples of anything.
 SIZES = [0, 37, 0, 150, 1, 90, 0, 40]
@@ -51,24 +51,6 @@ def maps_for(backend: str) -> list[ShardMap]:
 def cases(full: list[tuple], triton: list[tuple]) -> list[tuple]:
     """(backend, *case): reference and cpu on every case, triton on the listed ones."""
     return [(b, *c) for b in ("reference", "cpu") for c in full] + [("triton", *c) for c in triton]
-
-
-def vec_tol(dtype: torch.dtype) -> float:
-    """Norm-wise relative tolerance of the conventions."""
-    return 2e-2 if dtype in HALF else (1e-12 if dtype == torch.float64 else 1e-5)
-
-
-def cos_tol(dtype: torch.dtype) -> float:
-    """Absolute tolerance of cosines."""
-    return 2e-2 if dtype in HALF else (1e-12 if dtype == torch.float64 else 1e-5)
-
-
-def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    got64, want64 = got.double().cpu(), want.double().cpu()
-    assert got64.shape == want64.shape
-    err = (got64 - want64).norm().item()
-    scale = max(want64.norm().item(), 1e-30)
-    assert err <= tol * scale, f"relative error {err / scale:.3g} > {tol}"
 
 
 def assert_close_abs(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:

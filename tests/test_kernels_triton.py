@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from kernel_tolerances import HALF, assert_close_normwise, cos_tol, vec_tol
 
 if not torch.cuda.is_available():
     # conftest.py does this already; kept so the file also runs on its own.
@@ -24,7 +25,6 @@ from aggsrv.kernels.triton import _common  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-HALF = (torch.float16, torch.bfloat16)
 # Ragged layout: an empty first and middle segment, lengths that are not multiples of a block.
 OFFS = torch.tensor([0, 0, 37, 37, 300, 301, 1000], dtype=torch.int64)
 D = int(OFFS[-1])
@@ -35,23 +35,6 @@ def _group_means(backend, X, groups, num_groups):
     out = torch.empty(num_groups, X.shape[1], dtype=X.dtype, device=X.device)
     backend.group_means(X, torch.as_tensor(groups).cpu(), num_groups, out)
     return out
-
-
-def vec_tol(dtype: torch.dtype) -> float:
-    """Norm-wise relative tolerance of the contract."""
-    return 2e-2 if dtype in HALF else (1e-12 if dtype == torch.float64 else 1e-5)
-
-
-def cos_tol(dtype: torch.dtype) -> float:
-    """Absolute tolerance of cosines."""
-    return 2e-2 if dtype in HALF else (1e-12 if dtype == torch.float64 else 1e-5)
-
-
-def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    got64, want64 = got.double().cpu(), want.double().cpu()
-    err = (got64 - want64).norm().item()
-    scale = max(want64.norm().item(), 1e-30)
-    assert err <= tol * scale, f"relative error {err / scale:.3g} > {tol}"
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from server_helpers import RunningServer
 from state_helpers import assert_same_state
+from strategy_cases import strategy_cases
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
@@ -29,21 +30,7 @@ from aggsrv.strategies.base import UpdateKind
 
 CLIENTS = 5
 RUN_SECONDS = 2.5
-CASES = {
-    "fedavg": {"mode": "sync", "min_clients": 3, "round_timeout": 0.5},
-    "fedasync": {"alpha": 0.6},
-    "fedbuff": {"buffer_size": 2},
-    "fedprox": {"mu": 0.1},
-    "fedogd": {"epoch_timeout": 0.5},
-    "mifa": {"epoch_timeout": 0.5},
-    "feden": {"participation": 1.0, "local_epochs": 1.0, "learning_rate": 0.05},
-    "orthofl": {},
-    "ca2fl": {},
-    "fedhist": {"buffer_size": 3, "history": 2, "learning_rate": 0.1},
-    "twafl": {"buffer_size": 3, "learning_rate": 0.1},
-    "fedfg": {"min_available": CLIENTS, "fixed_groups": 2, "similarity_rounds": 2},
-    "feddgic": {"min_available": CLIENTS, "similarity_rounds": 2},
-}
+CASES = strategy_cases(CLIENTS)
 
 
 def _model() -> torch.nn.Module:

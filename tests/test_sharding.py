@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from strategy_cases import strategy_cases
 
 from aggsrv import kernels
 from aggsrv.sharding import ALIGN, LocalReducer, ShardMap, TorchReducer, imbalance
@@ -155,21 +156,7 @@ def test_partial_sums_over_gloo_processes_give_the_whole_models(world: int, tmp_
 # ------------------------------------------------------------------ strategies on shards
 
 CLIENTS = 4
-STRATEGY_CASES = {
-    "fedavg": {"mode": "sync", "min_clients": 3, "round_timeout": 0.5},
-    "fedasync": {"alpha": 0.6},
-    "fedbuff": {"buffer_size": 2},
-    "fedprox": {"mu": 0.1},
-    "fedogd": {"epoch_timeout": 0.5},
-    "mifa": {"epoch_timeout": 0.5},
-    "feden": {"participation": 1.0, "local_epochs": 1.0, "learning_rate": 0.05},
-    "orthofl": {},
-    "ca2fl": {},
-    "fedhist": {"buffer_size": 3, "history": 2, "learning_rate": 0.1},
-    "twafl": {"buffer_size": 3, "learning_rate": 0.1},
-    "fedfg": {"min_available": CLIENTS, "fixed_groups": 2, "similarity_rounds": 2},
-    "feddgic": {"min_available": CLIENTS, "similarity_rounds": 2},
-}
+STRATEGY_CASES = strategy_cases(CLIENTS)
 
 
 def _drive(strategies, rows: torch.Tensor, seed: int, steps: int = 24) -> list[tuple]:
