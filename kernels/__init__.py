@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+# Sums a kernel call's packed float64 partial sums over the shards (a collective, e.g.
+# `aggsrv.sharding.Reducer.sum_`): returns its argument summed in place, or a new tensor of the
+# same shape, dtype and device.
+from ._partials import Reduce
 
 __all__ = [
     "Reduce",
@@ -43,10 +48,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
-# Sums a kernel call's packed float64 partial sums over the shards (a collective, e.g.
-# `aggsrv.sharding.Reducer.sum_`): returns its argument summed in place, or a new tensor of the
-# same shape, dtype and device.
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 _DATA_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKEND_MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton"}
 

@@ -19,12 +19,12 @@ coefficients, cosines or distances and any elementwise pass. Without it the fuse
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import numba as nb
 import numpy as np
 import torch
 
+from ._partials import Reduce, mirror_upper, summed, summed_grams
 from ._tiles import offsets_key, tile_table
 
 # Tile length in elements: large enough to amortise the per-tile overhead and keep the
@@ -49,9 +49,6 @@ GRAM_CHUNK = 65536
 _FM = {"reassoc", "nsz", "contract", "arcp"}
 _jit = functools.partial(nb.njit, cache=True, nogil=True, fastmath=_FM)
 _pjit = functools.partial(nb.njit, cache=True, nogil=True, fastmath=_FM, parallel=True)
-
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _tiles(offs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -442,17 +439,11 @@ def _segment_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> np.nd
     return res
 
 
-def _summed(reduce: Reduce | None, partials: torch.Tensor) -> torch.Tensor:
-    """The partial sums summed over the shards: one `reduce` call, or the partials as they are
-    for a single server."""
-    return partials if reduce is None else reduce(partials.contiguous())
-
-
 def layer_dots(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
 ) -> torch.Tensor:
     res = torch.from_numpy(_segment_dots(_as_work(a), _as_work(b), offs))
-    return _summed(reduce, res).to(_work_dtype(a))
+    return summed(reduce, res).to(_work_dtype(a))
 
 
 def project_out(
@@ -623,14 +614,8 @@ def _grams(
     grams = _gram_blocks(Xw, Yw, offs, layerwise)
     if Yw is None or not norms:
         return grams, None
-    seg = offs if layerwise else torch.tensor([0, X.shape[1]], dtype=torch.int64)
+    seg = offs if layerwise else _whole(X)
     return grams, (_row_sq_norms(Xw, seg), _row_sq_norms(Yw, seg))
-
-
-def _mirror_upper(G: torch.Tensor) -> torch.Tensor:
-    """[..., K, K] with the upper triangle (diagonal included) copied onto the lower one."""
-    upper = torch.ones(G.shape[-2:], dtype=torch.bool).triu()
-    return torch.where(upper, G, G.transpose(-1, -2))
 
 
 def _cosines(grams: torch.Tensor, sq_norms: SqNorms | None) -> torch.Tensor:
@@ -656,17 +641,13 @@ def _whole(X: torch.Tensor) -> torch.Tensor:
 
 
 def _summed_grams(
-    grams: torch.Tensor, sq_norms: SqNorms | None, reduce: Reduce
+    grams: torch.Tensor, sq_norms: SqNorms | None, reduce: Reduce, squeeze: bool = False
 ) -> tuple[torch.Tensor, SqNorms | None]:
-    """`_grams`' output summed over the shards by one `reduce`: a self Gram [L, K, K] mirrored
-    from its upper triangle (norms on its diagonal); against another matrix [L, K*M + K + M],
-    the Grams flattened, then the squared row norms of X and of Y."""
-    if sq_norms is None:
-        return reduce(_mirror_upper(grams).contiguous()), None
-    L, K, M = grams.shape
-    sums = reduce(torch.cat([grams.reshape(L, K * M), sq_norms[0], sq_norms[1]], dim=1))
-    G = sums[:, : K * M].reshape(L, K, M)
-    return G, (sums[:, K * M : K * M + K], sums[:, K * M + K :])
+    """`_grams`' output summed over the shards by one `reduce` (`summed_grams`' packing; a
+    self Gram is the one without norms)."""
+    sx, sy = sq_norms if sq_norms is not None else (None, None)
+    G, sx, sy = summed_grams(reduce, grams, sx, sy, self_gram=sq_norms is None, squeeze=squeeze)
+    return G, None if sx is None or sy is None else (sx, sy)
 
 
 def cosine_matrix(
@@ -689,8 +670,8 @@ def gram_matrix(
 ) -> torch.Tensor:
     G = _grams(X, other, _whole(X), False, norms=False)[0][0]
     if other is None:
-        G = _mirror_upper(G)
-    return _summed(reduce, G).to(_work_dtype(X))
+        G = mirror_upper(G)
+    return summed(reduce, G).to(_work_dtype(X))
 
 
 def pairwise_sq_distances(
@@ -701,10 +682,10 @@ def pairwise_sq_distances(
     diagonal, so the result is exactly symmetric, and an exactly zero diagonal."""
     grams, sq_norms = _grams(X, other, _whole(X), False, norms=True)
     if reduce is not None:
-        grams, sq_norms = _summed_grams(grams, sq_norms, reduce)
+        grams, sq_norms = _summed_grams(grams, sq_norms, reduce, squeeze=True)
     G = grams[0].to(torch.float64)
     if sq_norms is None:
-        G = _mirror_upper(G)
+        G = mirror_upper(G)
         n = m = G.diagonal()
     else:
         n, m = sq_norms[0][0], sq_norms[1][0]
@@ -726,7 +707,7 @@ def layer_normalized_cosine(
     else:
         # Every segment's Gram (zeros where this slice has none of it) and this slice's segment
         # lengths in one reduce: a segment is non-empty when its whole-model length is > 0.
-        grams = _mirror_upper(_gram_blocks(_as_work(X), None, offs, True))
+        grams = mirror_upper(_gram_blocks(_as_work(X), None, offs, True))
         L = grams.shape[0]
         lengths = (offs[1:] - offs[:-1]).to(torch.float64)[:, None]
         sums = reduce(torch.cat([grams.reshape(L, K * K), lengths], dim=1))

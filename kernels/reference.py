@@ -7,19 +7,12 @@ partial sums into one tensor, calls `reduce` once and derives its results from w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
+from ._partials import Reduce, mirror_upper, summed, summed_grams
+
 F64 = torch.float64
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _summed(reduce: Reduce | None, partials: torch.Tensor) -> torch.Tensor:
-    """The partial sums summed over the shards: one `reduce` call, or the partials as they are
-    for a single server."""
-    return partials if reduce is None else reduce(partials.contiguous())
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -43,7 +36,7 @@ def _seg_dots(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Ten
 def layer_dots(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
 ) -> torch.Tensor:
-    return _summed(reduce, _seg_dots(a, b, offs)).to(_acc_dtype(a))
+    return summed(reduce, _seg_dots(a, b, offs)).to(_acc_dtype(a))
 
 
 def project_out(
@@ -56,7 +49,7 @@ def project_out(
     reduce: Reduce | None = None,
 ) -> None:
     K = g.shape[0]
-    sums = _summed(reduce, torch.cat([_seg_dots(g, b, offs), _seg_dots(b, b, offs)]))
+    sums = summed(reduce, torch.cat([_seg_dots(g, b, offs), _seg_dots(b, b, offs)]))
     gb, bb = sums[:K], sums[K]
     for l, (s, e) in enumerate(_segments(offs)):
         c = torch.zeros_like(gb[:, l]) if bb[l] <= eps else gb[:, l] / bb[l]
@@ -86,7 +79,7 @@ def orthogonal_calibrate(
     x64, sent64, w64, snap64, ma64 = (t.to(F64) for t in (x, sent, w, snap, ma))
     dm = x64 - sent64
     dg = w64 - snap64
-    num, den = _summed(reduce, torch.cat([_seg_dots(dg, dm, offs), _seg_dots(dm, dm, offs)]))
+    num, den = summed(reduce, torch.cat([_seg_dots(dg, dm, offs), _seg_dots(dm, dm, offs)]))
     coeffs = torch.zeros(len(num), dtype=F64, device=x.device)
     y = x64.clone()
     for l, (s, e) in enumerate(_segments(offs)):
@@ -147,17 +140,15 @@ def _segment_cosines_summed(
     [L, K, K] (norms on the diagonal), or [L, K*M + K + M] (Grams, squared row norms of X, of
     Y) against another matrix."""
     segs = _segments(offs)
-    L, K, M = len(segs), X64.shape[0], Y64.shape[0]
+    L = len(segs)
     grams = torch.stack([X64[:, s:e] @ Y64[:, s:e].T for s, e in segs])
     if symmetric:
-        G = reduce(_mirror_upper(grams).contiguous())
+        G = summed_grams(reduce, grams, self_gram=True)[0]
         norms = [G[l].diagonal().clamp_min(0.0).sqrt() for l in range(L)]
         return torch.stack([_cosines_from_gram(G[l], norms[l], norms[l], True) for l in range(L)])
     nx = torch.stack([(X64[:, s:e] ** 2).sum(dim=1) for s, e in segs])
     ny = torch.stack([(Y64[:, s:e] ** 2).sum(dim=1) for s, e in segs])
-    sums = reduce(torch.cat([grams.reshape(L, K * M), nx, ny], dim=1))
-    G = sums[:, : K * M].reshape(L, K, M)
-    nx, ny = sums[:, K * M : K * M + K], sums[:, K * M + K :]
+    G, nx, ny = summed_grams(reduce, grams, nx, ny, self_gram=False)
     return torch.stack(
         [_cosines_from_gram(G[l], nx[l].sqrt(), ny[l].sqrt(), False) for l in range(L)]
     )
@@ -176,19 +167,13 @@ def cosine_matrix(
     return _segment_cosines(X, whole, other, reduce)[0].to(_acc_dtype(X))
 
 
-def _mirror_upper(G: torch.Tensor) -> torch.Tensor:
-    """The upper triangle (diagonal included) copied onto the lower one: exactly symmetric."""
-    upper = torch.ones(G.shape[-2:], dtype=torch.bool, device=G.device).triu()
-    return torch.where(upper, G, G.transpose(-1, -2))
-
-
 def gram_matrix(
     X: torch.Tensor, other: torch.Tensor | None, reduce: Reduce | None = None
 ) -> torch.Tensor:
     X64 = X.to(F64)
     if other is None:
-        return _summed(reduce, _mirror_upper(X64 @ X64.T)).to(_acc_dtype(X))
-    return _summed(reduce, X64 @ other.to(F64).T).to(_acc_dtype(X))
+        return summed(reduce, mirror_upper(X64 @ X64.T)).to(_acc_dtype(X))
+    return summed(reduce, X64 @ other.to(F64).T).to(_acc_dtype(X))
 
 
 def pairwise_sq_distances(
@@ -198,16 +183,17 @@ def pairwise_sq_distances(
     diagonal, its norms from the Gram diagonal."""
     X64 = X.to(F64)
     if other is None:
-        gram = _summed(reduce, _mirror_upper(X64 @ X64.T))
+        gram = summed(reduce, mirror_upper(X64 @ X64.T))
         nx = ny = gram.diagonal()
     else:
         Y64 = other.to(F64)
         gram = X64 @ Y64.T
         nx, ny = (X64 * X64).sum(dim=1), (Y64 * Y64).sum(dim=1)
         if reduce is not None:
-            K, M = gram.shape
-            sums = reduce(torch.cat([gram.reshape(-1), nx, ny]))
-            gram, nx, ny = sums[: K * M].reshape(K, M), sums[K * M : K * M + K], sums[K * M + K :]
+            G, sx, sy = summed_grams(
+                reduce, gram[None], nx[None], ny[None], self_gram=False, squeeze=True
+            )
+            gram, nx, ny = G[0], sx[0], sy[0]
     dist = (nx[:, None] + ny[None, :] - 2.0 * gram).clamp_min(0.0)
     if other is None:
         dist.fill_diagonal_(0.0)
@@ -228,7 +214,7 @@ def layer_normalized_cosine(
         # a segment is non-empty when its length over the whole model is > 0.
         X64 = X.to(F64)
         segs = _segments(offs)
-        grams = torch.stack([_mirror_upper(X64[:, s:e] @ X64[:, s:e].T) for s, e in segs])
+        grams = torch.stack([mirror_upper(X64[:, s:e] @ X64[:, s:e].T) for s, e in segs])
         lengths = torch.tensor([[e - s] for s, e in segs], dtype=F64, device=X.device)
         sums = reduce(torch.cat([grams.reshape(len(segs), K * K), lengths], dim=1))
         nonempty = (sums[:, K * K] > 0).nonzero().flatten().tolist()

@@ -103,9 +103,12 @@ class _Replay:
         return t.copy_(self.total) if self.in_place else self.total.clone()
 
 
-def sharded(call: Callable[[int, Any], Any], smap: ShardMap) -> list[Any]:
+def sharded(
+    call: Callable[[int, Any], Any], smap: ShardMap, packed: tuple[int, ...] | None = None
+) -> list[Any]:
     """Run ``call(rank, reduce)`` on every shard twice (record, then replay of the sum over the
-    shards); return the pass-2 results by rank."""
+    shards); return the pass-2 results by rank. ``packed``: the packed shape docs/kernels.md
+    gives (the same on every backend: shards sum these tensors)."""
     partials = []
     for rank in range(smap.shards):
         rec = _Record()
@@ -113,6 +116,7 @@ def sharded(call: Callable[[int, Any], Any], smap: ShardMap) -> list[Any]:
         assert len(rec.seen) == 1, f"reduce called {len(rec.seen)} times on shard {rank}"
         p = rec.seen[0]
         assert p.dtype == torch.float64 and p.is_contiguous()
+        assert packed is None or tuple(p.shape) == packed, f"packed {tuple(p.shape)}, not {packed}"
         partials.append(p)
     assert len({p.shape for p in partials}) == 1, "packed shapes differ between shards"
     total = torch.zeros_like(partials[0])
@@ -488,7 +492,13 @@ def test_gram_matrix_and_distances(backend, dtype, with_other, gen):
                 Yl = None if Y is None else local(smap, r, Y)[0]
                 return fn(Xl, other=Yl, reduce=red, backend=backend)
 
-            got = same_on_every_shard(sharded(call, smap))
+            if Y is None:
+                packed = (K, K)  # the symmetric Gram, norms on its diagonal
+            elif fn is kernels.gram_matrix:
+                packed = (K, M)
+            else:
+                packed = (K * M + K + M,)  # the Gram flattened, then both sides' squared norms
+            got = same_on_every_shard(sharded(call, smap, packed))
             assert got.dtype == acc(dtype) and got.shape == want.shape
             # Norm-wise per entry (docs/kernels.md): |got - ref| <= tol * scale.
             for other_side in (want, ref):

@@ -10,13 +10,12 @@ call, and the finalisation runs in float64 on the sums.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .._partials import Reduce, mirror_upper, summed, summed_grams
 from ._common import acc_dtype, config, next_pow2, num_sms, tile_table
 from .segmented import seg_reduce
 
@@ -81,8 +80,6 @@ def _gram_partial_kernel(
 
 # What the finalisation kernel writes from the Gram partial sums.
 COSINE, GRAM, SQ_DIST = 0, 1, 2
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @triton.jit
@@ -256,34 +253,30 @@ def _finalize(
     return out[0] if mean else out
 
 
-def _mirror_upper(gram: torch.Tensor) -> torch.Tensor:
-    """[L, K, K] with the upper triangle (diagonal included) copied onto the lower one; the
-    blocks below the diagonal that the self Gram kernel skips are never read."""
-    upper = torch.ones(gram.shape[-2:], dtype=torch.bool, device=gram.device).triu()
-    return torch.where(upper, gram, gram.transpose(-1, -2))
-
-
 def _summed_grams(
     gram: torch.Tensor,
     xn: torch.Tensor,
     yn: torch.Tensor,
     is_self: bool,
     reduce: Reduce,
-    norms: bool = True,
+    kind: int = COSINE,
+    squeeze: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_segment_grams`' output in float64, summed over the shards by one `reduce`: a self Gram
-    [L, K, K] mirrored (norms on its diagonal); against another matrix [L, K*M + K + M] (the
-    Grams flattened, then the squared norms of X's and Y's rows), or [L, K, M] without norms."""
+    """`_segment_grams`' output in float64, summed over the shards by one `reduce` in
+    `summed_grams`' packing; a Gram against another matrix without norms (`gram_matrix`) goes
+    as the [K, M] Gram alone. ``squeeze``: the whole-row kernels' packing (no segment
+    dimension)."""
     f64 = torch.float64
-    L, K, M = gram.shape
-    if is_self:
-        g = reduce(_mirror_upper(gram).to(f64).contiguous())
-        return g, xn.to(f64), yn.to(f64)  # norms unused: the Gram diagonal holds them
-    if not norms:
-        return reduce(gram.to(f64).contiguous()), xn.to(f64), yn.to(f64)
-    sums = reduce(torch.cat([gram.reshape(L, K * M), xn, yn], dim=1).to(f64).contiguous())
-    g = sums[:, : K * M].reshape(L, K, M).contiguous()
-    return g, sums[:, K * M : K * M + K].contiguous(), sums[:, K * M + K :].contiguous()
+    if is_self or kind != GRAM:
+        G, sx, sy = summed_grams(
+            reduce, gram, None if is_self else xn, None if is_self else yn,
+            self_gram=is_self, squeeze=squeeze,
+        )  # fmt: skip
+        if sx is None or sy is None:  # self: the Gram diagonal holds the norms
+            return G, xn.to(f64), yn.to(f64)
+        return G.contiguous(), sx.contiguous(), sy.contiguous()
+    packed = (gram[0] if squeeze else gram).to(f64)
+    return summed(reduce, packed).reshape(gram.shape), xn.to(f64), yn.to(f64)
 
 
 def cosine_matrix(
@@ -313,7 +306,7 @@ def _whole_row(
     offs = torch.tensor([0, X.shape[1]], dtype=torch.int64)
     gram, xn, yn = _segment_grams(X, offs, other)
     if reduce is not None:
-        gram, xn, yn = _summed_grams(gram, xn, yn, other is None, reduce, norms=kind != GRAM)
+        gram, xn, yn = _summed_grams(gram, xn, yn, other is None, reduce, kind, squeeze=True)
     seg_len = (offs[1:] - offs[:-1]).to(X.device)
     return _finalize(gram, xn, yn, seg_len, other is None, 0, kind)[0]
 
@@ -349,7 +342,7 @@ def layer_normalized_cosine(
     gram, xn, yn = _segment_grams(X, offs, None)
     L = gram.shape[0]
     f64 = torch.float64
-    packed = [_mirror_upper(gram).to(f64).reshape(L, K * K), seg_len[:, None].to(f64)]
+    packed = [mirror_upper(gram).to(f64).reshape(L, K * K), seg_len[:, None].to(f64)]
     sums = reduce(torch.cat(packed, dim=1))
     seg_len = sums[:, K * K].contiguous()
     count = int((seg_len > 0).sum())

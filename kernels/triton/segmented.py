@@ -10,15 +10,12 @@ accumulation dtype for pass 2).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from .._partials import Reduce
 from ._common import acc_dtype, config, next_pow2, tile_table
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @triton.jit

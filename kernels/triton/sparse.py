@@ -4,12 +4,11 @@ the same element, so no atomics are needed)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from .._partials import Reduce
 from ._common import config, tile_table
 from .segmented import seg_reduce
 
@@ -54,7 +53,7 @@ def _sparse_acc_kernel(
 def nnz_per_layer(
     X: torch.Tensor,
     offs: torch.Tensor,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reduce: Reduce | None = None,
 ) -> torch.Tensor:
     """[K, L] int64 counts; with `reduce`, the float64 counts (exact) summed over the shards."""
     K, D = X.shape
