@@ -216,8 +216,11 @@ def test_clientapp_trains_from_the_jobs_statistics_and_replies_them() -> None:
     client_model = _bn_model(seed + 1)  # other weights and statistics: the job's must win
     result = train_job(client_model, _batches(seed), job)
     assert result.buffers is not None and not torch.equal(result.buffers, job.buffers)
-    # The first training step's BatchNorm update moved the statistics from the job's towards
-    # the batch's: running_mean = (1 - 0.1) * start + 0.1 * batch mean, for every batch.
+    # It started from the job's weights and statistics, not the model's own: another model with
+    # other weights and statistics ends bit for bit where this one did.
+    other_model = _bn_model(seed + 7)
+    other = train_job(other_model, _batches(seed), job)
+    assert torch.equal(other.buffers, result.buffers) and torch.equal(other.weights, result.weights)
     TaskIdentity.node_id = 5
     answer = reply(msg, client_model, num_examples=18)
     outcome = adapter.fold_reply(answer)
