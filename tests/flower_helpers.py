@@ -227,6 +227,7 @@ class ServerReplay:
         initial: torch.Tensor,
         nodes: Iterable[int],
         clock: VirtualClock | None = None,
+        initial_buffers: torch.Tensor | None = None,
     ) -> None:
         self.srv = RunningServer(
             strategy=name, strategy_config=dict(config), device="cpu", rate_limit_per_second=0.0
@@ -240,7 +241,11 @@ class ServerReplay:
             for node in nodes:
                 client = self.clients[node] = Client(self.srv.address, str(node))
                 first = len(self.clients) == 1
-                client.register(layout=layout, initial=initial if first else None)
+                client.register(
+                    layout=layout,
+                    initial=initial if first else None,
+                    initial_buffers=initial_buffers if first else None,
+                )
         except BaseException:
             self.close()
             raise
@@ -250,13 +255,16 @@ class ServerReplay:
         job = self.jobs[node] = self.clients[node].get_job(timeout=10)
         return job
 
-    def push(self, node: int, final: torch.Tensor, n: int) -> PushResult:
-        """The node's final weights for its last job, reporting the job's complete work (steps
-        or epochs, as its recipe counts: what the adapter reports, ``recipe.work_target``)."""
+    def push(
+        self, node: int, final: torch.Tensor, n: int, buffers: torch.Tensor | None = None
+    ) -> PushResult:
+        """The node's final weights (and float buffers) for its last job, reporting the job's
+        complete work (steps or epochs, as its recipe counts: what the adapter reports,
+        ``recipe.work_target``)."""
         job = self.jobs[node]
         recipe = job.recipe
         return self.clients[node].push(
-            job, final, kind=UpdateKind.WEIGHTS, num_samples=n,
+            job, final, kind=UpdateKind.WEIGHTS, num_samples=n, buffers=buffers,
             steps=recipe.local_steps or 0, epochs=recipe.local_epochs or 0.0,
         )  # fmt: skip
 

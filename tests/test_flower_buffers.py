@@ -21,7 +21,7 @@ from torch import nn
 
 flwr = pytest.importorskip("flwr")
 
-from flower_helpers import NodeGrid  # noqa: E402
+from flower_helpers import NodeGrid, ServerReplay  # noqa: E402
 from flwr.app import (  # noqa: E402
     Array,
     ArrayRecord,
@@ -31,9 +31,7 @@ from flwr.app import (  # noqa: E402
     RecordDict,
 )
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
-from server_helpers import RunningServer  # noqa: E402
 
-from aggsrv.client.client import Client  # noqa: E402
 from aggsrv.integrations.flower.arrays import (  # noqa: E402
     flat_to_record,
     layout_of,
@@ -43,7 +41,6 @@ from aggsrv.integrations.flower.arrays import (  # noqa: E402
 from aggsrv.integrations.flower.client import job_from_message, reply, train_job  # noqa: E402
 from aggsrv.integrations.flower.strategy import LAYOUT, AggsrvStrategy  # noqa: E402
 from aggsrv.layout import ModelLayout  # noqa: E402
-from aggsrv.strategies.base import UpdateKind  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -168,31 +165,18 @@ def test_statistics_aggregate_as_the_server_aggregates_them(name: str) -> None:
         want = sum(b.double() * n for _, _, b, n in last) / total
         torch.testing.assert_close(final_buffers.double(), want, rtol=0, atol=1e-6)
 
-    srv = RunningServer(strategy=name, strategy_config=CASES[name], rate_limit_per_second=0.0)
-    clients = {node: Client(srv.address, str(node)) for node in NODES}
-    try:
-        clients[NODES[0]].register(
-            layout=layout,
-            initial=record_to_flat(initial, layout),
-            initial_buffers=record_to_buffers(initial, layout),
-        )
-        for node in NODES[1:]:
-            clients[node].register(layout=layout)
+    with ServerReplay(
+        name, CASES[name], layout, record_to_flat(initial, layout), NODES,
+        initial_buffers=record_to_buffers(initial, layout),
+    ) as server:  # fmt: skip
         for updates, jobs_sent in zip(rounds, sent_buffers, strict=True):
-            jobs = {node: clients[node].get_job(timeout=10) for node, *_ in sorted(updates)}
+            jobs = {node: server.job(node) for node, *_ in sorted(updates)}
             for node, job in jobs.items():
                 assert torch.equal(job.buffers, jobs_sent[node]), f"{name} node {node} ({seed=})"
             for node, final, buffers, n in updates:
-                recipe = jobs[node].recipe
-                clients[node].push(
-                    jobs[node], final, kind=UpdateKind.WEIGHTS, num_samples=n, buffers=buffers,
-                    steps=recipe.local_steps or 0, epochs=recipe.local_epochs or 0.0,
-                )  # fmt: skip
-        server_model, server_buffers = srv.model(), srv.strategy.global_buffers().clone()
-    finally:
-        for c in clients.values():
-            c.close()
-        srv.stop()
+                server.push(node, final, n, buffers)
+        server_model = server.model()
+        server_buffers = server.srv.strategy.global_buffers().clone()
     assert torch.equal(record_to_flat(arrays, layout), server_model), f"{name} ({seed=})"
     assert torch.equal(final_buffers, server_buffers), f"{name} ({seed=})"
 
