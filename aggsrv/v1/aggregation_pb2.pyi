@@ -240,7 +240,7 @@ class RegisterHeader(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.ModelLayout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., capabilities: _Optional[_Union[ClientCapabilities, _Mapping]] = ..., initial_dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., initial_tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("client_id", "known_before", "initial_model_adopted", "model_version", "layout_hash", "strategy", "limits", "lease_expires", "next_heartbeat")
+    __slots__ = ("client_id", "known_before", "initial_model_adopted", "model_version", "layout_hash", "strategy", "limits", "lease_expires", "next_heartbeat", "shard_map")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_BEFORE_FIELD_NUMBER: _ClassVar[int]
     INITIAL_MODEL_ADOPTED_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class RegisterResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_FIELD_NUMBER: _ClassVar[int]
     NEXT_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     known_before: bool
     initial_model_adopted: bool
@@ -259,17 +260,38 @@ class RegisterResponse(_message.Message):
     limits: ServerLimits
     lease_expires: _timestamp_pb2.Timestamp
     next_heartbeat: _duration_pb2.Duration
-    def __init__(self, client_id: _Optional[str] = ..., known_before: _Optional[bool] = ..., initial_model_adopted: _Optional[bool] = ..., model_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., strategy: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., lease_expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., next_heartbeat: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    shard_map: ShardMap
+    def __init__(self, client_id: _Optional[str] = ..., known_before: _Optional[bool] = ..., initial_model_adopted: _Optional[bool] = ..., model_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., strategy: _Optional[str] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., lease_expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., next_heartbeat: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class ShardMap(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("rank", "address", "begin", "end")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    begin: int
+    end: int
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("client_id", "layout_hash", "dtype")
+    __slots__ = ("client_id", "layout_hash", "dtype", "job_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     layout_hash: str
     dtype: _tensor_pb2.WireDtype
-    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ...) -> None: ...
+    job_id: str
+    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class JobMessage(_message.Message):
     __slots__ = ("pending", "header", "chunk", "trailer")
@@ -332,7 +354,7 @@ class UpdateMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[_tensor_pb2.StreamTrailer, _Mapping]] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("client_id", "job_id", "base_version", "update_id", "num_samples", "work", "kind", "dtype", "layout_hash", "tensors")
+    __slots__ = ("client_id", "job_id", "base_version", "update_id", "num_samples", "work", "kind", "dtype", "layout_hash", "tensors", "shard_rank")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +365,7 @@ class UpdateHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     job_id: str
     base_version: int
@@ -353,7 +376,8 @@ class UpdateHeader(_message.Message):
     dtype: _tensor_pb2.WireDtype
     layout_hash: str
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorInfo]
-    def __init__(self, client_id: _Optional[str] = ..., job_id: _Optional[str] = ..., base_version: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., layout_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ...) -> None: ...
+    shard_rank: int
+    def __init__(self, client_id: _Optional[str] = ..., job_id: _Optional[str] = ..., base_version: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., layout_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ..., shard_rank: _Optional[int] = ...) -> None: ...
 
 class PushUpdateResponse(_message.Message):
     __slots__ = ("outcome", "version", "original_outcome", "staleness", "update_id", "message")
@@ -394,7 +418,7 @@ class ModelMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[_tensor_pb2.StreamTrailer, _Mapping]] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("version", "latest_version", "layout_hash", "layout", "dtype", "tensors", "strategy", "created_at")
+    __slots__ = ("version", "latest_version", "layout_hash", "layout", "dtype", "tensors", "strategy", "created_at", "shard_rank")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +427,7 @@ class ModelHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
     version: int
     latest_version: int
     layout_hash: str
@@ -411,7 +436,8 @@ class ModelHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorInfo]
     strategy: str
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, version: _Optional[int] = ..., latest_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.ModelLayout, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ..., strategy: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    shard_rank: int
+    def __init__(self, version: _Optional[int] = ..., latest_version: _Optional[int] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[_Union[_tensor_pb2.ModelLayout, _Mapping]] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ..., strategy: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., shard_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "job_id", "progress")
@@ -446,7 +472,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes")
+    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes", "shard_rank", "shard_map")
     class RejectedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +515,8 @@ class StatusResponse(_message.Message):
     EVAL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVAL_METRICS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     has_model: bool
     version: int
     oldest_retained_version: int
@@ -517,7 +545,9 @@ class StatusResponse(_message.Message):
     eval_version: int
     eval_metrics: _containers.ScalarMap[str, float]
     cache_bytes: int
-    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+    shard_rank: int
+    shard_map: ShardMap
+    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ..., shard_rank: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()
