@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib import metadata
 
@@ -34,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
     from aggsrv.server.config import ServerConfig
 
     overrides = {key: getattr(args, key) for key in _SERVE_OPTIONS}
+    _torchrun_shard(overrides)
     if args.resume is not None:
         overrides["state_dir"] = args.resume
         overrides["resume"] = True
@@ -55,6 +57,22 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"aggsrv serve: {exc}\n")
         return 2
     return 0
+
+
+def _torchrun_shard(overrides: dict) -> None:
+    """Under torchrun (WORLD_SIZE, RANK and LOCAL_RANK set), one process per shard: take the
+    shard count and rank from it, and give the processes of one machine ports P, P+1, ..."""
+    env = os.environ
+    if overrides.get("shards") is not None or "WORLD_SIZE" not in env or "RANK" not in env:
+        return
+    overrides["shards"] = int(env["WORLD_SIZE"])
+    overrides["rank"] = int(env["RANK"])
+    local = int(env.get("LOCAL_RANK", "0"))
+    if local:
+        from aggsrv.server.config import ServerConfig
+
+        base = overrides.get("port")
+        overrides["port"] = (ServerConfig.port if base is None else base) + local
 
 
 # Server keys with their own `serve` option (every key can also be set in --config).
@@ -94,6 +112,10 @@ _SERVE_OPTIONS = {
     "upload_idle_timeout_seconds": (float, None),
     "log_format": (str, "text or json (one object per line)"),
     "log_level": (str, "debug, info, warning or error"),
+    "shards": (int, "serve one federation from N processes, each a slice of the model"),
+    "rank": (int, "this process's shard, 0 to N-1 (rank 0 coordinates)"),
+    "dist_url": (str, "tcp://HOST:PORT where the shards meet (rank 0's); under torchrun: unset"),
+    "shard_address": (str, "host:port clients reach this shard on (default: --host:--port)"),
 }
 
 

@@ -1,13 +1,19 @@
 """The Python client of the Aggregation service: register, fetch a job, push an update, pull the
 model, heartbeat. Synchronous (a training loop is synchronous anyway); retries UNAVAILABLE with
-exponential backoff, reusing the update id so a retried push is applied at most once."""
+exponential backoff, reusing the update id so a retried push is applied at most once.
+
+A sharded server (docs/sharding.md) answers Register with its shard map; the client then splits
+every update by it and streams the slices to all shards at once, and assembles jobs and models
+from all shards' slices. Everything else goes to rank 0, the address given."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,6 +23,7 @@ import torch
 from aggsrv import protocol as P
 from aggsrv.client.channel import open_channel, read_token
 from aggsrv.layout import ModelLayout
+from aggsrv.sharding import ShardMap
 from aggsrv.strategies.base import Recipe, Status, UpdateKind
 from aggsrv.transport import (
     Decoder,
@@ -102,19 +109,30 @@ class Client:
         self.backoff = backoff
         self.upload_dtype = WireDtype.parse(upload_dtype)
         self.download_dtype = WireDtype.parse(download_dtype)
-        self._channel, stubs_on = open_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-            token=read_token(token, token_file),
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls=tls,
-        )
-        self._stub = pb_grpc.AggregationStub(stubs_on)
+        token = read_token(token, token_file)
+
+        def connect(to: str) -> tuple[grpc.Channel, pb_grpc.AggregationStub]:
+            channel, stubs_on = open_channel(
+                to,
+                options=[
+                    ("grpc.max_receive_message_length", max_message_bytes),
+                    ("grpc.max_send_message_length", max_message_bytes),
+                ],
+                token=token,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                tls=tls,
+            )
+            return channel, pb_grpc.AggregationStub(stubs_on)
+
+        self._connect = connect
+        self._channel, self._stub = connect(address)
+        # A sharded server: the map, and one stub per shard (rank 0's is self._stub).
+        self.shard_map: ShardMap | None = None
+        self._shard_stubs: list[pb_grpc.AggregationStub] = []
+        self._shard_channels: list[grpc.Channel] = []
+        self._pool: ThreadPoolExecutor | None = None
         self.layout: ModelLayout | None = None
         self.chunk_bytes = MIB
         self.strategy: str | None = None
@@ -127,7 +145,67 @@ class Client:
         return getattr(self._stub, method)(request, timeout=self.timeout)
 
     def close(self) -> None:
+        for channel in self._shard_channels:
+            channel.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         self._channel.close()
+
+    def _use_shards(self, shard_map: pb.ShardMap) -> None:
+        """Connect to every shard of a sharded server (RegisterResponse.shard_map)."""
+        shards = sorted(shard_map.shards, key=lambda s: s.rank)
+        if len(shards) < 2:
+            return
+        layout = self._require_layout()
+        bounds = [int(s.begin) for s in shards] + [int(shards[-1].end)]
+        ranks = [int(s.rank) for s in shards]
+        contiguous = all(int(a.end) == int(b.begin) for a, b in itertools.pairwise(shards))
+        if ranks != list(range(len(shards))) or not contiguous or bounds[-1] != layout.numel:
+            raise ConnectionError(
+                f"the server's shard map does not cover the model's {layout.numel} elements "
+                f"with ranks 0..{len(shards) - 1}: {shard_map}"
+            )
+        if self.shard_map is not None and tuple(bounds) == self.shard_map.bounds:
+            return  # a re-registration: same shards
+        for channel in self._shard_channels:
+            channel.close()
+        self.shard_map = ShardMap(tuple(bounds))
+        self._shard_channels = []
+        self._shard_stubs = [self._stub]
+        for s in shards[1:]:
+            channel, stub = self._connect(s.address)
+            self._shard_channels.append(channel)
+            self._shard_stubs.append(stub)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(len(shards), thread_name_prefix="aggsrv-shard")
+        log.info("sharded server: %d shards at %s", len(shards), [s.address for s in shards])
+
+    def _from_other_shards(self, fetch: Callable[[pb_grpc.AggregationStub], T]) -> list[T]:
+        """``fetch(stub)`` on shards 1..N-1 at once, in rank order."""
+        assert self._pool is not None
+        futures = [self._pool.submit(fetch, stub) for stub in self._shard_stubs[1:]]
+        return [f.result() for f in futures]
+
+    def _join(
+        self, first: dict[str, torch.Tensor], others: list[dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """Whole tensors from every shard's slices ("buffers" lives on rank 0 whole)."""
+        m = self.shard_map
+        assert m is not None
+        out = {}
+        for name, t in first.items():
+            if name == "buffers":
+                out[name] = t
+                continue
+            parts = [t] + [o.get(name) for o in others]
+            for r, part in enumerate(parts):
+                if part is None or part.numel() != m.local_numel(r):
+                    got = "nothing" if part is None else f"{part.numel()} elements"
+                    raise ConnectionError(
+                        f"shard {r} sent {got} of {name!r}, its slice holds {m.local_numel(r)}"
+                    )
+            out[name] = torch.cat(parts)
+        return out
 
     def __enter__(self) -> Client:
         return self
@@ -259,6 +337,7 @@ class Client:
         )
         self.chunk_bytes = int(resp.limits.chunk_bytes) or MIB
         self.strategy = resp.strategy
+        self._use_shards(resp.shard_map)
         return resp
 
     def get_job(self, timeout: float | None = None) -> ClientJob:
@@ -275,6 +354,19 @@ class Client:
             return self._receive(stream, "header")
 
         header, tensors = self._retry("get_job", call)
+        if self.shard_map is not None:
+            slice_request = pb.GetJobRequest()
+            slice_request.CopyFrom(request)
+            slice_request.job_id = header.job_id
+
+            def fetch(stub: pb_grpc.AggregationStub) -> dict[str, torch.Tensor]:
+                def one() -> dict[str, torch.Tensor]:
+                    stream = stub.GetJob(slice_request, timeout=self.timeout)
+                    return self._receive(stream, "header")[1]
+
+                return self._retry("get_job (a shard's slice)", one)
+
+            tensors = self._join(tensors, self._from_other_shards(fetch))
         deadline = header.deadline.ToNanoseconds() / 1e9 if header.HasField("deadline") else None
         return ClientJob(
             job_id=header.job_id,
@@ -327,14 +419,67 @@ class Client:
             kind=P.KIND_TO_PB[kind],
             dtype=P.WIRE_TO_PB[self.upload_dtype],
             layout_hash=layout.hash,
-            tensors=[tpb.TensorInfo(name="update", numel=layout.numel)],
         )
-        if buffers is not None:
-            header.tensors.append(tpb.TensorInfo(name="buffers", numel=layout.buffer_numel))
-            extra = {"buffers": buffers.detach().reshape(-1)}
-        else:
-            extra = {}
         flat = tensor.detach().reshape(-1)
+        extra = {} if buffers is None else {"buffers": buffers.detach().reshape(-1)}
+        # A sharded server takes slice r on shard r, the float buffers on rank 0.
+        parts = [flat] if self.shard_map is None else self.shard_map.split(flat)
+        streams = [
+            self._update_stream(header, part, extra if r == 0 else {}, encoding, r)
+            for r, part in enumerate(parts)
+        ]
+        resp = self._retry("push", lambda: self._push_streams(streams))
+        return PushResult(
+            status=P.PB_TO_STATUS[resp.outcome],
+            version=int(resp.version),
+            staleness=int(resp.staleness),
+            update_id=resp.update_id,
+            original=P.PB_TO_STATUS.get(resp.original_outcome),
+        )
+
+    def _push_streams(
+        self, streams: list[Callable[[], Iterator[pb.UpdateMessage]]]
+    ) -> pb.PushUpdateResponse:
+        """Send one update's stream to each shard at once; the shards' common answer. Rank 0
+        orders the update: when it refuses, the other shards' streams are cancelled."""
+        if len(streams) == 1:
+            return self._stub.PushUpdate(streams[0](), timeout=self.timeout)
+        calls = [
+            stub.PushUpdate.future(stream(), timeout=self.timeout)
+            for stub, stream in zip(self._shard_stubs, streams, strict=True)
+        ]
+        try:
+            first = calls[0].result()
+        except grpc.RpcError:
+            for call in calls[1:]:
+                call.cancel()
+            raise
+        answers = [first] + [call.result() for call in calls[1:]]
+        for r, other in enumerate(answers[1:], start=1):
+            if (other.outcome, other.version) != (first.outcome, first.version):
+                raise ConnectionError(
+                    f"shard {r} answered {pb.Outcome.Name(other.outcome)} at v{other.version}, "
+                    f"rank 0 {pb.Outcome.Name(first.outcome)} at v{first.version}: the shards "
+                    "disagree (report this as a bug)"
+                )
+        return first
+
+    def _update_stream(
+        self,
+        base: pb.UpdateHeader,
+        flat: torch.Tensor,
+        extra: dict[str, torch.Tensor],
+        encoding: Encoding | str,
+        shard_rank: int,
+    ) -> Callable[[], Iterator[pb.UpdateMessage]]:
+        """The messages of one update (or of shard ``shard_rank``'s slice of it) under the
+        header ``base``, as a fresh iterator per attempt."""
+        header = pb.UpdateHeader()
+        header.CopyFrom(base)
+        header.shard_rank = shard_rank
+        header.tensors.append(tpb.TensorInfo(name="update", numel=flat.numel()))
+        for name, t in extra.items():
+            header.tensors.append(tpb.TensorInfo(name=name, numel=t.numel()))
         if encoding == "auto":
             # A dense update (no zeros among ~1024 strided samples) skips the counting pass.
             step = max(1, flat.numel() // 1024)
@@ -362,14 +507,7 @@ class Client:
                 {"update": flat, **extra}, self.upload_dtype, self.chunk_bytes, pb.UpdateMessage
             )
 
-        resp = self._retry("push", lambda: self._stub.PushUpdate(messages(), timeout=self.timeout))
-        return PushResult(
-            status=P.PB_TO_STATUS[resp.outcome],
-            version=int(resp.version),
-            staleness=int(resp.staleness),
-            update_id=resp.update_id,
-            original=P.PB_TO_STATUS.get(resp.original_outcome),
-        )
+        return messages
 
     def get_model(
         self, version: int | None = None, *, include_buffers: bool = False
@@ -388,6 +526,20 @@ class Client:
             return self._receive(self._stub.GetModel(request, timeout=self.timeout), "header")
 
         header, tensors = self._retry("get_model", call)
+        if self.shard_map is not None:
+            slice_request = pb.GetModelRequest()
+            slice_request.CopyFrom(request)
+            slice_request.version = header.version
+            slice_request.include_buffers = False  # rank 0 holds them
+
+            def fetch(stub: pb_grpc.AggregationStub) -> dict[str, torch.Tensor]:
+                def one() -> dict[str, torch.Tensor]:
+                    stream = stub.GetModel(slice_request, timeout=self.timeout)
+                    return self._receive(stream, "header")[1]
+
+                return self._retry("get_model (a shard's slice)", one)
+
+            tensors = self._join(tensors, self._from_other_shards(fetch))
         self.last_model_layout = P.layout_from_pb(header.layout)
         if include_buffers:
             return int(header.version), tensors["weights"], tensors.get("buffers")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import grpc
@@ -22,6 +26,7 @@ from aggsrv.server.federation import Federation
 from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.persistence import StateStore
 from aggsrv.server.service import AggregationService
+from aggsrv.server.shards import ShardGroup, ShardLost
 from aggsrv.v1 import aggregation_pb2, aggregation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,14 +51,19 @@ class Server:
         self._health = health.aio.HealthServicer()
         self._evaluator: Evaluator | None = None
         self._ticker: asyncio.Task | None = None
+        self._keep_alive: asyncio.Task | None = None
+        self._follower: threading.Thread | None = None  # a shard of rank >= 1's aggregation
 
     async def start(self) -> int:
         """Bind, start serving and return the port (the chosen one when the config says 0)."""
         cfg = self.config
+        fed = self.federation
+        fed._loop = asyncio.get_running_loop()
         self.authenticator = self._make_authenticator()
         self._open_state()
-        if cfg.model_init and self.federation.strategy is None:
-            self._load_initial_model(cfg.model_init)
+        if cfg.shards > 1:
+            # Blocks until every shard has joined (up to shard_timeout_seconds).
+            fed.shards = ShardGroup.connect(cfg)
         if cfg.eval:
             self._evaluator = Evaluator(
                 self.federation, load_hook(cfg.eval), cfg.eval_every_versions
@@ -93,16 +103,26 @@ class Server:
             self.port = self._grpc.add_secure_port(address, credentials)
         if self.port == 0:
             raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
+        if fed.shards is not None:
+            self._join_shards()
+        if cfg.model_init and fed.strategy is None and not fed.follower:
+            self._load_initial_model(cfg.model_init)
         self._watch_metrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        self.federation.on_failure = lambda reason: self.request_stop(1.0)
+        if fed.shards is None:
+            fed.on_failure = lambda reason: self.request_stop(1.0)
+        else:
+            # The surviving shards stay up, refusing writes (UNAVAILABLE, with the reason) and
+            # answering reads, until an operator restarts the federation.
+            fed.on_failure = self._shard_failed
         await self._grpc.start()
         serving = health_pb2.HealthCheckResponse.SERVING
         await self._health.set("", serving)
         await self._health.set(SERVICE_NAME, serving)
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
-        fed = self.federation
+        if fed.shards is not None and fed.shards.is_coordinator:
+            self._keep_alive = asyncio.get_running_loop().create_task(fed.keep_alive())
         log.info(
             "aggsrv listening on %s:%d (%s, auth %s, durability %s, strategy %s, device %s, %s)",
             cfg.host, self.port, "TLS" if credentials else "plaintext", self.authenticator.mode,
@@ -117,6 +137,55 @@ class Server:
         return self.port
 
     # ------------------------------------------------------------------ setup
+
+    def _join_shards(self) -> None:
+        """Tell the other shards where this one answers, check they serve the same strategy,
+        and start following rank 0's calls (shards of rank >= 1)."""
+        cfg = self.config
+        fed = self.federation
+        shards = fed.shards
+        assert shards is not None and self.port is not None
+        address = cfg.shard_address or f"{_reachable_host(cfg.host)}:{self.port}"
+        shards.exchange_addresses(address)
+        settings = json.dumps([cfg.strategy, cfg.strategy_config, cfg.max_clients], sort_keys=True)
+        shards.agree(settings, "strategy settings (strategy, strategy_config, max_clients)")
+        log.info(
+            "shard %d of %d at %s; shards: %s", shards.rank, shards.world_size, address,
+            ", ".join(shards.addresses),
+        )  # fmt: skip
+        if fed.follower:
+            fed.on_coordinator_stop = lambda: self.request_stop(1.0)
+            self._follower = threading.Thread(target=fed.follow, name="aggregation", daemon=True)
+            self._follower.start()
+
+    def _shard_failed(self, reason: str) -> None:
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING))
+        fed = self.federation
+        if fed.shards is not None and fed.shards.is_coordinator:
+            # Leaving the group makes the other shards' pending collectives fail now rather
+            # than at their timeout, so the whole federation stops taking writes at once.
+            loop.create_task(self._leave_shards())
+
+    async def _leave_shards(self, announce: bool = False) -> None:
+        """Leave the process group (rank 0 first tells the others to stop with it: they cannot
+        take writes without it). The other shards may be gone already: nothing to report."""
+        shards = self.federation.shards
+        assert shards is not None
+
+        def leave() -> None:
+            if announce:
+                with contextlib.suppress(ShardLost):
+                    shards.announce("stop", {})
+            shards.close()
+
+        loop = asyncio.get_running_loop()
+        if self.federation.follower:
+            # The aggregation thread may be blocked in a collective: leave from another one.
+            await loop.run_in_executor(None, shards.close)
+        else:
+            with contextlib.suppress(Exception):
+                await self.federation.call(leave)
 
     def _make_authenticator(self) -> A.Authenticator:
         cfg = self.config
@@ -228,6 +297,12 @@ class Server:
                 await self._ticker
         if self._evaluator is not None:
             await self._evaluator.close()
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keep_alive
+        if fed.shards is not None:
+            await self._leave_shards(announce=fed.shards.is_coordinator and fed.failure is None)
         final = fed.store is not None and fed.strategy is not None and fed.failure is None
         await fed.close()
         if final:
@@ -244,6 +319,13 @@ class Server:
     async def wait(self) -> None:
         assert self._grpc is not None
         await self._grpc.wait_for_termination()
+
+
+def _reachable_host(host: str) -> str:
+    """The host part of the address other machines reach a wildcard bind on."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.getfqdn()
+    return host
 
 
 def tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
@@ -278,3 +360,8 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     await server.stop_requested.wait()
     await server.stop(server.stop_grace)
+    if server._follower is not None and server._follower.is_alive():
+        # A shard stopped on its own is still waiting in a gloo receive for rank 0, which
+        # nothing can interrupt; at interpreter exit that native wait would abort the process.
+        logging.shutdown()
+        os._exit(0)

@@ -86,6 +86,22 @@ class ServerConfig(TomlConfig):
     log_format: str = "text"  # text | json (one JSON object per line)
     log_level: str = "info"
 
+    # --- sharding (docs/sharding.md): N processes that serve one federation, each a slice
+    shards: int = 1
+    rank: int = 0
+    # Rank 0's rendezvous for torch.distributed, tcp://HOST:PORT; None: torchrun's env://.
+    dist_url: str | None = None
+    # host:port clients reach this shard on (rank 0 hands the list out); None: host:port.
+    shard_address: str | None = None
+    # A collective between the shards that takes longer fails the federation (fail-stop).
+    shard_timeout_seconds: float = 120.0
+    # How long an update rank 0 ordered waits for another shard's slice before all refuse it.
+    shard_slice_wait_seconds: float = 10.0
+    # How long a slice on a shard of rank >= 1 waits for rank 0 to order its update.
+    shard_order_wait_seconds: float = 60.0
+    # Rank 0 sends a keep-alive this often when idle (a lost shard is noticed this fast).
+    shard_heartbeat_seconds: float = 1.0
+
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -112,6 +128,7 @@ class ServerConfig(TomlConfig):
         self._check_security()
         self._check_limits()
         self._check_durability()
+        self._check_sharding()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.eval is not None and ":" not in self.eval:
@@ -156,7 +173,8 @@ class ServerConfig(TomlConfig):
     def _check_durability(self) -> None:
         if self.durability not in ("on", "off"):
             raise ValueError(f"durability must be on or off, got {self.durability!r}")
-        if self.durability == "on" and not self.state_dir:
+        # A sharded server has no log (checked in _check_sharding, with what to do instead).
+        if self.durability == "on" and not self.state_dir and self.shards == 1:
             raise ValueError("durability = 'on' needs a state_dir for the write-ahead log")
         if self.resume and not self.state_dir:
             raise ValueError("resume needs a state_dir")
@@ -164,6 +182,31 @@ class ServerConfig(TomlConfig):
             raise ValueError("checkpoint_every_updates and checkpoint_every_seconds must be >= 0")
         if self.checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+
+    def _check_sharding(self) -> None:
+        if self.shards < 1 or not 0 <= self.rank < self.shards:
+            raise ValueError(f"need shards >= 1 and 0 <= rank < shards, got {self.rank} of "
+                             f"{self.shards}")  # fmt: skip
+        if self.shards == 1:
+            return
+        if self.state_dir:
+            raise ValueError(
+                "a sharded server keeps no checkpoints or write-ahead log yet (the shards' logs "
+                "would have to advance together, docs/sharding.md): pass --state-dir '' and, "
+                "with --auth hmac, one --auth-secret-file shared by all shards"
+            )
+        if self.eval:
+            raise ValueError("--eval needs the whole model in one process: not with --shards")
+        if self.shard_address is not None and self.shard_address.count(":") < 1:
+            raise ValueError(f"shard_address must be host:port, got {self.shard_address!r}")
+        waits = (self.shard_slice_wait_seconds, self.shard_heartbeat_seconds)
+        if min(waits + (self.shard_order_wait_seconds,)) <= 0:
+            raise ValueError("the shard_*_seconds settings must be > 0")
+        if self.shard_timeout_seconds <= max(waits) + 1:
+            raise ValueError(
+                f"shard_timeout_seconds ({self.shard_timeout_seconds:g}) must exceed "
+                "shard_slice_wait_seconds and shard_heartbeat_seconds by more than a second"
+            )
 
     def strategy_settings(self) -> StrategyConfig:
         """The strategy's config object, checked by its class; ValueError naming what is wrong."""

@@ -10,6 +10,11 @@ thread and append a record of the call and its time to the write-ahead log there
 the calls ran. Replaying those records against the newest checkpoint repeats the same calls with
 the same inputs, so a restarted server reaches the same state bit for bit. Registrations, jobs and
 updates are acknowledged only once their record is fsynced (group commit).
+
+Sharding (docs/sharding.md): on a sharded server the same records are the replicated log. Rank 0
+announces each call to the other shards (``_replicate``) right before making it, on its
+aggregation thread; the other shards' aggregation thread (``follow``) makes the same calls with
+the same inputs on their slices, so every shard takes the same decisions at the same versions.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import json
 import logging
 import time
+import types
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +34,20 @@ from typing import Any, TypeVar
 import torch
 
 from aggsrv.layout import ModelLayout
+from aggsrv.server import shards as S
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.metrics import ServerMetrics
-from aggsrv.strategies import Job, Outcome, Status, Strategy, Update, make_strategy
+from aggsrv.sharding import ShardLayout, ShardMap
+from aggsrv.strategies import (
+    InvalidUpdate,
+    Job,
+    Outcome,
+    Status,
+    Strategy,
+    StrategyError,
+    Update,
+    make_strategy,
+)
 from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -120,6 +137,15 @@ class Federation:
         self.last_eval: tuple[int, dict[str, float]] | None = None
         self._checkpoint_lock = asyncio.Lock()
         self._checkpoint_task: asyncio.Task | None = None
+        # Set by the server of a sharded federation (aggsrv.server.shards).
+        self.shards: S.ShardGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_coordinator_stop: Callable[[], None] | None = None
+
+    @property
+    def follower(self) -> bool:
+        """A shard of rank >= 1: rank 0 orders its strategy calls."""
+        return self.shards is not None and not self.shards.is_coordinator
 
     # ------------------------------------------------------------------ the aggregation loop
 
@@ -164,7 +190,7 @@ class Federation:
             self._timer.cancel()
             self._timer = None
         deadline = self.strategy.next_deadline() if self.strategy is not None else None
-        if deadline is None or self.closing:
+        if deadline is None or self.closing or self.follower:  # rank 0 orders the timers
             return
         loop = asyncio.get_running_loop()
         delay = max(0.0, deadline - self.clock())
@@ -177,10 +203,14 @@ class Federation:
 
         def run() -> None:
             now = self.clock()
+            self._replicate("timer", {"now": now})
             strategy.on_timer(now)
             self._log("timer", {"now": now})
 
-        await self.call(run)
+        try:
+            await self.call(run)
+        except DurabilityError:
+            return  # the federation stopped taking writes; fail() said why
         self.notify()
 
     # ------------------------------------------------------------------ logged state changes
@@ -212,8 +242,169 @@ class Federation:
             raise DurabilityError(self.failure) from exc
         self.metrics.fsync_seconds.observe(time.perf_counter() - t0)
 
+    def _collective(self, fn: Callable[..., T], *args: Any) -> T:
+        """A collective between the shards (aggregation thread). A lost shard stops the
+        federation taking writes, like a failed log write: the shards must not diverge."""
+        try:
+            return fn(*args)
+        except S.ShardLost as exc:
+            self.fail(str(exc))
+            raise DurabilityError(self.failure) from exc
+
+    def _replicate(self, kind: str, meta: dict[str, Any]) -> None:
+        """Rank 0 of a sharded federation: announce the call about to be made."""
+        if self.shards is not None:
+            self._collective(self.shards.announce, kind, meta)
+
+    def _vote(self, update: Update) -> None:
+        """All or none: every shard checks its slice, and one refusal refuses the update
+        everywhere (raised as the refusal) before any state changes."""
+        shards = self.shards
+        if shards is None:
+            return
+        verdict, own = S.slice_verdict(self.strategy, update)
+        votes = self._collective(shards.vote, verdict)
+        if max(votes):
+            raise S.refusal(votes, shards.rank, own, update.update_id, shards.slice_wait)
+
+    # ------------------------------------------------------------------ shards of rank >= 1
+
+    def follow(self) -> None:
+        """The aggregation thread of a shard of rank >= 1: make the calls rank 0 announces, in
+        its order, until it announces "stop" or a collective fails."""
+        shards = self.shards
+        loop = self._loop
+        assert shards is not None and loop is not None
+        while True:
+            try:
+                kind, meta = shards.receive()
+                if kind == "stop":
+                    log.info("rank 0 stopped the federation")
+                    if self.on_coordinator_stop is not None:
+                        loop.call_soon_threadsafe(self.on_coordinator_stop)
+                    return
+                self._follow_call(kind, meta)
+            except S.ShardLost as exc:
+                loop.call_soon_threadsafe(self.fail, str(exc))
+                return
+            except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
+                log.exception("shard %d could not follow a %s call", shards.rank, kind)
+                loop.call_soon_threadsafe(self.fail, f"could not follow rank 0's calls: {exc}")
+                return
+            if kind != "noop":
+                loop.call_soon_threadsafe(self._followed)
+
+    def _followed(self) -> None:
+        """After a followed call (event loop): publish a new version, wake waiting handlers
+        (a slice of a job waits for the job to exist here)."""
+        self.publish()
+        self.notify()
+
+    def _follow_call(self, kind: str, meta: dict[str, Any]) -> None:
+        if kind == "noop":
+            return
+        if kind == "adopt":
+            whole = ModelLayout.from_dict(meta["layout"])
+            weights = self.shards.share_model(None, whole.numel)
+            self._install_new(whole, weights, None)
+            return
+        strategy = self.strategy
+        assert strategy is not None, f"a {kind} call before the model"
+        now = float(meta["now"])
+        # A call rank 0's strategy refused changed nothing there; it changes nothing here.
+        with contextlib.suppress(StrategyError):
+            if kind == "register":
+                strategy.on_register(meta["client"], now)
+                self.record_registration(meta["client"], meta["labels"], now)
+            elif kind == "job":
+                strategy.job_for(meta["client"], now)
+            elif kind == "timer":
+                strategy.on_timer(now)
+            elif kind == "update":
+                self._follow_update(meta, now)
+            else:
+                raise ValueError(f"unknown call {kind!r}")
+
+    def _follow_update(self, meta: dict[str, Any], now: float) -> None:
+        shards = self.shards
+        strategy = self.strategy
+        staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
+        verdict, own, update = S.SLICE_MISSING, None, None
+        if staged is not None:
+            update = staged.update
+            mismatch = _header_mismatch(update, meta)
+            if mismatch:
+                verdict = S.SLICE_INVALID
+                own = InvalidUpdate(
+                    f"the header of the slice sent to shard {shards.rank} differs from the one "
+                    f"sent to rank 0 ({mismatch}); no shard applied the update"
+                )
+            else:
+                verdict, own = S.slice_verdict(strategy, update)
+        votes = shards.vote(verdict)
+        if max(votes):
+            error = S.refusal(votes, shards.rank, own, meta["update_id"], shards.slice_wait)
+            if staged is not None:
+                staged.resolve(error=error)
+            return
+        assert staged is not None and update is not None
+        s = strategy.version - update.base_version
+        try:
+            outcome = strategy.on_update(update, now)
+        except StrategyError as exc:
+            staged.resolve(error=exc)
+            return
+        if outcome.original is None:
+            self.count_accepted(outcome)
+        else:
+            self.counters["duplicate"] += 1
+        staged.resolve((s, outcome))
+
+    async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
+        """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
+        the outcome every shard reached (or the refusal); (staleness, outcome)."""
+        shards = self.shards
+        assert shards is not None
+        loop = asyncio.get_running_loop()
+        key = (update.client_id, update.update_id)
+        staged = S.StagedSlice(update, loop.create_future(), loop)
+        if not shards.staged.put(key, staged):
+            raise S.SliceMissing(f"update {update.update_id!r} is being uploaded already")
+        try:
+            return await asyncio.wait_for(asyncio.shield(staged.done), shards.order_wait)
+        except TimeoutError:
+            if shards.staged.withdraw(key, staged):
+                raise S.SliceMissing(
+                    f"rank 0 did not order update {update.update_id!r} within "
+                    f"{shards.order_wait:g} s (shard_order_wait_seconds): its slice for rank 0 "
+                    "did not arrive or was refused there; send the update again"
+                ) from None
+            return await staged.done
+        except asyncio.CancelledError:
+            # The caller went away; the slot under this slice is freed after we return, so the
+            # aggregation thread must be done with it first.
+            if not shards.staged.withdraw(key, staged):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(staged.done)
+            raise
+
+    async def keep_alive(self) -> None:
+        """Rank 0: announce a no-op when idle, so the other shards' wait for the next call never
+        times out and a lost shard is noticed within a heartbeat."""
+        shards = self.shards
+        assert shards is not None and shards.is_coordinator
+        while not self.closing:
+            await asyncio.sleep(shards.heartbeat / 2)
+            if self.closing:
+                return
+            if time.monotonic() - shards.last_announce >= shards.heartbeat:
+                with contextlib.suppress(DurabilityError):
+                    await self.call(self._replicate, "noop", {})
+
     def fail(self, reason: str) -> None:
         """Stop taking writes for good (an operator restarts with --resume)."""
+        if self.shards is not None:
+            self.shards.staged.fail_all(DurabilityError(reason))
         if self.failure is None:
             self.failure = reason
             log.critical("%s; refusing all further calls (restart with --resume)", reason)
@@ -246,9 +437,11 @@ class Federation:
         def run() -> tuple[bool, ClientRecord, int | None]:
             now = self.clock()
             known = client_id in self.clients
+            meta = {"client": client_id, "now": now, "labels": labels}
+            self._replicate("register", meta)
             strategy.on_register(client_id, now)
             record = self.record_registration(client_id, labels, now)
-            lsn = self._log("register", {"client": client_id, "now": now, "labels": labels})
+            lsn = self._log("register", meta)
             return known, record, lsn
 
         known, record, lsn = await self.call(run)
@@ -263,8 +456,10 @@ class Federation:
 
         def run() -> tuple[Job | None, int | None]:
             now = self.clock()
+            meta = {"client": client_id, "now": now}
+            self._replicate("job", meta)
             job = strategy.job_for(client_id, now)
-            return job, self._log("job", {"client": client_id, "now": now})
+            return job, self._log("job", meta)
 
         job, lsn = await self.call(run)
         if job is not None:
@@ -284,6 +479,8 @@ class Federation:
             now = self.clock()
             s = strategy.version - update.base_version  # V_apply - v_base, at apply time
             t0 = time.perf_counter()
+            self._replicate("update", update_meta(update, now))
+            self._vote(update)
             outcome = strategy.on_update(update, now)
             took = time.perf_counter() - t0
             if outcome.original is not None:
@@ -353,17 +550,10 @@ class Federation:
     ) -> None:
         """Create the strategy from the first model (initial weights and float buffers become
         version 0); with a state directory, checkpoint it before anything else happens."""
-        cfg = self.config
-        strategy = make_strategy(
-            cfg.strategy,
-            layout=layout,
-            initial=weights,
-            initial_buffers=buffers,
-            config=cfg.strategy_config,
-            device=self.device,
-            max_clients=cfg.max_clients,
-        )
-        self.install(layout, strategy)
+        if self.shards is not None:
+            self._replicate("adopt", {"layout": layout.to_dict()})
+            self._collective(self.shards.share_model, weights, layout.numel)
+        strategy = self._install_new(layout, weights, buffers)
         if self.store is not None:
             info = self.store.begin(self)
             self.last_checkpoint = (info.version, self.clock())
@@ -372,22 +562,51 @@ class Federation:
             layout.numel, len(layout.names), layout.hash[:12], strategy.name,
         )  # fmt: skip
 
+    def _install_new(
+        self, layout: ModelLayout, weights: torch.Tensor, buffers: torch.Tensor | None
+    ) -> Strategy:
+        """Build the strategy of a first model and serve it; a shard builds it on its slice."""
+        cfg = self.config
+        reducer = None
+        if self.shards is not None:
+            shard_map = ShardMap.even(layout.numel, self.shards.world_size)
+            self.shards.shard_map = shard_map
+            layout = ShardLayout(layout, shard_map, self.shards.rank)
+            weights = layout.local(weights).clone()
+            buffers = buffers if layout.buffer_numel else None
+            reducer = self.shards.reducer
+        strategy = make_strategy(
+            cfg.strategy,
+            layout=layout,
+            initial=weights,
+            initial_buffers=buffers,
+            config=cfg.strategy_config,
+            device=self.device,
+            max_clients=cfg.max_clients,
+            reducer=reducer,
+        )
+        self.install(layout, strategy)
+        return strategy
+
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
         cfg = self.config
-        if cfg.events_file:
+        if cfg.events_file and not self.follower:  # rank 0 writes the federation's events
             strategy.event_sink = EventLog(cfg.events_file)
-        self.strategy = strategy
+        # The strategy last: a shard of rank >= 1 installs from its aggregation thread, and
+        # handlers take a set strategy to mean that the rest is ready.
         self.layout = layout
-        self._slots = asyncio.Queue()
+        slots: asyncio.Queue[StagingSlot] = asyncio.Queue()
         for _ in range(cfg.max_concurrent_uploads):
-            self._slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
+            slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
+        self._slots = slots
         self.snapshots.clear()
         self._retain(
             Snapshot(
                 strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
             )
         )
+        self.strategy = strategy
 
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
@@ -440,7 +659,7 @@ class Federation:
             elif isinstance(obj, list | tuple | set):
                 for v in list(obj):
                     visit(v, depth + 1)
-            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type | types.ModuleType):
                 visit(vars(obj), depth + 1)
 
         visit(self.strategy)
@@ -478,6 +697,11 @@ class Federation:
 
 def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:
     """The log's description of an accepted update: everything replay needs but the tensors."""
+    return {**update_meta(update, now), "outcome": list(outcome.to_tuple())}
+
+
+def update_meta(update: Update, now: float) -> dict[str, Any]:
+    """An update's call without its tensors or outcome (what rank 0 announces to the shards)."""
     return {
         "client": update.client_id,
         "job_id": update.job_id,
@@ -487,8 +711,21 @@ def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any
         "work_done": update.work_done,
         "kind": update.kind.name,
         "now": now,
-        "outcome": list(outcome.to_tuple()),
     }
+
+
+def _header_mismatch(update: Update, meta: dict[str, Any]) -> str:
+    """How a shard's copy of an update's header differs from rank 0's ("" when it does not)."""
+    ours = {
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+    }
+    theirs = {k: meta[k] for k in ours}
+    return ", ".join(f"{k}: {ours[k]!r} here, {theirs[k]!r} there" for k in ours
+                     if ours[k] != theirs[k])  # fmt: skip
 
 
 def payload_sizes(layout: ModelLayout, main: str) -> dict[str, int]:

@@ -159,8 +159,33 @@ class AggregationService(pb_grpc.AggregationServicer):
         await context.abort(code, message)
 
     async def _check_open(self, context: grpc.aio.ServicerContext) -> None:
+        if self.fed.failure is not None:
+            await context.abort(
+                SC.UNAVAILABLE, f"the server stopped taking writes: {self.fed.failure}"
+            )
         if self.fed.closing:
             await context.abort(SC.UNAVAILABLE, "server is shutting down; retry elsewhere/later")
+
+    def _shard_map(self) -> pb.ShardMap | None:
+        """Where each slice is served (None: a single server, or no model yet)."""
+        shards = self.fed.shards
+        if shards is None or shards.shard_map is None:
+            return None
+        return pb.ShardMap(
+            shards=[
+                pb.ShardInfo(rank=r, address=shards.addresses[r], begin=b, end=e)
+                for r, (b, e) in enumerate(map(shards.shard_map.slice, range(shards.world_size)))
+            ]
+        )
+
+    async def _require_coordinator(self, what: str, context: grpc.aio.ServicerContext) -> None:
+        shards = self.fed.shards
+        if shards is not None and not shards.is_coordinator:
+            await context.abort(
+                SC.FAILED_PRECONDITION,
+                f"this is shard {shards.rank} of {shards.world_size} of a sharded server: {what} "
+                f"goes to rank 0 at {shards.addresses[0]}",
+            )
 
     async def _require_model(self, context: grpc.aio.ServicerContext) -> None:
         if self.fed.strategy is None:
@@ -192,6 +217,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         """The layout hash covers the trainable tensors only; the float buffers must match too."""
         ours = self.fed.layout
         assert ours is not None
+        ours = ours.whole  # a shard compares the whole model's
         mine = list(zip(ours.buffer_names, ours.buffer_shapes, strict=True))
         theirs = list(zip(layout.buffer_names, layout.buffer_shapes, strict=True))
         if mine != theirs:
@@ -287,6 +313,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         header = first.header
         # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, header.client_id)
+        await self._require_coordinator("Register", context)
         await self._check_id("client_id", header.client_id, context)
         await self._check_rate(header.client_id, context)
         await self._check_labels(header.labels, context)
@@ -337,6 +364,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             limits=self._limits(),
             lease_expires=P.timestamp(record.lease_expires),
             next_heartbeat=P.duration(fed.config.lease_seconds / 3),
+            shard_map=self._shard_map(),
         )
 
     async def _adopt(
@@ -375,7 +403,10 @@ class AggregationService(pb_grpc.AggregationServicer):
                 payload_sizes(layout, "weights"), dtype, context,
             )  # fmt: skip
             try:
-                fed.adopt(layout, decoded["weights"], decoded.get("buffers"))
+                # On the aggregation thread: a sharded server announces the model to the shards.
+                await fed.call(fed.adopt, layout, decoded["weights"], decoded.get("buffers"))
+            except DurabilityError as exc:
+                await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
             except ValueError as exc:  # e.g. a negative running_var in the initial model
                 await self._abort(context, SC.INVALID_ARGUMENT, f"initial model: {exc}")
             except OSError as exc:
@@ -427,6 +458,13 @@ class AggregationService(pb_grpc.AggregationServicer):
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         fed = self.fed
+        whole = fed.layout.whole
+        if whole is not fed.layout:  # a shard's staging slots hold a slice, not a model
+            await self._decode(
+                stream, staging_slot(whole), list(header.initial_tensors),
+                payload_sizes(whole, "weights"), dtype, context,
+            )  # fmt: skip
+            return
         slot = await fed.acquire_slot()
         try:
             await self._decode(
@@ -444,14 +482,18 @@ class AggregationService(pb_grpc.AggregationServicer):
         await self._authorize(context, request.client_id)
         await self._check_id("client_id", request.client_id, context)
         await self._require_model(context)
-        await self._require_client(request.client_id, context)
+        fed = self.fed
+        if not fed.follower:  # a shard waits for rank 0's registration below
+            await self._require_client(request.client_id, context)
         await self._require_hash(request.layout_hash, context)
         try:
             dtype = P.wire_dtype(request.dtype)
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
-        fed = self.fed
-        while True:
+        job = None
+        if request.job_id or fed.follower:
+            job = await self._issued_job(request, context)
+        while job is None:
             fed.touch(request.client_id)
             try:
                 job = await fed.next_job(request.client_id)
@@ -462,7 +504,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             if job is not None:
                 break
             if fed.closing:
-                await context.abort(SC.UNAVAILABLE, "server is shutting down")
+                await self._check_open(context)
             # Nothing yet: keep the stream open, tell the client why, wait for a change.
             yield pb.JobMessage(
                 pending=pb.JobPending(reason="waiting for the strategy", model_version=fed.version)
@@ -478,7 +520,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             tensors=P.tensor_infos(job.tensors),
             update_kind=pb.UPDATE_KIND_DELTA,
             upload_dtype=P.WIRE_TO_PB[WireDtype.FLOAT32],
-            send_buffers=fed.layout.buffer_numel > 0,
+            send_buffers=fed.layout.whole.buffer_numel > 0,
         )
         if job.deadline is not None:
             header.deadline.CopyFrom(P.timestamp(job.deadline))
@@ -487,6 +529,54 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed.metrics.sent_bytes.inc(_payload_bytes(job.tensors, dtype))
         for msg in P.chunk_stream(job.tensors, dtype, fed.config.chunk_bytes, pb.JobMessage):
             yield msg
+
+    async def _issued_job(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext):
+        """A shard of rank >= 1: the job rank 0 issued (request.job_id), once this shard has
+        made the same call; its tensors are this shard's slices."""
+        fed = self.fed
+        shards = fed.shards
+        if not fed.follower:
+            await self._abort(
+                context,
+                SC.INVALID_ARGUMENT,
+                "job_id is for the shards of rank >= 1 of a sharded server; this server issues "
+                "the next job itself: leave job_id empty",
+            )
+        if not request.job_id:
+            await self._require_coordinator("a new job (GetJob without job_id)", context)
+        job_id = _job_number(request.job_id)
+        if job_id is None:
+            await self._abort(
+                context, SC.INVALID_ARGUMENT, f"job_id {request.job_id[:40]!r} is not a job id"
+            )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + shards.order_wait
+        while True:
+            strategy = fed.strategy
+            job = strategy.open_job(request.client_id, job_id)
+            if job is not None:
+                return job
+            if fed.failure is not None:
+                await self._check_open(context)
+            if job_id <= strategy.jobs_issued:
+                state = strategy.job_state(request.client_id, job_id)
+                if state == "unknown":
+                    await self._abort(
+                        context, SC.NOT_FOUND,
+                        f"job {job_id} was not issued to client {request.client_id!r}",
+                    )  # fmt: skip
+                await self._abort(
+                    context, SC.ABORTED, f"job {job_id} is no longer open ({state}): get a new one"
+                )  # fmt: skip
+            left = give_up - loop.time()
+            if left <= 0:
+                await self._abort(
+                    context,
+                    SC.DEADLINE_EXCEEDED,
+                    f"rank 0 has not issued job {job_id} to this shard within "
+                    f"{shards.order_wait:g} s (shard_order_wait_seconds)",
+                )
+            await fed.wait_for_change(min(left, 1.0))
 
     # ------------------------------------------------------------------ PushUpdate
 
@@ -533,6 +623,14 @@ class AggregationService(pb_grpc.AggregationServicer):
         await self._authorize(context, h.client_id)
         await self._check_id("client_id", h.client_id, context)
         await self._require_client(h.client_id, context)
+        rank = fed.shards.rank if fed.shards is not None else 0
+        if h.shard_rank != rank:
+            await self._abort(
+                context,
+                SC.FAILED_PRECONDITION,
+                f"this slice is for shard {h.shard_rank}; this server is "
+                + (f"shard {rank}" if fed.shards is not None else "not sharded (shard_rank 0)"),
+            )
         await self._check_rate(h.client_id, context)
         await self._require_hash(h.layout_hash, context)
         await self._check_id("update_id", h.update_id, context)
@@ -582,7 +680,10 @@ class AggregationService(pb_grpc.AggregationServicer):
             fed.updates_waiting += 1
             waiting = True
             try:
-                staleness, outcome = await fed.apply_update(update, views)
+                if fed.follower:
+                    staleness, outcome = await fed.apply_slice(update)
+                else:
+                    staleness, outcome = await fed.apply_update(update, views)
             except StrategyError as exc:
                 await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
         finally:
@@ -615,6 +716,8 @@ class AggregationService(pb_grpc.AggregationServicer):
         await self._authorize(context)
         await self._require_model(context)
         fed = self.fed
+        if request.HasField("version") and fed.follower:
+            await self._await_version(request.version)
         latest = fed.latest()
         if request.HasField("version"):
             if request.version > latest.version:
@@ -641,16 +744,26 @@ class AggregationService(pb_grpc.AggregationServicer):
                 version=snap.version,
                 latest_version=latest.version,
                 layout_hash=fed.layout.hash,
-                layout=P.layout_to_pb(fed.layout),
+                layout=P.layout_to_pb(fed.layout.whole),
                 dtype=P.WIRE_TO_PB[dtype],
                 tensors=P.tensor_infos(tensors),
                 strategy=fed.strategy.name,
                 created_at=P.timestamp(snap.created_at),
+                shard_rank=fed.shards.rank if fed.shards is not None else 0,
             )
         )
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
         for msg in P.chunk_stream(tensors, dtype, fed.config.chunk_bytes, pb.ModelMessage):
             yield msg
+
+    async def _await_version(self, version: int) -> None:
+        """A shard of rank >= 1 asked for a version rank 0 published: wait until this shard has
+        made the same calls (bounded; the caller then gets OUT_OF_RANGE)."""
+        fed = self.fed
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + fed.shards.order_wait
+        while fed.version < version and fed.failure is None and loop.time() < give_up:
+            await fed.wait_for_change(min(1.0, give_up - loop.time()))
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
 
@@ -715,10 +828,15 @@ class AggregationService(pb_grpc.AggregationServicer):
             resp.cache_bytes = fed.cache_bytes()
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
+        if fed.shards is not None:
+            resp.shard_rank = fed.shards.rank
+            shard_map = self._shard_map()
+            if shard_map is not None:
+                resp.shard_map.CopyFrom(shard_map)
         if fed.layout is not None:
             resp.layout_hash = fed.layout.hash
-            resp.numel = fed.layout.numel
-            resp.buffer_numel = fed.layout.buffer_numel
+            resp.numel = fed.layout.whole.numel
+            resp.buffer_numel = fed.layout.whole.buffer_numel
             resp.oldest_retained_version = next(iter(fed.snapshots))
         return resp
 

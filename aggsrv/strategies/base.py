@@ -568,6 +568,23 @@ class Strategy(ABC):
             return "superseded"
         return "unknown"
 
+    def open_job(self, client_id: str, job_id: int) -> Job | None:
+        """Job ``job_id`` if it is ``client_id``'s and still open (a shard serves its slice)."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and job.client_id == client_id else None
+
+    @property
+    def jobs_issued(self) -> int:
+        """How many jobs this strategy has issued (job ids are 1 to this number)."""
+        return self._next_job_id - 1
+
+    def check_data(self, update: Update) -> None:
+        """The refusals that depend on the update's numbers rather than the strategy's state
+        (InvalidUpdate), so that each shard of a sharded server can check its own slice before
+        the shards vote; a replayed update id is not checked (it will be DUPLICATE)."""
+        if self.ledger.lookup(update.client_id, update.update_id) is None:
+            self._validate_buffers(update.buffers)
+
     # --------------------------------------------------------------------------- helpers
 
     def client_delta(

@@ -1,0 +1,267 @@
+"""The shards of one sharded federation (docs/sharding.md "The server processes"): the
+torch.distributed group they talk through, the replicated log of strategy calls that rank 0
+orders, the all-or-none vote on an update, and the slices a shard holds until rank 0 orders them.
+
+Every collective of a shard runs on its aggregation thread, in the order of the calls: rank 0
+announces a call (``announce``) right before making it, the other shards receive it
+(``receive``) and make the same call, and the strategy's own ``all_reduce``s inside that call
+then line up on every shard because they come from the same code on the same state. One gloo
+group carries both (NCCL would need its own group for CUDA partial sums; that is not done yet).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aggsrv.sharding import ShardMap, TorchReducer
+from aggsrv.strategies import InvalidUpdate, StrategyError
+
+log = logging.getLogger(__name__)
+
+# A shard's verdict on its slice of an update; the vote refuses with the largest.
+SLICE_OK = 0
+SLICE_MISSING = 1  # never arrived (the stream to this shard was cut, or is late): ABORTED
+SLICE_INVALID = 2  # its numbers are refused (e.g. a negative running_var): INVALID_ARGUMENT
+
+# The calls rank 0 orders; "adopt" carries the first model, "noop" keeps the group alive.
+CALL_KINDS = ("adopt", "register", "job", "update", "timer", "noop", "stop")
+
+
+class ShardLost(RuntimeError):
+    """A collective failed or timed out: another shard died, hangs, or cannot be reached."""
+
+
+class SliceMissing(StrategyError):
+    """A shard never received its slice of an update rank 0 ordered; no shard applied it."""
+
+
+@dataclass
+class StagedSlice:
+    """One shard's slice of an update, waiting for rank 0 to order the update."""
+
+    update: Any  # aggsrv.strategies.Update with this shard's [end - begin] tensor
+    done: Any  # asyncio.Future resolved with (staleness, outcome) or the refusal
+    loop: Any
+    taken: bool = field(default=False)
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.done.done():
+                return
+            if error is not None:
+                self.done.set_exception(error)
+            else:
+                self.done.set_result(result)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+class StagedSlices:
+    """Slices that arrived on this shard, by (client, update id), until the aggregation thread
+    takes them (rank 0 ordered the update) or their upload gives up waiting (withdraw)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._slices: dict[tuple[str, str], StagedSlice] = {}
+
+    def put(self, key: tuple[str, str], staged: StagedSlice) -> bool:
+        with self._cond:
+            if key in self._slices:
+                return False
+            self._slices[key] = staged
+            self._cond.notify_all()
+            return True
+
+    def take(self, key: tuple[str, str], timeout: float) -> StagedSlice | None:
+        """The slice for ``key``, waiting up to ``timeout`` seconds for it to arrive."""
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._slices, timeout)
+            staged = self._slices.pop(key, None)
+            if staged is not None:
+                staged.taken = True
+            return staged
+
+    def withdraw(self, key: tuple[str, str], staged: StagedSlice) -> bool:
+        """Remove a slice nobody took yet; False when the aggregation thread already has it."""
+        with self._cond:
+            if self._slices.get(key) is staged and not staged.taken:
+                del self._slices[key]
+                return True
+            return False
+
+    def fail_all(self, error: BaseException) -> None:
+        """Refuse every slice still waiting (the federation stopped taking writes)."""
+        with self._cond:
+            waiting = list(self._slices.values())
+            self._slices.clear()
+        for staged in waiting:
+            staged.resolve(error=error)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._slices)
+
+
+class ShardGroup:
+    """This process's place among the shards, and the collectives between them."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float,
+        slice_wait: float,
+        order_wait: float,
+        heartbeat: float,
+        group: Any = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.slice_wait = slice_wait  # how long an ordered update waits for this shard's slice
+        self.order_wait = order_wait  # how long a slice waits for rank 0 to order its update
+        self.heartbeat = heartbeat
+        self.group = group
+        self.reducer = TorchReducer(group)
+        self.addresses: list[str] = []
+        self.shard_map: ShardMap | None = None
+        self.staged = StagedSlices()
+        self.last_announce = time.monotonic()
+
+    @classmethod
+    def connect(cls, config: Any) -> ShardGroup:
+        """Join the federation's process group (``config.dist_url``, or torchrun's env://)."""
+        import torch.distributed as dist
+
+        init = config.dist_url or "env://"
+        if init == "env://" and "MASTER_ADDR" not in os.environ:
+            raise ValueError(
+                "a sharded server needs --dist-url tcp://HOST:PORT (rank 0's rendezvous address), "
+                "or torchrun's MASTER_ADDR and MASTER_PORT"
+            )
+        log.info(
+            "shard %d of %d: joining the process group at %s", config.rank, config.shards, init
+        )
+        dist.init_process_group(
+            "gloo",
+            init_method=init,
+            rank=config.rank,
+            world_size=config.shards,
+            timeout=datetime.timedelta(seconds=config.shard_timeout_seconds),
+        )
+        return cls(
+            config.rank,
+            config.shards,
+            timeout=config.shard_timeout_seconds,
+            slice_wait=config.shard_slice_wait_seconds,
+            order_wait=config.shard_order_wait_seconds,
+            heartbeat=config.shard_heartbeat_seconds,
+        )
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, group=self.group, **kwargs)
+        except RuntimeError as exc:
+            raise ShardLost(
+                f"shard {self.rank} of {self.world_size} lost the federation during {what}: "
+                f"{str(exc)[:300]}"
+            ) from exc
+
+    # ------------------------------------------------------------------ setup
+
+    def exchange_addresses(self, mine: str) -> list[str]:
+        """Every shard's gRPC address, in rank order (a collective: all shards at startup)."""
+        out: list[Any] = [None] * self.world_size
+        self._collective("the address exchange", self._dist.all_gather_object, out, mine)
+        self.addresses = [str(a) for a in out]
+        return self.addresses
+
+    def agree(self, value: str, what: str) -> None:
+        """Check that every shard holds the same ``value`` (e.g. the strategy's name)."""
+        out: list[Any] = [None] * self.world_size
+        self._collective(f"checking {what}", self._dist.all_gather_object, out, value)
+        if len(set(out)) != 1:
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(out))
+            raise ValueError(f"the shards were started with different {what} ({shown})")
+
+    # ------------------------------------------------------------------ the replicated log
+
+    def announce(self, kind: str, meta: dict[str, Any]) -> None:
+        """Rank 0: tell every shard the call it is about to make (aggregation thread)."""
+        assert kind in CALL_KINDS, kind
+        self._collective(f"a {kind} call", self._dist.broadcast_object_list, [(kind, meta)], 0)
+        self.last_announce = time.monotonic()
+
+    def receive(self) -> tuple[str, dict[str, Any]]:
+        """Shards of rank >= 1: the next call rank 0 made (blocks, up to the group's timeout;
+        rank 0 sends a keep-alive every ``heartbeat`` seconds when idle)."""
+        box: list[Any] = [None]
+        self._collective("waiting for rank 0's next call", self._dist.broadcast_object_list,
+                         box, 0)  # fmt: skip
+        kind, meta = box[0]
+        return kind, meta
+
+    def share_model(self, weights: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """Rank 0 sends the first model's [D] weights to every shard (after an "adopt" call)."""
+        buf = weights.contiguous() if weights is not None else torch.empty(numel)
+        self._collective("sending the first model", self._dist.broadcast, buf, 0)
+        return buf
+
+    def vote(self, verdict: int) -> list[int]:
+        """Every shard's verdict on its slice of the update being applied, in rank order."""
+        votes = torch.zeros(self.world_size, dtype=torch.int64)
+        votes[self.rank] = verdict
+        self._collective("the vote on an update", self._dist.all_reduce, votes)
+        return votes.tolist()
+
+    def close(self) -> None:
+        """Leave the group; the other shards' pending collectives then fail at once."""
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+def slice_verdict(strategy: Any, update: Any) -> tuple[int, StrategyError | None]:
+    """This shard's verdict on its slice (the decoder already checked length, CRC and
+    finiteness): the strategy's data checks on it."""
+    try:
+        strategy.check_data(update)
+    except InvalidUpdate as exc:
+        return SLICE_INVALID, exc
+    return SLICE_OK, None
+
+
+def refusal(
+    votes: Sequence[int], rank: int, own: StrategyError | None, update_id: str, wait: float
+) -> StrategyError:
+    """The error every shard answers when the vote refused an update."""
+    worst = max(votes)
+    if own is not None and votes[rank] == worst:
+        return own
+    who = ", ".join(str(r) for r, v in enumerate(votes) if v == worst)
+    if worst == SLICE_INVALID:
+        return InvalidUpdate(
+            f"shard {who} refused its slice of update {update_id!r} (its float buffers or "
+            "numbers are invalid); no shard applied it"
+        )
+    return SliceMissing(
+        f"shard {who} did not receive its slice of update {update_id!r} within {wait:g} s of "
+        "rank 0 ordering it (the stream to it was cut or is late); no shard applied it: send "
+        "the update again"
+    )
