@@ -36,8 +36,11 @@ SERVICE_NAME = aggregation_pb2.DESCRIPTOR.services_by_name["Aggregation"].full_n
 class Server:
     """One running aggsrv server (started with :meth:`start`, stopped with :meth:`stop`)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, shards: ShardGroup | None = None) -> None:
+        """``shards``: for a sharded config, a process group joined already (tests run several
+        federations in one); None joins the one ``config.dist_url`` names."""
         self.config = config
+        self._shards = shards
         self.metrics = ServerMetrics()
         self.federation = Federation(config, metrics=self.metrics)
         self.port: int | None = None
@@ -63,7 +66,7 @@ class Server:
         self._open_state()
         if cfg.shards > 1:
             # Blocks until every shard has joined (up to shard_timeout_seconds).
-            fed.shards = ShardGroup.connect(cfg)
+            fed.shards = self._shards or ShardGroup.connect(cfg)
         if cfg.eval:
             self._evaluator = Evaluator(
                 self.federation, load_hook(cfg.eval), cfg.eval_every_versions

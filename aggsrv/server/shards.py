@@ -124,6 +124,7 @@ class ShardGroup:
         order_wait: float,
         heartbeat: float,
         group: Any = None,
+        owned: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -135,6 +136,7 @@ class ShardGroup:
         self.order_wait = order_wait  # how long a slice waits for rank 0 to order its update
         self.heartbeat = heartbeat
         self.group = group
+        self.owned = owned  # this object created the process group (close destroys it)
         self.reducer = TorchReducer(group)
         self.addresses: list[str] = []
         self.shard_map: ShardMap | None = None
@@ -162,6 +164,12 @@ class ShardGroup:
             world_size=config.shards,
             timeout=datetime.timedelta(seconds=config.shard_timeout_seconds),
         )
+        return cls.of(config, owned=True)
+
+    @classmethod
+    def of(cls, config: Any, group: Any = None, owned: bool = False) -> ShardGroup:
+        """The shard ``config`` describes, in a process group that exists already (``group``,
+        None: the default group), e.g. one that serves several federations one after another."""
         return cls(
             config.rank,
             config.shards,
@@ -169,6 +177,8 @@ class ShardGroup:
             slice_wait=config.shard_slice_wait_seconds,
             order_wait=config.shard_order_wait_seconds,
             heartbeat=config.shard_heartbeat_seconds,
+            group=group,
+            owned=owned,
         )
 
     @property
@@ -233,7 +243,7 @@ class ShardGroup:
 
     def close(self) -> None:
         """Leave the group; the other shards' pending collectives then fail at once."""
-        if self._dist.is_initialized():
+        if self.owned and self._dist.is_initialized():
             self._dist.destroy_process_group()
 
 
