@@ -27,6 +27,7 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import STRATEGIES, Status, StrategyError, Update, UpdateKind, make_strategy
 from aggsrv.v1 import aggregation_pb2 as pb
+from aggsrv.v1 import tensor_pb2 as tpb
 
 CLIENTS = 3
 ROUNDS = 4
@@ -247,3 +248,126 @@ def test_every_strategy_on_shard_processes_equals_one_server(world: int, tmp_pat
 
 def test_every_strategy_has_a_sharded_case() -> None:
     assert set(STRATEGIES) == set(CASES)
+
+
+# ------------------------------------------------------------------ `aggsrv serve` shards
+
+
+def _status_version(address: str) -> int:
+    with Client(address, "operator", retries=0) as op:
+        return int(op.status().version)
+
+
+def test_serve_shards_vote_all_or_none_and_a_lost_shard_stops_writes(tmp_path: Path) -> None:
+    """Two `aggsrv serve --shards 2` processes: refused slices leave both shards untouched,
+    and after one shard is killed the other refuses writes (UNAVAILABLE) but keeps its model."""
+    from server_helpers import ServeProcess, free_port
+
+    settings = tmp_path / "shard.toml"
+    settings.write_text("shard_slice_wait_seconds = 1.0\nshard_heartbeat_seconds = 0.2\n"
+                        "rate_limit_per_second = 0.0\n")  # fmt: skip
+    url = f"tcp://127.0.0.1:{free_port()}"
+    shards = [
+        ServeProcess(
+            tmp_path / f"shard{r}.log",
+            free_port(),
+            "--shards",
+            "2",
+            "--rank",
+            str(r),
+            "--dist-url",
+            url,
+            "--state-dir",
+            "",
+            "--strategy",
+            "fedasync",
+            "--config",
+            str(settings),
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        for s in shards:
+            s.wait_serving(60)
+        layout = _layout()
+        gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+        initial = torch.randn(layout.numel, generator=gen)
+        client = Client(shards[0].address, "c0", timeout=20, retries=0)
+        resp = client.register(layout=layout, initial=initial)
+        assert [s.address for s in resp.shard_map.shards] == [s.address for s in shards]
+        with pytest.raises(grpc.RpcError) as refused:  # only rank 0 registers
+            Client(shards[1].address, "c1", retries=0).register(layout=layout)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert shards[0].address in refused.value.details()
+        for _ in range(2):
+            job = client.get_job()
+            delta = torch.randn(layout.numel, generator=gen)
+            assert client.push(job, delta, num_samples=5).status is Status.APPLIED
+        version, model = client.get_model()
+        assert version == 2 and not torch.equal(model, initial)
+
+        job = client.get_job()
+        parts = client.shard_map.split(torch.randn(layout.numel, generator=gen))
+        header = pb.UpdateHeader(
+            client_id="c0", job_id=job.job_id, base_version=job.base_version, update_id="half",
+            num_samples=5, kind=pb.UPDATE_KIND_DELTA, dtype=tpb.WIRE_DTYPE_FLOAT32,
+            layout_hash=layout.hash,
+        )  # fmt: skip
+        stubs = client._shard_stubs
+
+        def send(rank: int, head: pb.UpdateHeader, to: int | None = None):
+            """Slice ``rank`` (its header says so) streamed to shard ``to`` (default: its own)."""
+            stream = client._update_stream(head, parts[rank], {}, "dense", rank)
+            return stubs[rank if to is None else to].PushUpdate.future(stream(), timeout=20)
+
+        # Shard 1 never gets its slice: rank 0 orders the update, the vote refuses it.
+        with pytest.raises(grpc.RpcError) as refused:
+            send(0, header).result()
+        assert refused.value.code() == grpc.StatusCode.ABORTED
+        assert "shard 1 did not receive its slice" in refused.value.details()
+        # The slices disagree on the header: shard 1 refuses, so no shard applies it.
+        other = pb.UpdateHeader()
+        other.CopyFrom(header)
+        other.num_samples = 6
+        calls = [send(0, header), send(1, other)]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                call.result()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A slice sent to the wrong shard is refused before anything is ordered.
+        with pytest.raises(grpc.RpcError) as refused:
+            send(1, header, to=0).result()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert [_status_version(s.address) for s in shards] == [2, 2]
+        assert torch.equal(client.get_model()[1], model)
+        # The same update sent whole is then applied on both shards.
+        assert client.push(job, torch.cat(parts), update_id="half").status is Status.APPLIED
+        version, model = client.get_model()
+        assert [_status_version(s.address) for s in shards] == [3, 3] and version == 3
+
+        shards[1].proc.kill()
+        shards[1].proc.wait(10)
+        job_error = None
+        with pytest.raises(grpc.RpcError) as refused:
+            try:
+                job = client.get_job()
+            except grpc.RpcError as exc:  # rank 0 noticed the loss first
+                job_error = exc
+                raise
+            client.push(job, torch.randn(layout.numel, generator=gen), num_samples=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "lost" in refused.value.details() or job_error is not None
+        # Rank 0 stays up: it refuses writes, answers reads, and its slice did not move.
+        with Client(shards[0].address, "operator", retries=0) as op:
+            assert op.status().version == 3
+            with pytest.raises(grpc.RpcError) as refused:
+                op.register(layout=layout)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "lost the federation" in refused.value.details()
+            got = op.get_model()[1]
+        assert torch.equal(got, client.shard_map.split(model)[0])
+        client.close()
+        assert shards[0].terminate() == 0
+    finally:
+        for s in shards:
+            s.close()

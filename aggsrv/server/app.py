@@ -162,13 +162,21 @@ class Server:
             self._follower.start()
 
     def _shard_failed(self, reason: str) -> None:
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING))
+        """(any thread: the aggregation thread notices a lost shard first)"""
         fed = self.federation
-        if fed.shards is not None and fed.shards.is_coordinator:
-            # Leaving the group makes the other shards' pending collectives fail now rather
-            # than at their timeout, so the whole federation stops taking writes at once.
-            loop.create_task(self._leave_shards())
+        loop = fed._loop
+        assert loop is not None
+
+        def on_loop() -> None:
+            loop.create_task(
+                self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+            )
+            if fed.shards is not None and fed.shards.is_coordinator:
+                # Leaving the group makes the other shards' pending collectives fail now rather
+                # than at their timeout, so the whole federation stops taking writes at once.
+                loop.create_task(self._leave_shards())
+
+        loop.call_soon_threadsafe(on_loop)
 
     async def _leave_shards(self, announce: bool = False) -> None:
         """Leave the process group (rank 0 first tells the others to stop with it: they cannot
