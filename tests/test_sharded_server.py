@@ -214,6 +214,8 @@ def test_every_strategy_on_shard_processes_equals_one_server(world: int, tmp_pat
                 status = op.status()
                 assert [s.rank for s in status.shard_map.shards] == list(range(world))
                 assert status.shard_map.shards[-1].end == layout.numel
+                # A reader that never registered gets the whole model too (aggsrv pull).
+                assert torch.equal(op.get_model(version)[1], model), name
                 op.admin_call("Shutdown", pb.ShutdownRequest(grace_seconds=1))
             _, _, calls, _ = _next(queue, "calls")
             want_version, want, outcomes = _replay(name, layout, initial, calls, sent)
@@ -364,8 +366,13 @@ def test_serve_shards_vote_all_or_none_and_a_lost_shard_stops_writes(tmp_path: P
                 op.register(layout=layout)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "lost the federation" in refused.value.details()
-            got = op.get_model()[1]
-        assert torch.equal(got, client.shard_map.split(model)[0])
+            with pytest.raises(grpc.RpcError) as refused:  # shard 1's slice is gone
+                op.get_model()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            stream = op._stub.GetModel(pb.GetModelRequest(), timeout=10)
+            header, got = op._receive(stream, "header")
+        assert header.version == 3 and header.layout_hash == layout.hash
+        assert torch.equal(got["weights"], client.shard_map.split(model)[0])
         client.close()
         assert shards[0].terminate() == 0
     finally:

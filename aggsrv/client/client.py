@@ -151,12 +151,12 @@ class Client:
             self._pool.shutdown(wait=False)
         self._channel.close()
 
-    def _use_shards(self, shard_map: pb.ShardMap) -> None:
+    def _use_shards(self, shard_map: pb.ShardMap, layout: ModelLayout | None = None) -> None:
         """Connect to every shard of a sharded server (RegisterResponse.shard_map)."""
         shards = sorted(shard_map.shards, key=lambda s: s.rank)
         if len(shards) < 2:
             return
-        layout = self._require_layout()
+        layout = layout or self._require_layout()
         bounds = [int(s.begin) for s in shards] + [int(shards[-1].end)]
         ranks = [int(s.rank) for s in shards]
         contiguous = all(int(a.end) == int(b.begin) for a, b in itertools.pairwise(shards))
@@ -526,6 +526,10 @@ class Client:
             return self._receive(self._stub.GetModel(request, timeout=self.timeout), "header")
 
         header, tensors = self._retry("get_model", call)
+        whole = P.layout_from_pb(header.layout)
+        if self.shard_map is None and tensors["weights"].numel() != whole.numel:
+            # A reader that never registered (aggsrv pull): rank 0 sent its slice only.
+            self._use_shards(self.status().shard_map, whole)
         if self.shard_map is not None:
             slice_request = pb.GetModelRequest()
             slice_request.CopyFrom(request)
@@ -540,7 +544,7 @@ class Client:
                 return self._retry("get_model (a shard's slice)", one)
 
             tensors = self._join(tensors, self._from_other_shards(fetch))
-        self.last_model_layout = P.layout_from_pb(header.layout)
+        self.last_model_layout = whole
         if include_buffers:
             return int(header.version), tensors["weights"], tensors.get("buffers")
         return int(header.version), tensors["weights"]
