@@ -276,6 +276,7 @@ class Federation:
         loop = self._loop
         assert shards is not None and loop is not None
         while True:
+            kind = "next"
             try:
                 kind, meta = shards.receive()
                 if kind == "stop":
@@ -306,7 +307,7 @@ class Federation:
         if kind == "adopt":
             whole = ModelLayout.from_dict(meta["layout"])
             weights = self.shards.share_model(None, whole.numel)
-            self._install_new(whole, weights, None)
+            self.install(*self._build(whole, weights, None))
             return
         strategy = self.strategy
         assert strategy is not None, f"a {kind} call before the model"
@@ -550,10 +551,13 @@ class Federation:
     ) -> None:
         """Create the strategy from the first model (initial weights and float buffers become
         version 0); with a state directory, checkpoint it before anything else happens."""
+        # Built before the other shards hear of it: a model this strategy refuses (ValueError)
+        # reaches no shard.
+        local, strategy = self._build(layout, weights, buffers)
         if self.shards is not None:
             self._replicate("adopt", {"layout": layout.to_dict()})
             self._collective(self.shards.share_model, weights, layout.numel)
-        strategy = self._install_new(layout, weights, buffers)
+        self.install(local, strategy)
         if self.store is not None:
             info = self.store.begin(self)
             self.last_checkpoint = (info.version, self.clock())
@@ -562,10 +566,10 @@ class Federation:
             layout.numel, len(layout.names), layout.hash[:12], strategy.name,
         )  # fmt: skip
 
-    def _install_new(
+    def _build(
         self, layout: ModelLayout, weights: torch.Tensor, buffers: torch.Tensor | None
-    ) -> Strategy:
-        """Build the strategy of a first model and serve it; a shard builds it on its slice."""
+    ) -> tuple[ModelLayout | ShardLayout, Strategy]:
+        """The layout served and the strategy of a first model; a shard's, on its slice."""
         cfg = self.config
         reducer = None
         if self.shards is not None:
@@ -585,8 +589,7 @@ class Federation:
             max_clients=cfg.max_clients,
             reducer=reducer,
         )
-        self.install(layout, strategy)
-        return strategy
+        return layout, strategy
 
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
