@@ -4,6 +4,9 @@
 Run: `pytest bench/test_bench_sharding.py --benchmark-only -s` (about 1.5 minutes at scale 1,
 about 3.5 GiB of RAM over the four processes); `AGGSRV_BENCH_SCALE=0.01` for a smoke run (about
 25 s, mostly process start-up). bench/README.md has the figures and how to read a line.
+The file's other benchmark, `test_bench_sharding_grpc` (at its end, described there), times a
+client's updates over gRPC against `aggsrv serve` processes: about 30 s more at scale 1; `-k
+sharding_grpc` runs it alone, `-k "not grpc"` the others.
 
 For fedasync (elementwise: no collective) and the three reducing families, orthofl, fedhist and
 feddgic: D = 4M (2^22) float32 in a ResNet-18-shaped layout (the 62 tensors of
@@ -529,4 +532,229 @@ def test_bench_sharding(benchmark: Any, name: str, tmp_path: Path) -> None:
         "against 2 processes on the 2 cores, sharing memory bandwidth)"
     )
     info.update(doc_model_bytes=model_bytes, vote_s=vote, t_c_s=t_c, t_c_late_s=t_late)
+    emit(benchmark, "\n".join(parts), info)
+
+
+# ------------------------------------------------------------------ end to end over gRPC
+#
+# `test_bench_sharding_grpc`: what a client sees per update from a sharded server, against a
+# plain single server, over real gRPC on loopback. For fedasync (elementwise: the shards only
+# vote) and orthofl (one 16L-byte all_reduce per update besides the vote), at D = 1M and 4M
+# float32 in a 6-tensor layout (`ModelLayout.from_named_shapes`: a small conv, an MLP head):
+#
+# - **1 shard**: `aggsrv serve` (shards = 1), one process;
+# - **2 shards**: `aggsrv serve --shards 2 --rank 0|1 --dist-url tcp://127.0.0.1:PORT`, two
+#   processes in one gloo group; the client (`aggsrv.client.Client`, registered at rank 0)
+#   splits each update by the shard map and streams both slices at once, and assembles jobs
+#   from both shards.
+#
+# All three server processes run during the whole benchmark (started together, ready when
+# GetStatus answers on each), with `--state-dir ''`, `--auth none`, durability off and no rate
+# limit, torch's default threads. One client per server, in the pytest process, both with the
+# same initial model and the same DELTA (1e-3 x N(0, 1), reused). A round is, per candidate in
+# turn (the one going first alternates): `get_job()` (timed: GetJob, the job's weights
+# downloaded whole, from both shards when sharded), then `push(job, delta)` (timed: encode,
+# stream, the server's checks, the strategy's update and, sharded, the vote, until the ack),
+# which must be APPLIED. E2E_WARMUP rounds untimed, then E2E_UPDATES timed. Afterwards both
+# servers hold the same model (fedasync bit for bit, orthofl within 1e-5): checked.
+#
+# Reported: median and p90 per call, the difference 2 shards - 1 shard of the medians (the
+# sharding overhead per update, as a client sees it), the median of the per-round differences,
+# and effective GB/s = 4D bytes / median time. The two shards, the single server and the client
+# share this machine's 2 cores: no speed-up is expected, and none is claimed.
+
+E2E_CASES: dict[str, dict[str, Any]] = {"fedasync": {"alpha": 0.6}, "orthofl": {}}
+E2E_SIZES = {"1M": 2**20, "4M": 2**22}
+E2E_WARMUP = 5
+E2E_UPDATES = 20
+E2E_READY_S = 120.0
+
+
+def e2e_layout(target: int):
+    """A 6-tensor layout of about `target` float32 values (a 3x3 conv, then a two-layer MLP
+    head whose hidden width fills the rest)."""
+    from aggsrv.layout import ModelLayout
+
+    fixed = 32 * 3 * 3 * 3 + 32 + 10  # conv1.weight, conv1.bias, fc2.bias
+    rows = max(1, round((target - fixed) / (1024 + 1 + 10)))
+    return ModelLayout.from_named_shapes(
+        [("conv1.weight", (32, 3, 3, 3)), ("conv1.bias", (32,)), ("fc1.weight", (rows, 1024)),
+         ("fc1.bias", (rows,)), ("fc2.weight", (10, rows)), ("fc2.bias", (10,))]
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _ServeProc:
+    """`python -m aggsrv.cli serve --host 127.0.0.1 --port PORT ...` (stderr in `log`)."""
+
+    def __init__(self, log: Path, port: int, *args: str) -> None:
+        import subprocess
+        import sys
+
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        cmd = [sys.executable, "-m", "aggsrv.cli", "serve", "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--auth", "none", "--state-dir", "", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-4000:]
+
+    def close(self) -> None:
+        """SIGTERM (rank 0 stops every shard), then SIGKILL after 20 s."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def _wait_ready(procs: list[_ServeProc], limit: float = E2E_READY_S) -> float:
+    """Seconds until every process answers GetStatus (polled, retries 0)."""
+    import grpc
+
+    from aggsrv.client.client import Client
+
+    t0 = time.monotonic()
+    for p in procs:
+        while True:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.address} exited with {p.proc.returncode}:\n{p.log()}")
+            try:
+                with Client(p.address, "bench-probe", timeout=2.0, retries=0) as probe:
+                    probe.status()
+                break
+            except grpc.RpcError:
+                if time.monotonic() - t0 > limit:
+                    raise AssertionError(
+                        f"{p.address} not ready after {limit} s:\n{p.log()}"
+                    ) from None
+                time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _p90(xs: list[float]) -> float:
+    return float(np.percentile(xs, 90)) if xs else math.nan
+
+
+@pytest.mark.parametrize("size", list(E2E_SIZES))
+@pytest.mark.parametrize("name", list(E2E_CASES))
+def test_bench_sharding_grpc(benchmark: Any, name: str, size: str, tmp_path: Path) -> None:
+    from aggsrv.client.client import Client
+    from aggsrv.strategies import Status
+
+    layout = e2e_layout(scaled(E2E_SIZES[size]))
+    D = layout.numel
+    initial = random_tensor(D, seed=SEED)
+    delta = random_tensor(D, seed=SEED + 1).mul_(1e-3)
+    settings = tmp_path / "serve.toml"
+    table = "".join(f"{k} = {v!r}\n" for k, v in E2E_CASES[name].items())
+    settings.write_text('rate_limit_per_second = 0.0\ndurability = "off"\n'
+                        f"[strategy_config]\n{table}")  # fmt: skip
+    common = ("--strategy", name, "--config", str(settings))
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    procs: list[_ServeProc] = []
+    clients: dict[str, Any] = {}
+    try:
+        procs.append(_ServeProc(tmp_path / "one.log", _free_port(), *common))
+        for r in range(2):
+            shard = ("--shards", "2", "--rank", str(r), "--dist-url", url)
+            procs.append(_ServeProc(tmp_path / f"shard{r}.log", _free_port(), *common, *shard))
+        ready_s = _wait_ready(procs)
+        for cand, p in (("one", procs[0]), ("two", procs[1])):
+            c = Client(p.address, "bench", timeout=60.0, retries=0)
+            clients[cand] = c
+            c.register(layout=layout, initial=initial)
+        assert clients["one"].shard_map is None and clients["two"].shard_map is not None
+        assert clients["two"].shard_map.bounds[-1] == D
+
+        def one_update(c: Any) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            job = c.get_job()
+            t1 = time.perf_counter()
+            res = c.push(job, delta, num_samples=10)
+            t2 = time.perf_counter()
+            assert res.status is Status.APPLIED, (name, res)
+            return t1 - t0, t2 - t1
+
+        def run() -> dict[str, list[tuple[float, float]]]:
+            times: dict[str, list[tuple[float, float]]] = {"one": [], "two": []}
+            for i in range(E2E_WARMUP + E2E_UPDATES):
+                for cand in ("one", "two") if i % 2 == 0 else ("two", "one"):
+                    t = one_update(clients[cand])
+                    if i >= E2E_WARMUP:
+                        times[cand].append(t)
+            return times
+
+        times = benchmark.pedantic(run, rounds=1, iterations=1)
+        # Both servers made the same updates: same version, same model.
+        total = E2E_WARMUP + E2E_UPDATES
+        version_one, model_one = clients["one"].get_model()
+        version_two, model_two = clients["two"].get_model()
+        with Client(procs[2].address, "bench-probe", timeout=10.0, retries=0) as probe:
+            version_rank1 = int(probe.status().version)
+        assert version_one == version_two == version_rank1 == total, (
+            version_one, version_two, version_rank1,
+        )  # fmt: skip
+        err = float((model_two.double() - model_one.double()).norm() / model_one.double().norm())
+        if name == "fedasync":
+            assert torch.equal(model_one, model_two), err
+        else:
+            assert err <= 1e-5, err
+    finally:
+        for c in clients.values():
+            c.close()
+        for p in reversed(procs):  # rank 1 first: rank 0's SIGTERM would stop it anyway
+            p.close()
+
+    nbytes = 4 * D
+    push = {c: [t[1] for t in times[c]] for c in times}
+    job = {c: [t[0] for t in times[c]] for c in times}
+    info: dict[str, Any] = {"scale": SCALE, "D": D, "update_bytes": nbytes, "tensors": 6,
+                            "updates": E2E_UPDATES, "warmup": E2E_WARMUP,
+                            "ready_s": ready_s, "model_rel_err": err}  # fmt: skip
+    parts = [
+        f"sharding over gRPC {name} D={fmt_size(D)} ({nbytes / 1e6:.1f} MB, 6 tensors), 1 shard "
+        f"vs 2 shard processes, {E2E_UPDATES} updates per candidate after {E2E_WARMUP} warm-up, "
+        "interleaved:"
+    ]
+    for call, xs in (("push", push), ("get_job", job)):
+        m1, m2 = _med(xs["one"]), _med(xs["two"])
+        q1, q2 = _p90(xs["one"]), _p90(xs["two"])
+        per_round = _med([b - a for a, b in zip(xs["one"], xs["two"], strict=True)])
+        parts.append(
+            f"  {call}: 1 shard p50 {fmt_time(m1)} p90 {fmt_time(q1)} ({nbytes / m1 / 1e9:.2f} "
+            f"GB/s), 2 shards p50 {fmt_time(m2)} p90 {fmt_time(q2)} ({nbytes / m2 / 1e9:.2f} "
+            f"GB/s); 2 - 1 shard {(m2 - m1) * 1e3:+.2f} ms (median per-round difference "
+            f"{per_round * 1e3:+.2f} ms)"
+        )
+        info.update({
+            f"{call}_one_p50_s": m1, f"{call}_one_p90_s": q1, f"{call}_two_p50_s": m2,
+            f"{call}_two_p90_s": q2, f"{call}_diff_s": m2 - m1,
+            f"{call}_diff_per_round_s": per_round, f"{call}_one_GBps": nbytes / m1 / 1e9,
+            f"{call}_two_GBps": nbytes / m2 / 1e9,
+        })  # fmt: skip
+    same = "bit for bit" if err == 0.0 else f"rel. err {err:.1e}"
+    parts.append(
+        f"  start-up until all 3 processes answer GetStatus {ready_s:.1f} s; both models after "
+        f"the run: version {total}, equal {same}"
+    )
+    parts.append(
+        "  -> NOT a speed-up claim: the 2 shards, the single server and the client share this "
+        "machine's 2 cores (loopback, no network card)"
+    )
     emit(benchmark, "\n".join(parts), info)
