@@ -180,9 +180,18 @@ class Client:
             self._pool = ThreadPoolExecutor(len(shards), thread_name_prefix="aggsrv-shard")
         log.info("sharded server: %d shards at %s", len(shards), [s.address for s in shards])
 
-    def _from_other_shards(self, fetch: Callable[[pb_grpc.AggregationStub], T]) -> list[T]:
-        """``fetch(stub)`` on shards 1..N-1 at once, in rank order."""
+    def _slices(self, method: str, request: Any) -> list[dict[str, torch.Tensor]]:
+        """The tensors of the streaming call ``method`` (GetJob, GetModel) on shards 1..N-1,
+        called at once, in rank order."""
         assert self._pool is not None
+
+        def fetch(stub: pb_grpc.AggregationStub) -> dict[str, torch.Tensor]:
+            def one() -> dict[str, torch.Tensor]:
+                stream = getattr(stub, method)(request, timeout=self.timeout)
+                return self._receive(stream, "header")[1]
+
+            return self._retry(f"{method} (a shard's slice)", one)
+
         futures = [self._pool.submit(fetch, stub) for stub in self._shard_stubs[1:]]
         return [f.result() for f in futures]
 
@@ -358,15 +367,7 @@ class Client:
             slice_request = pb.GetJobRequest()
             slice_request.CopyFrom(request)
             slice_request.job_id = header.job_id
-
-            def fetch(stub: pb_grpc.AggregationStub) -> dict[str, torch.Tensor]:
-                def one() -> dict[str, torch.Tensor]:
-                    stream = stub.GetJob(slice_request, timeout=self.timeout)
-                    return self._receive(stream, "header")[1]
-
-                return self._retry("get_job (a shard's slice)", one)
-
-            tensors = self._join(tensors, self._from_other_shards(fetch))
+            tensors = self._join(tensors, self._slices("GetJob", slice_request))
         deadline = header.deadline.ToNanoseconds() / 1e9 if header.HasField("deadline") else None
         return ClientJob(
             job_id=header.job_id,
@@ -535,15 +536,7 @@ class Client:
             slice_request.CopyFrom(request)
             slice_request.version = header.version
             slice_request.include_buffers = False  # rank 0 holds them
-
-            def fetch(stub: pb_grpc.AggregationStub) -> dict[str, torch.Tensor]:
-                def one() -> dict[str, torch.Tensor]:
-                    stream = stub.GetModel(slice_request, timeout=self.timeout)
-                    return self._receive(stream, "header")[1]
-
-                return self._retry("get_model (a shard's slice)", one)
-
-            tensors = self._join(tensors, self._from_other_shards(fetch))
+            tensors = self._join(tensors, self._slices("GetModel", slice_request))
         self.last_model_layout = whole
         if include_buffers:
             return int(header.version), tensors["weights"], tensors.get("buffers")
