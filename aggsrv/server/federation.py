@@ -36,7 +36,9 @@ import torch
 from aggsrv.layout import ModelLayout
 from aggsrv.server import shards as S
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.durability import WalRecord
 from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.persistence import replay
 from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import (
     InvalidUpdate,
@@ -309,22 +311,14 @@ class Federation:
             weights = self.shards.share_model(None, whole.numel)
             self.install(*self._build(whole, weights, None))
             return
-        strategy = self.strategy
-        assert strategy is not None, f"a {kind} call before the model"
+        assert self.strategy is not None, f"a {kind} call before the model"
         now = float(meta["now"])
         # A call rank 0's strategy refused changed nothing there; it changes nothing here.
         with contextlib.suppress(StrategyError):
-            if kind == "register":
-                strategy.on_register(meta["client"], now)
-                self.record_registration(meta["client"], meta["labels"], now)
-            elif kind == "job":
-                strategy.job_for(meta["client"], now)
-            elif kind == "timer":
-                strategy.on_timer(now)
-            elif kind == "update":
+            if kind == "update":  # its data is this shard's own slice, and the shards vote
                 self._follow_update(meta, now)
-            else:
-                raise ValueError(f"unknown call {kind!r}")
+            else:  # the same records a restarted server replays from its log
+                replay(self, WalRecord(kind, meta))
 
     def _follow_update(self, meta: dict[str, Any], now: float) -> None:
         shards = self.shards
