@@ -13,6 +13,8 @@ from aggsrv.strategies.base import (
     InvalidUpdate,
     Job,
     JobSuperseded,
+    NonFiniteResult,
+    NonFiniteUpdate,
     NotRegistered,
     Outcome,
     ProjectionMode,
@@ -22,10 +24,12 @@ from aggsrv.strategies.base import (
     StrategyConfig,
     StrategyError,
     TooManyClients,
+    TooManySamples,
     TooStale,
     Update,
     UpdateKind,
     UpdateLedger,
+    UpdateNormTooLarge,
 )
 from aggsrv.strategies.ca2fl import CA2FL, CA2FLConfig
 from aggsrv.strategies.fedasync import FedAsync, FedAsyncConfig
@@ -71,6 +75,8 @@ __all__ = [
     "TWAFLConfig",
     "Job",
     "JobSuperseded",
+    "NonFiniteResult",
+    "NonFiniteUpdate",
     "NotRegistered",
     "Outcome",
     "ProjectionMode",
@@ -80,6 +86,7 @@ __all__ = [
     "StrategyConfig",
     "StrategyError",
     "TooManyClients",
+    "TooManySamples",
     "TooStale",
     "Update",
     "UpdateKind",

@@ -34,6 +34,7 @@ Conventions every strategy here follows (the server is written against them):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import logging
@@ -47,6 +48,7 @@ from typing import Any, ClassVar, Self
 
 import torch
 
+from aggsrv.finite import count_non_finite
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import LocalReducer, Reducer
 from aggsrv.strategies.buffers import VersionBuffers
@@ -56,6 +58,8 @@ __all__ = [
     "InvalidUpdate",
     "Job",
     "JobSuperseded",
+    "NonFiniteResult",
+    "NonFiniteUpdate",
     "NotRegistered",
     "Outcome",
     "ProjectionMode",
@@ -65,15 +69,21 @@ __all__ = [
     "StrategyConfig",
     "StrategyError",
     "TooManyClients",
+    "TooManySamples",
     "TooStale",
     "Update",
     "UpdateKind",
     "UpdateLedger",
+    "UpdateNormTooLarge",
 ]
 
 logger = logging.getLogger(__name__)
 
 LEDGER_SIZE = 1024
+# The largest num_samples an update may declare unless the config says otherwise: more than any
+# one client's local data in the usual benchmarks, small enough that a client cannot claim the
+# weight of a whole federation by writing 2^64 - 1 into its header.
+DEFAULT_MAX_NUM_SAMPLES = 1_000_000
 
 
 # ------------------------------------------------------------------------------------- enums
@@ -106,39 +116,71 @@ class ProjectionMode(enum.Enum):
 
 
 class StrategyError(Exception):
-    """An update or request the strategy refuses; ``code`` is the gRPC status name to answer."""
+    """An update or request the strategy refuses; ``code`` is the gRPC status name to answer
+    and ``reason`` a short machine-readable name of the refusal (logs, metrics)."""
 
     code: ClassVar[str] = "FAILED_PRECONDITION"
+    reason: ClassVar[str] = "refused"
 
 
 class TooStale(StrategyError):
     """The update's staleness exceeds ``max_staleness``."""
 
     code = "ABORTED"
+    reason = "too_stale"
 
 
 class JobSuperseded(StrategyError):
     """The update's job is no longer outstanding (done, replaced by a newer job, round closed)."""
 
     code = "ABORTED"
+    reason = "job_superseded"
 
 
 class NotRegistered(StrategyError):
     """The client never registered with this strategy."""
 
     code = "NOT_FOUND"
+    reason = "not_registered"
 
 
 class InvalidUpdate(StrategyError):
     """The update's header does not match its job (unknown job, other client, base version)."""
 
     code = "INVALID_ARGUMENT"
+    reason = "invalid_update"
+
+
+class NonFiniteUpdate(InvalidUpdate):
+    """The update (or its float buffers) holds NaN or Inf."""
+
+    reason = "non_finite_update"
+
+
+class NonFiniteResult(InvalidUpdate):
+    """Folding the update in would make the model or the strategy's state non-finite (a float32
+    overflow of finite values): refused, so that no version is ever published with NaN/Inf."""
+
+    reason = "non_finite_result"
+
+
+class UpdateNormTooLarge(InvalidUpdate):
+    """The client's delta has an L2 norm above ``max_update_norm``."""
+
+    reason = "update_norm"
+
+
+class TooManySamples(InvalidUpdate):
+    """``num_samples`` is above ``max_num_samples``."""
+
+    reason = "num_samples"
 
 
 class TooManyClients(StrategyError):
     """Registering one more client would exceed ``max_clients``."""
 
     code = "RESOURCE_EXHAUSTED"
+    reason = "too_many_clients"
 
 
 # ------------------------------------------------------------------------------------- types
@@ -256,20 +298,26 @@ class Outcome:
     """The answer to an update: APPLIED(version), BUFFERED(version) or DUPLICATE(original).
 
     For DUPLICATE, ``original`` is the status the update got first and ``version`` its version.
+    ``staleness`` is the update's staleness when it was accepted (:meth:`Strategy.on_update`
+    fills it in; a DUPLICATE repeats the original's); it does not take part in comparisons.
     """
 
     status: Status
     version: int
     original: Status | None = None
+    staleness: int | None = field(default=None, compare=False)
 
-    def to_tuple(self) -> tuple[str, int, str | None]:
+    def to_tuple(self) -> tuple[str, int, str | None, int | None]:
         """Plain values for state dicts."""
-        return (self.status.value, self.version, self.original and self.original.value)
+        original = self.original and self.original.value
+        return (self.status.value, self.version, original, self.staleness)
 
     @classmethod
-    def from_tuple(cls, t: tuple[str, int, str | None] | list[Any]) -> Outcome:
-        """Inverse of :meth:`to_tuple`."""
-        return cls(Status(t[0]), int(t[1]), Status(t[2]) if t[2] is not None else None)
+    def from_tuple(cls, t: tuple[Any, ...] | list[Any]) -> Outcome:
+        """Inverse of :meth:`to_tuple` (also reads the 3-tuples of states saved before the
+        staleness was recorded)."""
+        staleness = int(t[3]) if len(t) > 3 and t[3] is not None else None
+        return cls(Status(t[0]), int(t[1]), Status(t[2]) if t[2] is not None else None, staleness)
 
 
 # ------------------------------------------------------------------------------------- ledger
@@ -322,9 +370,12 @@ class UpdateLedger:
 
 @dataclass
 class StrategyConfig:
-    """Settings every strategy shares: the client recipe, staleness bound and sampling seed.
+    """Settings every strategy shares: the client recipe, staleness bound and sampling seed,
+    and the bounds every update must meet.
 
     ``local_epochs`` and ``local_steps`` are exclusive; with neither set a job is one epoch.
+    ``max_update_norm`` (None: off) refuses an update whose delta (client weights minus the
+    job's weights) has a larger L2 norm; ``max_num_samples`` refuses a larger ``num_samples``.
     """
 
     seed: int = 0
@@ -335,6 +386,8 @@ class StrategyConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     max_staleness: int | None = None
+    max_update_norm: float | None = None
+    max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
 
     def __post_init__(self) -> None:
         """Check the shared values; subclasses extend this."""
@@ -342,6 +395,12 @@ class StrategyConfig:
             raise ValueError("set local_epochs or local_steps, not both")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        bound = self.max_update_norm
+        if bound is not None and not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"max_update_norm must be a finite number > 0 or None, got {bound}")
+        n = self.max_num_samples
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_num_samples must be an integer >= 1, got {n!r}")
         self.recipe()  # validates the recipe fields with Recipe's messages
 
     @classmethod
@@ -528,12 +587,22 @@ class Strategy(ABC):
         """
         prior = self.ledger.lookup(update.client_id, update.update_id)
         if prior is not None:
-            return Outcome(Status.DUPLICATE, prior.version, original=prior.status)
+            return Outcome(
+                Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness
+            )
         job = self._validate(update)
         s = self.version - job.base_version
         self._check(update, job, s, now)
         self._retire_job(job)
-        outcome = self._apply(update, job, s, now)
+        try:
+            outcome = self._apply(update, job, s, now)
+        except StrategyError:
+            # _apply refuses only before its first change of state (see _require_finite), so
+            # reopening the job restores the state exactly.
+            self._reopen_job(job)
+            self.float_buffers.discard()
+            raise
+        outcome = dataclasses.replace(outcome, staleness=s)
         self.ledger.record(update.client_id, update.update_id, outcome)
         self._completed_job[update.client_id] = job.job_id
         return outcome
@@ -583,7 +652,7 @@ class Strategy(ABC):
         (InvalidUpdate), so that each shard of a sharded server can check its own slice before
         the shards vote; a replayed update id is not checked (it will be DUPLICATE)."""
         if self.ledger.lookup(update.client_id, update.update_id) is None:
-            self._validate_buffers(update.buffers)
+            self._validate_numbers(update)
 
     # --------------------------------------------------------------------------- helpers
 
@@ -612,13 +681,66 @@ class Strategy(ABC):
         return self._versions.take()
 
     def _publish(self, model: torch.Tensor) -> int:
-        """Make ``model`` (a tensor nobody writes again) the next version; return the version."""
+        """Make ``model`` (a tensor nobody writes again) the next version; return the version.
+
+        A non-finite ``model`` (or pending float buffers) is refused with NonFiniteResult and
+        nothing is published: call it before any other change of state, or check the candidate
+        first with :meth:`_require_finite`."""
+        if model is not self._model:
+            self._check_version(model)
+        pending = self.float_buffers.pending
+        if pending is not None:
+            self._require_finite(pending, "the next version of the float buffers")
         if model is not self._model:
             self._versions.retire(self._model)
         self._model = model
         self.float_buffers.commit()
         self.version += 1
         return self.version
+
+    def _check_version(self, model: torch.Tensor) -> None:
+        """Refuse (NonFiniteResult) a candidate next version that is not finite, handing its
+        buffer back to the pool."""
+        try:
+            self._require_finite(model, "the next version of the model")
+        except NonFiniteResult:
+            self._versions.retire(model)
+            raise
+
+    def _require_finite(self, t: torch.Tensor, what: str) -> None:
+        """Refuse the update being applied (NonFiniteResult) unless every element of ``t`` is
+        finite. On a sharded server the shards agree (one all_reduce), so they refuse together.
+
+        The rule every strategy here follows: before its first change of state, ``_apply``
+        checks each value it is about to keep (a new cache row, a running sum, a version) and
+        the model it would publish if its aggregation ran now, so an aggregation that a later
+        update or timer triggers publishes a value that was checked already."""
+        bad = count_non_finite(t)
+        if self.reduce is not None:
+            bad = int(self.reduce(torch.tensor([float(bad)], dtype=torch.float64)).item())
+        if bad:
+            raise NonFiniteResult(
+                f"applying this update would make {what} non-finite ({bad} NaN/Inf values: a "
+                "float32 overflow); it was refused and nothing changed. Send a smaller update."
+            )
+
+    def _require_finite_chunks(
+        self, compute: Callable[[slice], torch.Tensor], what: str, chunk: int = 1 << 18
+    ) -> None:
+        """:meth:`_require_finite` of a [D] value given chunk by chunk (``compute(s)`` returns
+        the elements ``s`` of the value), so a candidate is checked without a [D] temporary."""
+        bad = 0
+        for start in range(0, self.dim, chunk):
+            bad += count_non_finite(compute(slice(start, min(start + chunk, self.dim))))
+        if self.reduce is None:
+            if bad:
+                raise NonFiniteResult(
+                    f"applying this update would make {what} non-finite ({bad} NaN/Inf "
+                    "values: a float32 overflow); it was refused and nothing changed. Send a "
+                    "smaller update."
+                )
+            return
+        self._require_finite(torch.full((1,), math.nan if bad else 0.0), what)
 
     def _emit(self, event: str, now: float, **fields: Any) -> None:
         """Hand an event (plain JSON values) to :attr:`event_sink`, if one is set."""
@@ -671,6 +793,14 @@ class Strategy(ABC):
         if self._job_of.get(job.client_id) == job.job_id:
             del self._job_of[job.client_id]
 
+    def _reopen_job(self, job: Job) -> None:
+        """Undo :meth:`_retire_job` of the client's current job (an update refused while being
+        applied). Both dicts are kept in job-id order (ids only grow), as state_dict lists them."""
+        self._jobs[job.job_id] = job
+        self._job_of[job.client_id] = job.job_id
+        self._jobs = dict(sorted(self._jobs.items()))
+        self._job_of = dict(sorted(self._job_of.items(), key=lambda item: item[1]))
+
     def _validate(self, update: Update) -> Job:
         """Checks every strategy makes before touching state; returns the update's job."""
         self._require_registered(update.client_id)
@@ -683,12 +813,19 @@ class Strategy(ABC):
             raise InvalidUpdate(f"update tensor is on {t.device}, the strategy on {self.device}")
         if not isinstance(update.kind, UpdateKind):
             raise InvalidUpdate(f"update kind must be WEIGHTS or DELTA, got {update.kind!r}")
-        self._validate_buffers(update.buffers)
         if update.num_samples < 0 or not math.isfinite(update.work_done) or update.work_done < 0:
             raise InvalidUpdate(
                 f"num_samples ({update.num_samples}) and work_done ({update.work_done}) must be "
                 "finite and >= 0"
             )
+        bound = self.config.max_num_samples
+        if update.num_samples > bound:
+            raise TooManySamples(
+                f"num_samples {update.num_samples} is above max_num_samples={bound}: the update "
+                "would outweigh the others by a count no client's data reaches; send the number "
+                "of examples trained on, or raise max_num_samples in the strategy config"
+            )
+        self._validate_numbers(update)
         job = self._jobs.get(update.job_id)
         if job is None:
             if 1 <= update.job_id < self._next_job_id:
@@ -714,7 +851,51 @@ class Strategy(ABC):
                 f"update from version {job.base_version} is {s} versions behind the current "
                 f"version {self.version} (max_staleness={bound}); ask for a new job"
             )
+        self._validate_norm(update, job)
         return job
+
+    def _validate_numbers(self, update: Update) -> None:
+        """The update's values: finite (NaN/Inf refused, naming where), and its float buffers."""
+        t = update.tensor
+        bad = count_non_finite(t)
+        if bad:
+            index = int((~torch.isfinite(t)).nonzero()[0])
+            raise NonFiniteUpdate(
+                f"the update holds {float(t[index])} at {self._locate(index)} ({bad} NaN/Inf "
+                "values in all): NaN/Inf updates are refused"
+            )
+        self._validate_buffers(update.buffers)
+
+    def _locate(self, index: int) -> str:
+        """Where flat element ``index`` lies, for messages: "element 3 of 'fc.bias'"."""
+        offsets = self.layout.offsets.tolist()
+        layer = max(0, bisect.bisect_right(offsets, index) - 1)
+        if layer < len(self.layout.names):
+            return f"element {index - offsets[layer]} of {self.layout.names[layer]!r}"
+        return f"element {index}"
+
+    def _validate_norm(self, update: Update, job: Job) -> None:
+        """``max_update_norm``: the L2 norm of the client's delta (float64; on a sharded server
+        the whole model's, summed over the shards)."""
+        bound = self.config.max_update_norm
+        if bound is None:
+            return
+        if update.kind is UpdateKind.DELTA:
+            norm = self.whole_norm(update.tensor)
+        else:  # ||u - w||, chunk by chunk in float64: no [D] temporary
+            u, w, step = update.tensor, job.weights, 1 << 18
+            sq = sum(
+                float((u[i : i + step].double() - w[i : i + step]).square().sum())
+                for i in range(0, self.dim, step)
+            )
+            if self.reduce is not None:
+                sq = float(self.reduce(torch.tensor([sq], dtype=torch.float64)))
+            norm = math.sqrt(sq)
+        if not norm <= bound:
+            raise UpdateNormTooLarge(
+                f"the update's delta has L2 norm {norm:.6g}, above max_update_norm={bound:g}; "
+                "clip it before sending, or raise max_update_norm in the strategy config"
+            )
 
     def _validate_buffers(self, b: torch.Tensor | None) -> None:
         """The update's float buffers: present exactly when the layout has some, [B] float32
@@ -734,8 +915,8 @@ class Strategy(ABC):
                 f"update buffers must be flat float32 [{n}] on {self.device}, got {b.dtype} "
                 f"{tuple(b.shape)} on {b.device}"
             )
-        if not bool(torch.isfinite(b).all()):
-            raise InvalidUpdate("update buffers contain NaN or Inf")
+        if count_non_finite(b):
+            raise NonFiniteUpdate("update buffers contain NaN or Inf")
         if self._variance_index.numel() and bool((b[self._variance_index] < 0).any()):
             raise InvalidUpdate("update buffers hold a negative running_var")
 

@@ -106,24 +106,42 @@ class CA2FL(Strategy):
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         k = self.config.buffer_size
+        n_mean = self._n_mean
         if self._count == 0:
             # Buffer start: acc = K * h_bar over the registered clients (rows never reported
-            # are zero and not stored).
-            self._n_mean = max(len(self._clients), 1)
+            # are zero and not stored). The accumulator holds nothing of the state until the
+            # first update of the buffer is counted, so it may be written before the checks.
+            n_mean = max(len(self._clients), 1)
             n = len(self._row)
             if n:
                 torch.sum(self._cache[:n], dim=0, dtype=torch.float64, out=self._acc)
-                self._acc.mul_(k).div_(self._n_mean)
+                self._acc.mul_(k).div_(n_mean)
             else:
                 self._acc.zero_()
         if update.kind is UpdateKind.WEIGHTS:
             if self._scratch is None:
                 self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
             delta = self.client_delta(update, job, out=self._scratch)
+            self._require_finite(delta, "the client's delta (its weights minus the job's)")
         else:
             delta = update.tensor
-        row = self._row_of(update.client_id)
-        h = self._cache[row]
+        row = self._row.get(update.client_id)
+        h = self._cache[row] if row is not None else None
+
+        def acc_after(s: slice) -> torch.Tensor:
+            acc = self._acc[s] + delta[s]
+            return acc if h is None else acc.sub_(h[s])
+
+        # The cache row becomes the delta, finite by now; check the model a flush would publish.
+        self._require_finite_chunks(
+            lambda s: torch.add(self._model[s], acc_after(s), alpha=self.config.server_lr / k)
+            .float(),
+            "the model the buffer's flush would publish",
+        )
+        self._n_mean = n_mean
+        if h is None:
+            row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
+            h = self._cache[row]  # a zero row
         self._acc.add_(delta).sub_(h)
         h.copy_(delta)
         self._count += 1

@@ -80,24 +80,45 @@ class FedBuff(Strategy):
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         w = 1.0 / math.sqrt(1.0 + staleness) if self.config.staleness_weighting else 1.0
-        first = not self._weights
-        # The staging slot goes straight into the sum (no copy of the delta is kept); a
-        # WEIGHTS update adds w (u - base) as two in-place passes, without a [D] temporary.
-        if first:
-            torch.mul(update.tensor, w, out=self._sum)
-        else:
-            self._sum.add_(update.tensor, alpha=w)
-        if update.kind is UpdateKind.WEIGHTS:
-            self._sum.sub_(job.weights, alpha=w)
-        self._weights.append(w)
+        m = self.config.buffer_size
+        step = self.config.server_lr / m
+        base = job.weights if update.kind is UpdateKind.WEIGHTS else None
+
+        def summed(s: slice) -> torch.Tensor:
+            """The running sum with this update's w (u - base) added, elements ``s`` (float64)."""
+            acc = update.tensor[s].double().mul_(w)
+            if self._weights:
+                acc.add_(self._sum[s])
+            return acc if base is None else acc.sub_(base[s], alpha=w)
+
+        if len(self._weights) + 1 < m:
+            # Buffered: the sum (float64) cannot overflow, but the flush it leads to could. Check
+            # the model a flush would publish now, so the flush that comes is a checked one.
+            self._require_finite_chunks(
+                lambda s: torch.add(self._model[s], summed(s), alpha=step).float(),
+                "the model the buffer's flush would publish",
+            )
+            # The staging slot goes straight into the sum (no copy of the delta is kept); a
+            # WEIGHTS update adds w (u - base) as two in-place passes, without a [D] temporary.
+            if not self._weights:
+                torch.mul(update.tensor, w, out=self._sum)
+            else:
+                self._sum.add_(update.tensor, alpha=w)
+            if base is not None:
+                self._sum.sub_(base, alpha=w)
+            self._weights.append(w)
+            if update.buffers is not None:
+                self.float_buffers.add(update.buffers, w)
+            return Outcome(Status.BUFFERED, self.version)
+        # The M-th delta: x + (lr / M) * sum, in float64 and rounded once to float32, written
+        # straight into the next version (the sum itself is not touched until it is published).
+        new = self._new_model_buffer()
+        for start in range(0, self.dim, 1 << 18):
+            s = slice(start, min(start + (1 << 18), self.dim))
+            torch.add(self._model[s], summed(s), alpha=step, out=new[s])
+        self._check_version(new)
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, w)
-        m = self.config.buffer_size
-        if len(self._weights) < m:
-            return Outcome(Status.BUFFERED, self.version)
-        new = self._new_model_buffer()
-        # x + (lr / M) * sum, computed in float64 and rounded once to float32.
-        torch.add(self._model, self._sum, alpha=self.config.server_lr / m, out=new)
         self._weights.clear()
         version = self._publish(new)
         logger.debug("fedbuff: applied %d deltas -> v%d", m, version)

@@ -61,6 +61,7 @@ class FloatBuffers:
             if not bool(torch.isfinite(initial).all()):
                 raise ValueError("initial_buffers contain NaN or Inf")
             self.current = initial.detach().to(device=device, dtype=torch.float32, copy=True)
+        self._own: torch.Tensor | None = None  # "own": set for the next version, not yet in it
         self._sum: torch.Tensor | None = None  # "mean": float64 sum of weight * buffers
         self._weight = 0.0
         self._latest: dict[str, torch.Tensor] = {}  # "latest": client id -> its buffers
@@ -89,14 +90,26 @@ class FloatBuffers:
         self._latest.pop(client_id, None)
 
     def set(self, new: torch.Tensor) -> None:
-        """("own") Make ``new`` (a tensor nobody writes again) the global buffers."""
-        self.current = new
+        """("own") Make ``new`` (a tensor nobody writes again) the global buffers of the next
+        version: they replace :attr:`current` when the version is published (:meth:`commit`)."""
+        self._own = new
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """("own") The buffers :meth:`set` for the next version, not yet published."""
+        return self._own
+
+    def discard(self) -> None:
+        """Forget what :meth:`set` staged (the update that computed it was refused)."""
+        self._own = None
 
     def commit(self) -> None:
         """A version is being published: fold what is pending into a new global vector."""
         if not self.enabled:
             return
-        if self.rule == "mean" and self._sum is not None and self._weight > 0:
+        if self._own is not None:
+            self.current, self._own = self._own, None
+        elif self.rule == "mean" and self._sum is not None and self._weight > 0:
             self.current = (self._sum / self._weight).to(torch.float32)
             self._sum = None
             self._weight = 0.0
