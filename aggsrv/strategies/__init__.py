@@ -91,6 +91,7 @@ __all__ = [
     "Update",
     "UpdateKind",
     "UpdateLedger",
+    "UpdateNormTooLarge",
     "make_strategy",
     "strategy_class",
 ]

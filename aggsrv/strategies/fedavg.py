@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from aggsrv import kernels
 from aggsrv.strategies.base import Job, Outcome, Status, Strategy, StrategyConfig, Update
 
 __all__ = ["FedAvg", "FedAvgConfig"]
@@ -120,6 +119,7 @@ class FedAvg(Strategy):
         """Allocate the running delta sum (and the FedAdam moments on first use)."""
         super().__init__(*args, **kwargs)
         self._acc = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
+        self._spare: torch.Tensor | None = None  # the next running sum, before it is checked
         self._scratch = torch.empty_like(self._acc)
         self._acc_weight = 0.0  # sum of num_samples folded into _acc
         self._acc_count = 0  # contributions folded into _acc
@@ -183,58 +183,132 @@ class FedAvg(Strategy):
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         cfg = self.config
         partial = update.work_done < job.recipe.work_target
+        # A job at the current version comes from the open round (a close bumps the version).
+        in_round = cfg.mode == "sync" and job.base_version == self.version and self._round_open
+        if cfg.mode == "k_async":
+            closes = self._acc_count + 1 >= cfg.k
+        else:
+            closes = in_round and all(
+                r for c, r in self._participants.items() if c != update.client_id
+            )
+        step = None
         if partial and cfg.partial_work == "drop":
             logger.debug("%s: dropped partial work of %s", self.name, update.client_id)
+            closes = closes and cfg.mode == "sync"  # k_async counts contributions only
         else:
-            self._accumulate(update, job)
-        if cfg.mode == "k_async":
-            if self._acc_count >= cfg.k:
-                return Outcome(Status.APPLIED, self._aggregate())
-            return Outcome(Status.BUFFERED, self.version)
-        if job.base_version == self.version and self._round_open:
-            # A job at the current version comes from the open round (a close bumps the version).
+            # Everything is computed and checked before the first change of state.
+            weight = self._weight_of(update)
+            acc = self._summed(update, job, weight)
+            if closes:
+                step = self._checked_step(self._server_step(acc, self._acc_weight + weight))
+            else:
+                self._check_aggregate(acc, self._acc_weight + weight)
+            self._commit_sum(update, acc, weight)
+        if closes and cfg.mode == "k_async":
+            assert step is not None
+            return Outcome(Status.APPLIED, self._commit_step(step))
+        if closes:
+            return Outcome(Status.APPLIED, self._close_round(now, step))
+        if in_round:
             self._participants[update.client_id] = True
-            if all(self._participants.values()):
-                return Outcome(Status.APPLIED, self._close_round(now))
         return Outcome(Status.BUFFERED, self.version)
 
-    def _accumulate(self, update: Update, job: Job) -> None:
-        """Add ``num_samples * delta`` to the running sum."""
+    def _weight_of(self, update: Update) -> float:
+        """How much the update's delta counts in the mean: its ``num_samples``."""
+        return float(update.num_samples)
+
+    def _summed(self, update: Update, job: Job, weight: float) -> torch.Tensor:
+        """The running sum with ``weight * delta`` added, in a spare buffer (checked finite;
+        the sum itself is untouched until :meth:`_commit_sum`)."""
         delta = self.client_delta(update, job, out=self._scratch)
-        beta = 1.0 if self._acc_count else 0.0  # the first contribution overwrites old content
-        n = [float(update.num_samples)]
-        kernels.weighted_sum(delta.unsqueeze(0), n, out=self._acc, beta=beta)
-        self._acc_weight += update.num_samples
+        if delta is self._scratch:
+            self._require_finite(delta, "the client's delta (its weights minus the job's)")
+        if self._spare is None:
+            self._spare = torch.empty_like(self._acc)
+        if self._acc_count:
+            torch.add(self._acc, delta, alpha=weight, out=self._spare)
+        else:  # the first contribution overwrites old content
+            torch.mul(delta, weight, out=self._spare)
+        self._require_finite(self._spare, "the running sum of the deltas")
+        return self._spare
+
+    def _commit_sum(self, update: Update, acc: torch.Tensor, weight: float) -> None:
+        """Make ``acc`` (from :meth:`_summed`) the running sum and count the contribution."""
+        self._acc, self._spare = acc, self._acc
+        self._acc_weight += weight
         self._acc_count += 1
         if update.buffers is not None:
-            self.float_buffers.add(update.buffers, update.num_samples)
+            self.float_buffers.add(update.buffers, weight)
 
-    def _aggregate(self) -> int:
-        """Server step with the mean delta of the running sum; publishes and returns a version."""
+    def _server_step(
+        self, acc: torch.Tensor, weight: float, part: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The next model (and FedAdam's next moments) from the running sum ``acc`` of total
+        ``weight``: the elements ``part`` of them when given (a candidate checked chunk by
+        chunk), else the whole [D] vectors, the model in a fresh version buffer. Changes
+        nothing else."""
         cfg = self.config
         lr = cfg.effective_server_lr
-        if self._acc_count == 0 or self._acc_weight == 0:
-            new = self._model  # nothing to average: same weights, next version
-        elif cfg.server_opt == "sgd":
-            new = self._new_model_buffer().copy_(self._model)
-            w = [lr / self._acc_weight]
-            kernels.weighted_sum(self._acc.unsqueeze(0), w, out=new, beta=1.0)
-        else:
-            d = self._acc.mul_(1.0 / self._acc_weight)
-            if self._m is None or self._v is None:
-                self._m = torch.zeros_like(self._model)
-                self._v = torch.full_like(self._model, cfg.tau**2)
-            kernels.weighted_sum(d.unsqueeze(0), [1.0 - cfg.beta1], out=self._m, beta=cfg.beta1)
-            self._v.mul_(cfg.beta2).addcmul_(d, d, value=1.0 - cfg.beta2)
-            step = torch.sqrt(self._v, out=self._scratch).add_(cfg.tau)
-            torch.div(self._m, step, out=step)
-            new = self._new_model_buffer().copy_(self._model)
-            kernels.weighted_sum(step.unsqueeze(0), [lr], out=new, beta=1.0)
+        s = slice(None) if part is None else part
+        model = self._model[s]
+        if weight == 0:  # nothing to average: same weights, next version
+            return (self._model if part is None else model), None, None
+        out = self._new_model_buffer() if part is None else None
+        if cfg.server_opt == "sgd":
+            return torch.add(model, acc[s], alpha=lr / weight, out=out), None, None
+        d = acc[s] * (1.0 / weight)
+        m = self._m[s] if self._m is not None else torch.zeros_like(model)
+        v = self._v[s] if self._v is not None else torch.full_like(model, cfg.tau**2)
+        m = torch.add(m * cfg.beta1, d, alpha=1.0 - cfg.beta1)
+        v = torch.addcmul(v * cfg.beta2, d, d, value=1.0 - cfg.beta2)
+        step = torch.div(m, torch.sqrt(v).add_(cfg.tau))
+        return torch.add(model, step, alpha=lr, out=out), m, v
+
+    def _check_aggregate(self, acc: torch.Tensor, weight: float) -> None:
+        """Refuse unless the aggregation, were it to run now on ``acc``, is finite, so the
+        aggregation that a later update or the round's deadline triggers is a checked one."""
+        if self.config.server_opt == "sgd":
+            self._require_finite_chunks(
+                lambda s: self._server_step(acc, weight, s)[0], "the model the round would publish"
+            )
+            return
+
+        def worst(s: slice) -> torch.Tensor:
+            new, m, v = self._server_step(acc, weight, s)
+            return new if m is None or v is None else new + m + v  # non-finite if any is
+
+        self._require_finite_chunks(worst, "the model or moments the round would publish")
+
+    def _checked_step(
+        self, step: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A server step from :meth:`_server_step` with its model in a version buffer, every
+        part checked finite (NonFiniteResult otherwise); nothing changes."""
+        new, m, v = step
+        for t, what in ((m, "FedAdam's first moment"), (v, "FedAdam's second moment")):
+            if t is not None:
+                self._require_finite(t, what)
+        if new is not self._model:
+            self._check_version(new)
+        return new, m, v
+
+    def _commit_step(
+        self, step: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    ) -> int:
+        """Publish a checked server step (:meth:`_checked_step`) and empty the running sum."""
+        new, m, v = step
+        if m is not None:
+            self._m, self._v = m, v
         self._acc_count = 0
         self._acc_weight = 0.0
         version = self._publish(new)
         logger.debug("%s: aggregated -> v%d", self.name, version)
         return version
+
+    def _aggregate(self) -> int:
+        """Server step with the mean delta of the running sum; publishes and returns a version."""
+        weight = self._acc_weight if self._acc_count else 0.0
+        return self._commit_step(self._checked_step(self._server_step(self._acc, weight)))
 
     # --------------------------------------------------------------------------- rounds
 
@@ -259,17 +333,22 @@ class FedAvg(Strategy):
         self._deadline = None if timeout is None else now + timeout
         logger.debug("%s: round %d opens with %d of %d clients", self.name, self.version, m, n)
 
-    def _close_round(self, now: float) -> int:
-        """Aggregate the round, drop (or keep) the jobs of the missing clients, open the next."""
+    def _close_round(self, now: float, step: Any = None) -> int:
+        """Aggregate the round (with ``step`` when the caller checked it already), drop (or
+        keep) the jobs of the missing clients, open the next round."""
+        late = []
         if self.config.late == "drop":
             for client, reported in self._participants.items():
                 job = self.outstanding_job(client)
                 if not reported and job is not None and job.base_version == self.version:
-                    self._retire_job(job)
+                    late.append(job)
+        # First: a refusal there must find the round as it was.
+        version = self._aggregate() if step is None else self._commit_step(step)
+        for job in late:
+            self._retire_job(job)
         self._round_open = False
         self._participants = {}
         self._deadline = None
-        version = self._aggregate()
         self._maybe_open_round(now)
         return version
 

@@ -28,8 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from aggsrv import kernels
-from aggsrv.strategies.base import Job, Recipe, Update
+from aggsrv.strategies.base import Recipe, Update
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
 
 __all__ = ["CENTRES", "SOLVERS", "FedEN", "FedENConfig"]
@@ -108,16 +107,8 @@ class FedEN(FedAvg):
         """FedAvg's recipe plus lam, alpha, the centre and the solver (the elastic-net terms)."""
         return self.config.elastic_recipe()
 
-    def _accumulate(self, update: Update, job: Job) -> None:
-        """Add ``p * delta`` to the running sum: p = 1 (uniform, 0 without samples) or n_i."""
+    def _weight_of(self, update: Update) -> float:
+        """p_i: 1 (uniform; 0 without samples) or n_i (``weighting = "samples"``)."""
         if self.config.weighting == "samples":
-            super()._accumulate(update, job)
-            return
-        weight = 1.0 if update.num_samples > 0 else 0.0
-        delta = self.client_delta(update, job, out=self._scratch)
-        beta = 1.0 if self._acc_count else 0.0  # the first contribution overwrites old content
-        kernels.weighted_sum(delta.unsqueeze(0), [weight], out=self._acc, beta=beta)
-        self._acc_weight += weight
-        self._acc_count += 1
-        if update.buffers is not None:
-            self.float_buffers.add(update.buffers, weight)
+            return float(update.num_samples)
+        return 1.0 if update.num_samples > 0 else 0.0
