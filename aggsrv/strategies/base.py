@@ -55,6 +55,7 @@ from aggsrv.strategies.buffers import VersionBuffers
 from aggsrv.strategies.float_buffers import FloatBuffers
 
 __all__ = [
+    "FLOAT32_SAFE_MAX",
     "InvalidUpdate",
     "Job",
     "JobSuperseded",
@@ -84,6 +85,9 @@ LEDGER_SIZE = 1024
 # one client's local data in the usual benchmarks, small enough that a client cannot claim the
 # weight of a whole federation by writing 2^64 - 1 into its header.
 DEFAULT_MAX_NUM_SAMPLES = 1_000_000
+# Below float32's largest value by a margin for the rounding of the arithmetic that a bound on a
+# step's reach stands for (strategies refuse an update whose step could reach past it).
+FLOAT32_SAFE_MAX = float(torch.finfo(torch.float32).max) * (1.0 - 1e-3)
 
 
 # ------------------------------------------------------------------------------------- enums
@@ -514,6 +518,7 @@ class Strategy(ABC):
             ]
             or [torch.zeros(0, dtype=torch.int64, device=self.device)]
         )
+        self._absmax: tuple[torch.Tensor, float] | None = None  # (version tensor, max |x|)
         self.ledger = UpdateLedger()
         self._clients: dict[str, float] = {}  # client id -> registration time, in join order
         self._jobs: dict[int, Job] = {}  # outstanding jobs by id
@@ -697,6 +702,20 @@ class Strategy(ABC):
         self.float_buffers.commit()
         self.version += 1
         return self.version
+
+    def model_absmax(self) -> float:
+        """max |x| over the current version (cached per version), for strategies that bound
+        what a step can reach instead of computing it; on a sharded server the sum of the
+        shards' maxima (a bound every shard computes alike)."""
+        cached = self._absmax
+        if cached is not None and cached[0] is self._model:
+            return cached[1]
+        lo, hi = torch.aminmax(self._model) if self.dim else (torch.zeros(()), torch.zeros(()))
+        value = max(-float(lo), float(hi))
+        if self.reduce is not None:
+            value = float(self.reduce(torch.tensor([value], dtype=torch.float64)))
+        self._absmax = (self._model, value)
+        return value
 
     def _check_version(self, model: torch.Tensor) -> None:
         """Refuse (NonFiniteResult) a candidate next version that is not finite, handing its

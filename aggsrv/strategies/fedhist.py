@@ -53,8 +53,10 @@ import torch
 
 from aggsrv import kernels
 from aggsrv.strategies.base import (
+    FLOAT32_SAFE_MAX,
     InvalidUpdate,
     Job,
+    NonFiniteResult,
     Outcome,
     Status,
     Strategy,
@@ -154,6 +156,7 @@ class FedHist(Strategy):
         self._rounds: deque[_Round] = deque()
         self._spare: list[torch.Tensor] = []  # [K, D] buffers of evicted rounds, for reuse
         self._pred = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._scratch = torch.zeros(0, dtype=torch.float32, device=self.device)  # g_glob, unchecked
         self.ubar: dict[str, float] = {}
         self.clamped_weights = 0
         self.fallback_rounds = 0
@@ -191,6 +194,8 @@ class FedHist(Strategy):
             )
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
+        # Rows at and past len(_cur_meta) hold nothing of the state: row i may be written
+        # before the checks, and the state changes when the row is counted (_cur_meta).
         i = len(self._cur_meta)
         row = self._cur[i]
         scale = job.recipe.learning_rate * self.steps_of(update, job)
@@ -198,13 +203,23 @@ class FedHist(Strategy):
             torch.div(update.tensor, -scale, out=row)
         else:
             torch.sub(job.weights, update.tensor, out=row).div_(scale)
+        self._require_finite(row, "the update's gradient -DELTA / (lr * steps)")
         self._cur_norms[i] = self.whole_norm(row)
+        k = i + 1
+        if k < self.config.buffer_size and k < len(self._clients):
+            self._check_round_bound(k)
+            self._cur_meta.append((update.client_id, job.base_version))
+            if update.buffers is not None:
+                self._cur_buffers[i].copy_(update.buffers)
+            return Outcome(Status.BUFFERED, self.version)
         self._cur_meta.append((update.client_id, job.base_version))
         if update.buffers is not None:
             self._cur_buffers[i].copy_(update.buffers)
-        k = len(self._cur_meta)
-        if k < self.config.buffer_size and k < len(self._clients):
-            return Outcome(Status.BUFFERED, self.version)
+        try:
+            step = self._round_step()
+        except NonFiniteResult:
+            self._cur_meta.pop()
+            raise
         if k < self.config.buffer_size and not self._warned_small:
             # Every registered client waits in the round: waiting for K would never end.
             self._warned_small = True
@@ -213,7 +228,23 @@ class FedHist(Strategy):
                 "once every registered client has an update in it",
                 self.name, self.config.buffer_size, len(self._clients),
             )  # fmt: skip
-        return Outcome(Status.APPLIED, self._aggregate())
+        return Outcome(Status.APPLIED, self._aggregate(*step))
+
+    def _check_round_bound(self, k: int) -> None:
+        """Refuse a buffered update unless the round it joins can only aggregate to a finite
+        model: the global gradient's norm is at most the largest fused row norm
+        ``max ||g_i|| + alpha max ||G_j||`` (the HAA weights sum to 1; INA rescales to the
+        mean of those norms), so ``max |x| + server_lr * that`` bounds every element of the
+        next model. Only updates near the float32 limit can fail it."""
+        bound = float(self._cur_norms[:k].max())
+        if self._keeps_history() and self._g_order:
+            bound += self.config.alpha * max(float(self._g_norms[j]) for j in self._g_order)
+        reach = self.model_absmax() + self.config.effective_server_lr * bound
+        if not reach < FLOAT32_SAFE_MAX:
+            raise NonFiniteResult(
+                f"the round this update joins could aggregate to values up to {reach:.3g}, past "
+                "float32's range; it was refused and nothing changed. Send a smaller update."
+            )
 
     # --------------------------------------------------------------------------- rounds
 
@@ -233,22 +264,16 @@ class FedHist(Strategy):
     def _keeps_rounds(self) -> bool:
         return self.config.lam != 0
 
-    def _aggregate(self) -> int:
+    def _round_step(self) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Steps 2-5 for the round in the buffer, computed and checked before anything
+        changes: (EGS/HAA/INA result, global gradient in a scratch row, next model)."""
         cfg = self.config
-        h = self._resolve_history()
         r = self.version + 1
-        clients = [c for c, _ in self._cur_meta]
-        versions = [v for _, v in self._cur_meta]
-        taus = [r - v for v in versions]
-        utilities = [self.ubar.get(c, 0.0) for c in clients]
-        if self._g.shape[0] == 0:
-            self._g = torch.zeros(
-                h + 1 if self._keeps_history() else 1, self.dim, device=self.device
-            )
-            self._g_norms = torch.zeros(self._g.shape[0], dtype=torch.float64)
-        slot = next(j for j in range(self._g.shape[0]) if j not in self._g_order)
-        g_glob = self._g[slot]
-        n = len(clients)  # K, or fewer when fewer clients are registered
+        taus = [r - v for _, v in self._cur_meta]
+        utilities = [self.ubar.get(c, 0.0) for c, _ in self._cur_meta]
+        if self._scratch.numel() != self.dim:
+            self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        n = len(taus)  # K, or fewer when fewer clients are registered
         result = aggregate_round(
             self._cur[:n],
             self._cur_norms[:n],
@@ -261,9 +286,29 @@ class FedHist(Strategy):
             lam=cfg.lam,
             rescale=cfg.rescale,
             raw_norms=cfg.ina_norms == "raw",
-            out=g_glob,
+            out=self._scratch,
             reduce=self.reduce,
         )
+        self._require_finite(self._scratch, "the round's global gradient")
+        new = self._new_model_buffer()
+        torch.add(self._model, self._scratch, alpha=-cfg.effective_server_lr, out=new)
+        self._check_version(new)
+        return result, self._scratch, new
+
+    def _aggregate(self, result: Any, gradient: torch.Tensor, new: torch.Tensor) -> int:
+        """Commit a round computed by :meth:`_round_step`: history, buffers, hindsight, publish."""
+        h = self._resolve_history()
+        r = self.version + 1
+        clients = [c for c, _ in self._cur_meta]
+        versions = [v for _, v in self._cur_meta]
+        taus = [r - v for v in versions]
+        if self._g.shape[0] == 0:
+            self._g = torch.zeros(
+                h + 1 if self._keeps_history() else 1, self.dim, device=self.device
+            )
+            self._g_norms = torch.zeros(self._g.shape[0], dtype=torch.float64)
+        slot = next(j for j in range(self._g.shape[0]) if j not in self._g_order)
+        g_glob = self._g[slot].copy_(gradient)
         self.clamped_weights += result.clamped
         self.fallback_rounds += int(result.fallback)
         if result.clamped:
@@ -272,8 +317,6 @@ class FedHist(Strategy):
                 self.name, r, result.clamped, ", staleness-only fallback" if result.fallback
                 else "", self.clamped_weights, self.fallback_rounds,
             )  # fmt: skip
-        new = self._new_model_buffer()
-        torch.add(self._model, g_glob, alpha=-cfg.effective_server_lr, out=new)
         if self._keeps_history():
             self._g_norms[slot] = self.whole_norm(g_glob)
             self._g_order.append(slot)
