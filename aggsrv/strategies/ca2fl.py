@@ -134,8 +134,9 @@ class CA2FL(Strategy):
 
         # The cache row becomes the delta, finite by now; check the model a flush would publish.
         self._require_finite_chunks(
-            lambda s: torch.add(self._model[s], acc_after(s), alpha=self.config.server_lr / k)
-            .float(),
+            lambda s: torch.add(
+                self._model[s], acc_after(s), alpha=self.config.server_lr / k
+            ).float(),
             "the model the buffer's flush would publish",
         )
         self._n_mean = n_mean
