@@ -235,3 +235,101 @@ def test_non_finite_update_names_the_tensor_and_element() -> None:
     with pytest.raises(NonFiniteUpdate, match=r"nan at element 1 of 'conv\.b'") as info:
         s.on_update(Update("a", job.job_id, 0, "u", 1, 1.0, UpdateKind.DELTA, t), 0.0)
     assert info.value.code == "INVALID_ARGUMENT" and info.value.reason == "non_finite_update"
+
+
+# ------------------------------------------------------------------------------ every route
+
+
+def test_simulator_refuses_a_nan_update_and_keeps_learning(tmp_path, monkeypatch) -> None:
+    """The in-process simulator calls on_update directly: a client whose training diverged
+    (NaN delta) is refused as NonFiniteUpdate and the model stays finite and learns."""
+    from aggsrv.sim import run
+    from aggsrv.sim.local import LocalTrainer
+
+    real = LocalTrainer.run
+
+    def diverging(self, client, round_, *args, **kwargs):
+        result = real(self, client, round_, *args, **kwargs)
+        if client == 0:
+            result.delta[3] = math.nan
+        return result
+
+    monkeypatch.setattr(LocalTrainer, "run", diverging)
+    config = {"strategy": "fedasync", "dataset": "digits", "clients": 4, "model": "mlp",
+              "profile": "none", "budget": "6s", "eval_every": "3s", "transport": "inproc",
+              "strategy_config": {"learning_rate": 0.05}, "out": str(tmp_path / "run")}  # fmt: skip
+    result = run(config, progress=False)
+    summary = result.summary
+    assert summary["rejected_by"].get("NonFiniteUpdate", 0) >= 2, summary["rejected_by"]
+    assert summary["updates_applied"] >= 6
+    assert all(math.isfinite(m["test_loss"]) for m in result.metrics)
+    assert result.final_accuracy > 0.5
+
+
+def test_flower_adapter_refuses_bad_replies_and_changes_nothing(flower_identity) -> None:
+    """The Flower adapter folds replies with on_update: NaN weights, weights that overflow the
+    mix, and a non-finite or absurd sample count are each refused (None, logged); the model is
+    untouched; a good reply afterwards is applied."""
+    from flower_helpers import initial_record, train_reply
+    from flwr.app import MetricRecord
+
+    from aggsrv.integrations.flower.arrays import record_to_flat
+    from aggsrv.integrations.flower.strategy import AggsrvStrategy
+
+    adapter = AggsrvStrategy("fedasync", {"alpha": 1.0})
+    initial = initial_record(secrets.randbits(30))
+    adapter.adopt(initial)
+    layout, s = adapter.layout, adapter.strategy
+    x0 = record_to_flat(initial, layout)
+
+    def reply(final: torch.Tensor, n: float = 10, refused: bool = True):
+        job = adapter.issue_job(7, 0.0)
+        msg = adapter.job_message(7, job, server_round=1)
+        out = train_reply(msg, final, layout, 10)
+        out.content["metrics"] = MetricRecord({"num-examples": n})
+        before = s.state_dict()
+        outcome = adapter.fold_reply(out, now=0.0)
+        assert (outcome is None) == refused, (n, outcome)
+        if refused:
+            assert_same_state(s.state_dict(), before)
+
+    nan = x0.clone()
+    nan[5] = math.nan
+    reply(nan)
+    reply(torch.full_like(x0, 3e38), refused=False)  # alpha = 1: the model becomes 3e38
+    reply(torch.full_like(x0, -3e38))  # 3e38 - (-3e38) overflows: refused
+    for n in (math.nan, math.inf, -1.0, 2.0**70):
+        reply(x0, n)
+    assert s.version == 1 and bool(torch.isfinite(s.global_model()).all())
+
+
+def test_grpc_route_refuses_overflow_and_keeps_duplicate_staleness(servers) -> None:
+    """Over gRPC: a DELTA that would overflow the model is INVALID_ARGUMENT and changes
+    nothing; a replayed update id answers DUPLICATE with the staleness it was accepted at."""
+    import grpc
+    from server_helpers import flat, tiny_model
+
+    from aggsrv.client.client import Client
+
+    srv = servers(strategy="fedasync", strategy_config={"alpha": 1.0})
+    model = tiny_model(5)
+    d = flat(model).numel()
+    with Client(srv.address, "a") as a, Client(srv.address, "b") as b:
+        a.register(model)
+        b.register(model)
+        job_a = a.get_job()
+        for _ in range(2):
+            b.push(b.get_job(), torch.zeros(d), num_samples=1, epochs=1.0)
+        first = a.push(job_a, torch.full((d,), 3e38), update_id="big", num_samples=1, epochs=1.0)
+        assert (first.status, first.staleness, first.version) == (Status.APPLIED, 2, 3)
+        state = srv.state()
+        with pytest.raises(grpc.RpcError) as info:
+            b.push(b.get_job(), torch.full((d,), 3e38), num_samples=1, epochs=1.0)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "non-finite" in info.value.details()
+        assert bool(torch.isfinite(srv.model()).all())
+        b.push(b.get_job(), torch.zeros(d), num_samples=1, epochs=1.0)  # version 4
+        again = a.push(job_a, torch.full((d,), 3e38), update_id="big", num_samples=1, epochs=1.0)
+        assert again.status is Status.DUPLICATE and again.original is Status.APPLIED
+        assert (again.version, again.staleness) == (3, 2)
+    assert state["version"] == 3

@@ -343,12 +343,12 @@ class Federation:
                 staged.resolve(error=error)
             return
         assert staged is not None and update is not None
-        s = strategy.version - update.base_version
         try:
             outcome = strategy.on_update(update, now)
         except StrategyError as exc:
             staged.resolve(error=exc)
             return
+        s = _staleness(outcome, strategy.version - update.base_version)
         if outcome.original is None:
             self.count_accepted(outcome)
         else:
@@ -477,6 +477,7 @@ class Federation:
             self._replicate("update", update_meta(update, now))
             self._vote(update)
             outcome = strategy.on_update(update, now)
+            s = _staleness(outcome, s)
             took = time.perf_counter() - t0
             if outcome.original is not None:
                 self.counters["duplicate"] += 1
@@ -690,6 +691,12 @@ class Federation:
         """Blocking form of :meth:`shutdown_executors` (a federation that never served)."""
         self._executor.shutdown()
         self._sync_pool.shutdown()
+
+
+def _staleness(outcome: Outcome, at_apply: int) -> int:
+    """The staleness to answer: the one the strategy recorded when it accepted the update (for
+    a DUPLICATE, the original's), else the version difference at apply time."""
+    return outcome.staleness if outcome.staleness is not None else at_apply
 
 
 def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:

@@ -29,12 +29,7 @@ from aggsrv.server.auth import (
 from aggsrv.server.federation import DurabilityError, Federation, payload_sizes, staging_slot
 from aggsrv.server.limits import RateLimiter
 from aggsrv.strategies import (
-    InvalidUpdate,
-    JobSuperseded,
-    NotRegistered,
     StrategyError,
-    TooManyClients,
-    TooStale,
     Update,
 )
 from aggsrv.transport import CodecError, Decoder, StagingSlot, WireDtype
@@ -45,13 +40,14 @@ from aggsrv.v1 import tensor_pb2 as tpb
 log = logging.getLogger(__name__)
 
 SC = grpc.StatusCode
-STRATEGY_CODES: dict[type[StrategyError], grpc.StatusCode] = {
-    NotRegistered: SC.NOT_FOUND,
-    TooStale: SC.ABORTED,
-    JobSuperseded: SC.ABORTED,
-    InvalidUpdate: SC.INVALID_ARGUMENT,
-    TooManyClients: SC.RESOURCE_EXHAUSTED,
-}
+
+
+def strategy_code(exc: StrategyError) -> grpc.StatusCode:
+    """The status a strategy's refusal is answered with: the one its class names (subclasses
+    included, e.g. NonFiniteResult is an InvalidUpdate: INVALID_ARGUMENT)."""
+    return SC[exc.code]
+
+
 JOB_STATES = {
     "current": pb.JOB_STATE_CURRENT,
     "completed": pb.JOB_STATE_COMPLETED,
@@ -346,7 +342,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         try:
             known, record = await fed.register(header.client_id, dict(header.labels))
         except StrategyError as exc:
-            await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
+            await self._abort(context, strategy_code(exc), str(exc))
         fed.touch(header.client_id)
         fed.notify()
         log.info(
@@ -498,7 +494,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             try:
                 job = await fed.next_job(request.client_id)
             except StrategyError as exc:
-                await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
+                await self._abort(context, strategy_code(exc), str(exc))
             except DurabilityError as exc:
                 await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
             if job is not None:
@@ -685,7 +681,7 @@ class AggregationService(pb_grpc.AggregationServicer):
                 else:
                     staleness, outcome = await fed.apply_update(update, views)
             except StrategyError as exc:
-                await self._abort(context, STRATEGY_CODES.get(type(exc), SC.ABORTED), str(exc))
+                await self._abort(context, strategy_code(exc), str(exc))
         finally:
             if waiting:
                 fed.updates_waiting -= 1

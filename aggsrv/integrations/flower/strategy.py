@@ -289,6 +289,8 @@ class AggsrvStrategy(FlowerStrategy):
         reply_metrics = content.metric_records.get("metrics", MetricRecord())
         n = float(reply_metrics.get(self.weighted_by_key, 1))
         try:
+            if not (math.isfinite(n) and n >= 0):
+                raise ValueError(f"its {self.weighted_by_key!r} is {n}, not a count of examples")
             if self.arrayrecord_key not in content.array_records:
                 raise ValueError(f"the reply has no {self.arrayrecord_key!r} record")
             arrays = content.array_records[self.arrayrecord_key]
