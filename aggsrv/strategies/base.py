@@ -88,6 +88,9 @@ DEFAULT_MAX_NUM_SAMPLES = 1_000_000
 # Below float32's largest value by a margin for the rounding of the arithmetic that a bound on a
 # step's reach stands for (strategies refuse an update whose step could reach past it).
 FLOAT32_SAFE_MAX = float(torch.finfo(torch.float32).max) * (1.0 - 1e-3)
+# How long an issued job stays open unless the config says otherwise: far longer than local
+# training takes, short enough that clients that went away do not pin model copies for good.
+DEFAULT_JOB_LEASE_SECONDS = 3600.0
 
 
 # ------------------------------------------------------------------------------------- enums
@@ -269,6 +272,7 @@ class Job:
     deadline: float | None
     recipe: Recipe
     tensors: Mapping[str, torch.Tensor]
+    issued_at: float = 0.0  # on the strategy's clock; the job's lease runs from here
 
     @property
     def weights(self) -> torch.Tensor:
@@ -380,6 +384,8 @@ class StrategyConfig:
     ``local_epochs`` and ``local_steps`` are exclusive; with neither set a job is one epoch.
     ``max_update_norm`` (None: off) refuses an update whose delta (client weights minus the
     job's weights) has a larger L2 norm; ``max_num_samples`` refuses a larger ``num_samples``.
+    ``job_lease_seconds`` (None: no lease) retires a job that long after it was issued, freeing
+    the weights it started from; its update is then refused like a superseded job's.
     """
 
     seed: int = 0
@@ -392,6 +398,7 @@ class StrategyConfig:
     max_staleness: int | None = None
     max_update_norm: float | None = None
     max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
+    job_lease_seconds: float | None = DEFAULT_JOB_LEASE_SECONDS
 
     def __post_init__(self) -> None:
         """Check the shared values; subclasses extend this."""
@@ -405,6 +412,9 @@ class StrategyConfig:
         n = self.max_num_samples
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_num_samples must be an integer >= 1, got {n!r}")
+        lease = self.job_lease_seconds
+        if lease is not None and not (math.isfinite(lease) and lease > 0):
+            raise ValueError(f"job_lease_seconds must be a finite number > 0 or None, got {lease}")
         self.recipe()  # validates the recipe fields with Recipe's messages
 
     @classmethod
@@ -526,6 +536,7 @@ class Strategy(ABC):
         # client id -> id of the last job whose update was accepted (for Heartbeat's COMPLETED)
         self._completed_job: dict[str, int] = {}
         self._next_job_id = 1
+        self._now = 0.0  # the latest time a call brought (jobs issued without one take it)
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(int(self.config.seed))
         self._recipe = self.make_recipe()
@@ -570,6 +581,7 @@ class Strategy(ABC):
 
     def on_register(self, client_id: str, now: float) -> None:
         """A client joined; registering again is a no-op."""
+        self._now = float(now)
         if client_id in self._clients:
             return
         if len(self._clients) >= self.max_clients:
@@ -583,7 +595,7 @@ class Strategy(ABC):
     def job_for(self, client_id: str, now: float) -> Job | None:
         """The client's next job (default: always one, from the current version)."""
         self._require_registered(client_id)
-        return self._issue_job(client_id, deadline=None)
+        return self._issue_job(client_id, deadline=None, now=now)
 
     def on_update(self, update: Update, now: float) -> Outcome:
         """Fold one validated update in, or refuse it without changing any state.
@@ -596,6 +608,7 @@ class Strategy(ABC):
                 Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness
             )
         job = self._validate(update)
+        self._require_leased(job, now)
         s = self.version - job.base_version
         self._check(update, job, s, now)
         self._retire_job(job)
@@ -608,16 +621,33 @@ class Strategy(ABC):
             self.float_buffers.discard()
             raise
         outcome = dataclasses.replace(outcome, staleness=s)
+        self._now = float(now)
         self.ledger.record(update.client_id, update.update_id, outcome)
         self._completed_job[update.client_id] = job.job_id
         return outcome
 
     def next_deadline(self) -> float | None:
-        """When :meth:`on_timer` wants to be called next (None: no timer)."""
-        return None
+        """When :meth:`on_timer` wants to be called next (None: no timer): the strategy's own
+        deadline (:meth:`_next_deadline`) or the first job lease to end, whichever is first."""
+        own = self._next_deadline()
+        expiry = self._next_expiry()
+        if own is None or expiry is None:
+            return own if expiry is None else expiry
+        return min(own, expiry)
 
     def on_timer(self, now: float) -> None:
-        """Handle deadlines that passed by ``now`` (default: nothing)."""
+        """Retire the jobs whose lease ended by ``now``, then handle the strategy's own
+        deadlines (:meth:`_on_timer`)."""
+        self._now = float(now)
+        self._expire_jobs(now)
+        self._on_timer(now)
+
+    def _next_deadline(self) -> float | None:
+        """When the strategy's own timer is due (rounds, epochs; default: never)."""
+        return None
+
+    def _on_timer(self, now: float) -> None:
+        """The strategy's own deadlines that passed by ``now`` (default: nothing)."""
         return None
 
     def staleness(self, job: Job) -> int:
@@ -774,10 +804,13 @@ class Strategy(ABC):
                 f"client {client_id!r} is not registered with this server; call Register first"
             )
 
-    def _issue_job(self, client_id: str, deadline: float | None) -> Job:
-        """The client's outstanding job if it starts from the current version, else a new one."""
+    def _issue_job(self, client_id: str, deadline: float | None, now: float | None = None) -> Job:
+        """The client's outstanding job if it starts from the current version and its lease
+        has not ended, else a new one issued at ``now`` (default: the latest time seen)."""
+        now = self._now if now is None else float(now)
+        self._now = now
         old = self.outstanding_job(client_id)
-        if old is not None and old.base_version == self.version:
+        if old is not None and old.base_version == self.version and not self._expired(old, now):
             return old
         if old is not None:
             self._retire_job(old)  # superseded: the client asked again, so it dropped the job
@@ -788,6 +821,7 @@ class Strategy(ABC):
             deadline=deadline,
             recipe=self._recipe,
             tensors=types.MappingProxyType(self._with_buffers(self._job_tensors(client_id))),
+            issued_at=now,
         )
         self._next_job_id += 1
         self._jobs[job.job_id] = job
@@ -811,6 +845,36 @@ class Strategy(ABC):
         del self._jobs[job.job_id]
         if self._job_of.get(job.client_id) == job.job_id:
             del self._job_of[job.client_id]
+
+    def _expired(self, job: Job, now: float) -> bool:
+        """Whether the job's lease has ended by ``now``."""
+        lease = self.config.job_lease_seconds
+        return lease is not None and now >= job.issued_at + lease
+
+    def _next_expiry(self) -> float | None:
+        """When the first open job's lease ends (jobs are kept in issue order)."""
+        lease = self.config.job_lease_seconds
+        if lease is None or not self._jobs:
+            return None
+        return min(job.issued_at for job in self._jobs.values()) + lease
+
+    def _expire_jobs(self, now: float) -> None:
+        """Retire every job whose lease has ended by ``now``."""
+        for job in [j for j in self._jobs.values() if self._expired(j, now)]:
+            self._retire_job(job)
+            logger.info(
+                "%s: job %d of %s retired: its lease of %g s ended", self.name, job.job_id,
+                job.client_id, self.config.job_lease_seconds,
+            )  # fmt: skip
+
+    def _require_leased(self, job: Job, now: float) -> None:
+        """Refuse an update whose job's lease ended (the timer may not have retired it yet)."""
+        if self._expired(job, now):
+            raise JobSuperseded(
+                f"job {job.job_id} was issued at {job.issued_at:.3f} and its lease "
+                f"(job_lease_seconds={self.config.job_lease_seconds:g}) ended before the update "
+                "arrived; discard this update and ask for a new job"
+            )
 
     def _reopen_job(self, job: Job) -> None:
         """Undo :meth:`_retire_job` of the client's current job (an update refused while being
@@ -961,6 +1025,7 @@ class Strategy(ABC):
                     "client_id": job.client_id,
                     "base_version": job.base_version,
                     "deadline": job.deadline,
+                    "issued_at": job.issued_at,
                     "recipe": job.recipe.to_dict(),
                     "tensors": {k: v for k, v in job.tensors.items() if k != "weights"},
                 }
@@ -977,6 +1042,7 @@ class Strategy(ABC):
             "job_of": dict(self._job_of),
             "completed_job": dict(self._completed_job),
             "next_job_id": self._next_job_id,
+            "now": self._now,
             "rng": self._rng.get_state(),
             "ledger": self.ledger.state_dict(),
             "float_buffers": self.float_buffers.state_dict(),
@@ -1025,11 +1091,13 @@ class Strategy(ABC):
                 deadline=j["deadline"],
                 recipe=recipe if recipe != self._recipe else self._recipe,
                 tensors=types.MappingProxyType(tensors),
+                issued_at=float(j.get("issued_at", 0.0)),  # states saved before leases: 0
             )
             self._jobs[job.job_id] = job
         self._job_of = {str(c): int(j) for c, j in state["job_of"].items()}
         self._completed_job = {str(c): int(j) for c, j in state["completed_job"].items()}
         self._next_job_id = int(state["next_job_id"])
+        self._now = float(state.get("now", 0.0))
         self._rng.set_state(state["rng"].clone())
         self.ledger.load_state_dict(state["ledger"])
         self.float_buffers.load_state_dict(state["float_buffers"])

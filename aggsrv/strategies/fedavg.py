@@ -146,17 +146,17 @@ class FedAvg(Strategy):
         """k_async: always a job. sync: a job for a sampled client that has not reported yet."""
         self._require_registered(client_id)
         if self.config.mode == "k_async":
-            return self._issue_job(client_id, deadline=None)
+            return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
         if not self._round_open or self._participants.get(client_id, True):
             return None  # not sampled, or already reported: wait for the next round
-        return self._issue_job(client_id, deadline=self._deadline)
+        return self._issue_job(client_id, deadline=self._deadline, now=now)
 
-    def next_deadline(self) -> float | None:
+    def _next_deadline(self) -> float | None:
         """The open round's deadline (sync mode)."""
         return self._deadline if self._round_open else None
 
-    def on_timer(self, now: float) -> None:
+    def _on_timer(self, now: float) -> None:
         """At the deadline close the round if ``min_clients`` contributed, else extend it."""
         if self.config.mode != "sync":
             return

@@ -207,11 +207,11 @@ class FedDGIC(Strategy):
             return None
         return self._issue_job(client_id, deadline=self._deadline)
 
-    def next_deadline(self) -> float | None:
+    def _next_deadline(self) -> float | None:
         """The open grouping round's deadline."""
         return self._deadline if self._round_open else None
 
-    def on_timer(self, now: float) -> None:
+    def _on_timer(self, now: float) -> None:
         """At a grouping round's deadline close it if anyone reported, else extend it."""
         if not self._round_open or self._deadline is None or now < self._deadline:
             return

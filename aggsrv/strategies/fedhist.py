@@ -175,7 +175,7 @@ class FedHist(Strategy):
         self._require_registered(client_id)
         if any(c == client_id for c, _ in self._cur_meta):
             return None
-        return self._issue_job(client_id, deadline=None)
+        return self._issue_job(client_id, deadline=None, now=now)
 
     def steps_of(self, update: Update, job: Job) -> float:
         """The local SGD steps behind an update (the divisor of its gradient)."""

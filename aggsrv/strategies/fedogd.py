@@ -251,11 +251,11 @@ class CachedEpochs(Strategy):
             self._pending[client_id] = None
         return job
 
-    def next_deadline(self) -> float | None:
+    def _next_deadline(self) -> float | None:
         """The open epoch's deadline."""
         return self._deadline if self._open else None
 
-    def on_timer(self, now: float) -> None:
+    def _on_timer(self, now: float) -> None:
         """At the deadline close the epoch if ``min_updates`` arrived, else extend it."""
         if not self._open or self._deadline is None or now < self._deadline:
             return

@@ -72,6 +72,7 @@ G6). Integer buffers (num_batches_tracked) never travel: each client keeps its o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Mapping
@@ -393,14 +394,7 @@ class OrthoFL(Strategy):
             tensors["weights"] = sent
             if self.float_buffers.enabled:
                 tensors["buffers"] = self._b_sent[job.client_id]
-            self._jobs[job_id] = Job(
-                job_id=job.job_id,
-                client_id=job.client_id,
-                base_version=job.base_version,
-                deadline=job.deadline,
-                recipe=job.recipe,
-                tensors=types.MappingProxyType(tensors),
-            )
+            self._jobs[job_id] = dataclasses.replace(job, tensors=types.MappingProxyType(tensors))
 
     def _load_buffer_snapshots(self, state: Mapping[str, Any] | None) -> None:
         if not self.float_buffers.enabled:
