@@ -118,3 +118,42 @@ def test_default_lease_is_an_hour() -> None:
     s.on_register("a", float(seed))
     s.job_for("a", float(seed))
     assert s.next_deadline() == float(seed) + 3600.0
+
+
+def test_server_memory_returns_to_its_bound_once_idle_jobs_expire(servers) -> None:
+    """Idle clients each holding a job at another version pin one model copy each until their
+    leases end; then the server holds what docs/operations.md's bound says: the current
+    version, the retained versions and at most two spare buffers."""
+    import time
+
+    from server_helpers import flat, tiny_model
+
+    from aggsrv.client.client import Client
+
+    srv = servers(strategy="fedasync", retained_versions=2,
+                  strategy_config={"job_lease_seconds": 1.5})  # fmt: skip
+    model = tiny_model(3)
+    d = flat(model).numel()
+    copy_bytes = 4 * d
+    idle = [Client(srv.address, f"idle{i}") for i in range(9)]
+    try:
+        with Client(srv.address, "busy") as busy:
+            busy.register(model)
+            for c in idle:
+                c.register(model)
+                c.get_job()
+                busy.push(busy.get_job(), torch.full((d,), 0.01), num_samples=1, epochs=1.0)
+            held = srv.run(srv.federation.call(srv.federation.cache_bytes))
+            assert held >= (len(idle) + 1) * copy_bytes
+            deadline = time.monotonic() + 10.0
+            bound = (1 + 2 + 2) * copy_bytes  # current + retained_versions + 2 spares
+            strategy = srv.strategy
+            while time.monotonic() < deadline:
+                if all(strategy.outstanding_job(c.client_id) is None for c in idle):
+                    break
+                time.sleep(0.1)
+            held = srv.run(srv.federation.call(srv.federation.cache_bytes))
+            assert held <= bound, (held, bound)
+    finally:
+        for c in idle:
+            c.close()

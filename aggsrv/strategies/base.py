@@ -528,7 +528,8 @@ class Strategy(ABC):
             ]
             or [torch.zeros(0, dtype=torch.int64, device=self.device)]
         )
-        self._absmax: tuple[torch.Tensor, float] | None = None  # (version tensor, max |x|)
+        # (version, max |x|): the version number, not the tensor, so no old version is kept.
+        self._absmax: tuple[int, float] | None = None
         self.ledger = UpdateLedger()
         self._clients: dict[str, float] = {}  # client id -> registration time, in join order
         self._jobs: dict[int, Job] = {}  # outstanding jobs by id
@@ -738,13 +739,13 @@ class Strategy(ABC):
         what a step can reach instead of computing it; on a sharded server the sum of the
         shards' maxima (a bound every shard computes alike)."""
         cached = self._absmax
-        if cached is not None and cached[0] is self._model:
+        if cached is not None and cached[0] == self.version:
             return cached[1]
         lo, hi = torch.aminmax(self._model) if self.dim else (torch.zeros(()), torch.zeros(()))
         value = max(-float(lo), float(hi))
         if self.reduce is not None:
             value = float(self.reduce(torch.tensor([value], dtype=torch.float64)))
-        self._absmax = (self._model, value)
+        self._absmax = (self.version, value)
         return value
 
     def _check_version(self, model: torch.Tensor) -> None:
@@ -859,13 +860,17 @@ class Strategy(ABC):
         return min(job.issued_at for job in self._jobs.values()) + lease
 
     def _expire_jobs(self, now: float) -> None:
-        """Retire every job whose lease has ended by ``now``."""
-        for job in [j for j in self._jobs.values() if self._expired(j, now)]:
+        """Retire every job whose lease has ended by ``now`` (and free what only it held)."""
+        expired = [j for j in self._jobs.values() if self._expired(j, now)]
+        for job in expired:
             self._retire_job(job)
             logger.info(
                 "%s: job %d of %s retired: its lease of %g s ended", self.name, job.job_id,
                 job.client_id, self.config.job_lease_seconds,
             )  # fmt: skip
+        if expired:
+            del job, expired
+            self._versions.trim()
 
     def _require_leased(self, job: Job, now: float) -> None:
         """Refuse an update whose job's lease ended (the timer may not have retired it yet)."""
@@ -1073,6 +1078,7 @@ class Strategy(ABC):
 
         self.version = int(state["version"])
         self._model = dev(state["model"])
+        self._absmax = None
         self._versions.clear()
         # One tensor per version, shared by every job that started from it (and the model).
         bases = {int(v): dev(t) for v, t in state["bases"].items()}

@@ -33,10 +33,15 @@ class VersionBuffers:
     (freed when their last reader drops them), so the pool never holds more than that.
     """
 
-    def __init__(self, numel: int, device: torch.device, max_candidates: int = 32) -> None:
+    def __init__(
+        self, numel: int, device: torch.device, max_candidates: int = 32, max_spares: int = 2
+    ) -> None:
         self.numel = numel
         self.device = device
         self.max_candidates = max_candidates
+        # Candidates nobody else refers to cost memory of their own: keep this many for reuse
+        # and let the rest go (those still read by others cost nothing extra while watched).
+        self.max_spares = max_spares
         self._candidates: list[torch.Tensor] = []
         self.recycled = 0  # buffers handed out again (diagnostics, tests)
         self.allocated = 0
@@ -75,6 +80,17 @@ class VersionBuffers:
         self._candidates.append(t)
         if len(self._candidates) > self.max_candidates:
             del self._candidates[0]
+        self.trim()
+
+    def trim(self) -> None:
+        """Let go of the unreferenced candidates beyond ``max_spares`` (the oldest first), so
+        that versions whose last reader went away (an expired job, a dropped snapshot) are
+        freed rather than kept for reuse."""
+        # Indexing, not enumerate(): its reused result tuple would hold one more reference.
+        pool = self._candidates
+        spares = [i for i in range(len(pool)) if self._unreferenced(pool[i])]
+        for i in reversed(spares[: max(0, len(spares) - self.max_spares)]):
+            del self._candidates[i]
 
     def take(self) -> torch.Tensor:
         """A [numel] float32 buffer (uninitialised) that nobody else refers to."""
