@@ -340,10 +340,13 @@ EPOCHS = [
 ]
 
 
-def replay(order: str, seed: int, deltas: dict[tuple[str, int], torch.Tensor]) -> FedOGD:
+def replay(
+    order: str, seed: int, deltas: dict[tuple[str, int], torch.Tensor], restore_at: float = -1
+) -> FedOGD:
     """Deliver SCRIPT with the clients' RPCs of each time interleaved: by client name
     ("ascending"/"descending") or at random; a job request answered None is retried after the
-    other RPCs of its time, as a polling client would."""
+    other RPCs of its time, as a polling client would. Before time ``restore_at`` the
+    strategy is saved and replaced by a fresh one that loads the state."""
     cfg = {"tiers": {"s1": 3}, "detect": False, "epoch_timeout": 10.0,
            "learning_rate": 0.1, "server_lr": 0.5}  # fmt: skip
     s = FedOGD(LAYOUT, torch.linspace(-1, 1, D), cfg)
@@ -351,6 +354,12 @@ def replay(order: str, seed: int, deltas: dict[tuple[str, int], torch.Tensor]) -
     sent = dict.fromkeys(SCRIPT, 0)
     n = 0
     for t in sorted({t for acts in SCRIPT.values() for t, _ in acts}):
+        if t == restore_at:
+            buf = io.BytesIO()
+            torch.save(s.state_dict(), buf)
+            buf.seek(0)
+            s = FedOGD(LAYOUT, torch.zeros(D), cfg)
+            s.load_state_dict(torch.load(buf, weights_only=False))
         s.on_timer(float(t))
         queues = {c: [a for tt, a in acts if tt == t] for c, acts in SCRIPT.items()}
         queues = {c: q for c, q in queues.items() if q}
@@ -383,13 +392,16 @@ def replay(order: str, seed: int, deltas: dict[tuple[str, int], torch.Tensor]) -
 
 def test_epoch_membership_does_not_depend_on_the_order_rpcs_arrive_in() -> None:
     """The same registrations, job requests and uploads at the same virtual times, the RPCs of
-    each time arriving in different orders: the same model bit for bit, one version per
-    intended epoch, equal to a float64 oracle of those epochs."""
+    each time arriving in different orders (and once through a state-dict round trip): the
+    same model bit for bit, one version per intended epoch, equal to a float64 oracle of
+    those epochs."""
     gen = torch.Generator().manual_seed(17)
     uploads = {c: sum(a == "upload" for _, a in acts) for c, acts in SCRIPT.items()}
     deltas = {(c, k): fresh(gen) for c in SCRIPT for k in range(1, uploads[c] + 1)}
     runs = [replay("ascending", 0, deltas), replay("descending", 0, deltas)]
     runs += [replay("random", seed, deltas) for seed in range(4)]
+    # Saved right after a close, while the new epoch waits for members that have not asked yet.
+    runs.append(replay("descending", 0, deltas, restore_at=2))
     w = torch.linspace(-1, 1, D).double()
     for rows in EPOCHS:
         g = {c: -deltas[c, k].double() / 0.1 for c, k in rows.items()}
