@@ -8,9 +8,13 @@ import secrets
 import numpy as np
 import pytest
 import torch
+from triton_scalars import compiled_scalar_types
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from aggsrv import kernels  # noqa: E402
 
@@ -21,6 +25,27 @@ DEVICE = {
     "triton": "cuda" if torch.cuda.is_available() else "cpu",
 }
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_scalar_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter, type Python float kernel arguments as the GPU launcher does."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        compiled_scalar_types(monkeypatch)
+
+
+@triton.jit
+def _store_scalar_kernel(out_ptr, x):
+    tl.store(out_ptr, x)
+
+
+def test_a_python_float_kernel_argument_arrives_as_float32() -> None:
+    """The hazard the sparse kernel fell into: on the GPU a Python float argument is float32,
+    and (through the fixture above) so it is under the interpreter."""
+    x = 0.1 + 2.0**-40  # float32 rounding changes it
+    out = torch.zeros(1, dtype=torch.float64, device=DEVICE["triton"])
+    _store_scalar_kernel[(1,)](out, x)
+    assert float(out[0]) == float(np.float32(x)) != x
 
 
 def _seed() -> int:
@@ -96,6 +121,24 @@ def test_sparse_accumulate_matches_float64_oracle(backend: str, dtype: torch.dty
         ref = row.clone()
         kernels.sparse_accumulate(ref, idx, vals, w, backend="reference")
         assert torch.equal(out.cpu(), ref), seed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_accumulate_keeps_a_float64_weight_exact(backend: str) -> None:
+    """A float64 row takes the weight in float64: 1 + 2^-40 is 1.0 in float32, and every
+    product and sum below is exact in float64, so the result is known bit for bit."""
+    D = 37
+    w = 1.0 + 2.0**-40
+    idx = torch.tensor([0, 5, 36], device=DEVICE[backend])
+    vals = torch.tensor([2.0**20, -(2.0**21), 3.0], dtype=torch.float64, device=DEVICE[backend])
+    out = torch.zeros(D, dtype=torch.float64, device=DEVICE[backend])
+    out[5] = 1.0
+    kernels.sparse_accumulate(out, idx, vals, w, backend=backend)
+    want = torch.zeros(D, dtype=torch.float64)
+    want[0] = 2.0**20 + 2.0**-20
+    want[5] = 1.0 - 2.0**21 - 2.0**-19
+    want[36] = 3.0 + 3.0 * 2.0**-40
+    assert torch.equal(out.cpu(), want), (out.cpu() - want)[[0, 5, 36]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

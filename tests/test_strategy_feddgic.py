@@ -194,6 +194,32 @@ def test_grouping_round_timeout_late_updates_and_per_pair_averaging() -> None:
     np.testing.assert_allclose(s.grouping.heights, Z[:, 2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("outside", ["not_a_participant", "round_closed"])
+def test_an_update_outside_the_open_grouping_round_is_refused_not_dropped(outside: str) -> None:
+    """Refuse or apply, never both: an update whose job is not part of the open grouping round
+    is refused (ABORTED, a message naming the round) and changes nothing; it used to answer
+    BUFFERED while leaving the update out of the round's average. A closed round retires its
+    jobs, so the API alone cannot hold such a job: the state here is built by hand."""
+    n = 4
+    drv = Driver("feddgic", seed=6, n=n, min_available=n, grouping_round_timeout=5.0)
+    g = _gen(7)
+    drv.submit("c0", torch.randn(D, generator=g))
+    job = drv.job("c1")
+    state = drv.s.state_dict()
+    if outside == "not_a_participant":
+        del state["extra"]["participants"]["c1"]
+    else:
+        state["extra"]["round_open"] = False
+    drv.s.load_state_dict(state)
+    before = drv.s.state_dict()
+    upd = Update("c1", job.job_id, job.base_version, "x", 10, 1.0, UpdateKind.DELTA,
+                 torch.randn(D, generator=g))  # fmt: skip
+    with pytest.raises(JobSuperseded, match="grouping round") as err:
+        drv.s.on_update(upd, 1.0)
+    assert err.value.code == "ABORTED"
+    assert_same_state(before, drv.s.state_dict())
+
+
 def test_a_round_without_any_update_is_extended() -> None:
     drv = Driver("feddgic", n=3, min_available=3, grouping_round_timeout=2.0)
     drv.s.on_timer(2.0)

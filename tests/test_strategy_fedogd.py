@@ -178,12 +178,12 @@ def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> 
     s = FedOGD(LAYOUT, w0, {"projection": "none", "server_lr": 0.3, "epoch_timeout": None})
     drv = Driver(s)
     cids = [f"c{i}" for i in range(4)]
-    for c in cids:
-        s.on_register(c, 0.0)
     cache = {}
     w = w0.double()
     for epoch in range(3):
-        for c in cids[: 2 + epoch]:  # growing participation: older rows are reused
+        # Growing participation (a client joins each epoch); older rows are reused.
+        for c in cids[: 2 + epoch]:
+            s.on_register(c, float(epoch))
             s.job_for(c, float(epoch))
         for c in cids[: 2 + epoch]:
             d = fresh(gen)
@@ -193,7 +193,7 @@ def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> 
         w = w - 0.3 * torch.stack(list(cache.values())).mean(0)
         close64(s.global_model(), w)
         assert torch.equal(s.bases[1], torch.zeros(D))
-        assert all(s.group_of(c) == "A" for c in cids)
+        assert all(s.group_of(c) == "A" for c in cids[: 2 + epoch])
 
 
 def test_authors_code_preset_by_hand() -> None:
@@ -201,8 +201,9 @@ def test_authors_code_preset_by_hand() -> None:
     eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row counting as 0."""
     gen = torch.Generator().manual_seed(8)
     w0 = torch.randn(D, generator=gen)
+    # "never" is a straggler (not waited for) that never uploads: its row counts as zero.
     cfg = FedOGDConfig.from_dict({"preset": "authors_code", "epoch_timeout": None,
-                                  "projection": "none"})  # fmt: skip
+                                  "projection": "none", "tiers": {"never": 2}})  # fmt: skip
     assert (cfg.momentum, cfg.learning_rate, cfg.server_lr) == (0.1, 0.01, 0.003)
     assert cfg.aggregation == "uniform_mean" and cfg.count_empty_rows
     s = FedOGD(LAYOUT, w0, cfg)
@@ -281,6 +282,138 @@ def test_deadline_detection_moves_late_clients_and_back() -> None:
     drv.submit("c0", fresh(gen), 14.0)
     drv.submit("c1", fresh(gen), 14.0)
     assert s.version == 3 and s.group_of("c2") == "A"
+
+
+# ----------------------------------------------------------------------------- epoch membership
+
+
+def test_a_straggler_upload_right_after_a_close_does_not_close_the_next_epoch() -> None:
+    """Spec S1: the epoch that opens at a close has dispatched every idle client, so it waits
+    for the active clients that just reported even before they ask for their next job; a
+    straggler's upload arriving first is buffered, and the model moves once per epoch."""
+    gen = torch.Generator().manual_seed(21)
+    w0 = torch.randn(D, generator=gen)
+    lr, glr = 0.1, 0.5
+    cfg = {"tiers": {"s1": 3}, "detect": False, "epoch_timeout": None,
+           "learning_rate": lr, "server_lr": glr}  # fmt: skip
+    s = FedOGD(LAYOUT, w0, cfg)
+    drv = Driver(s)
+    for c in ("a1", "a2", "s1"):
+        s.on_register(c, 0.0)
+        s.job_for(c, 0.0)
+    d = {k: fresh(gen) for k in ("a1", "a2", "s1", "a1'", "a2'")}
+    drv.submit("a1", d["a1"], 1.0)
+    assert drv.submit("a2", d["a2"], 1.0).version == 1
+    w1 = s.global_model().clone()
+    out = drv.submit("s1", d["s1"], 1.0)  # before a1 and a2 ask for their next jobs
+    assert (out.status, out.version) == (Status.BUFFERED, 1)
+    assert torch.equal(s.global_model(), w1)
+    for c in ("a1", "a2"):
+        assert s.job_for(c, 2.0).base_version == 1
+    drv.submit("a1", d["a1'"], 2.0)
+    assert drv.submit("a2", d["a2'"], 2.0).version == 2
+    g = {k: -v.double() / lr for k, v in d.items()}
+    close64(s.global_model(), w1.double() - glr * ((g["a1'"] + g["a2'"]) / 2 + g["s1"]))
+
+
+# Each client's RPCs in its own order at virtual times (a4 joins late; s1 is a period-3
+# straggler; a3 misses the deadline of the epoch that opens at t = 1 and a4 joins it).
+SCRIPT: dict[str, list[tuple[float, str]]] = {
+    "a1": [(0, "register"), (0, "job"), (1, "upload"), (2, "job"), (3, "upload"), (11, "job"),
+           (12, "upload"), (13, "job"), (14, "upload"), (15, "job"), (16, "upload")],
+    "a2": [(0, "register"), (0, "job"), (1, "upload"), (2, "job"), (3, "upload"), (11, "job"),
+           (12, "upload"), (13, "job"), (14, "upload"), (15, "job"), (16, "upload")],
+    "a3": [(0, "register"), (0, "job"), (1, "upload"), (2, "job"), (11, "upload"), (13, "job"),
+           (14, "upload"), (15, "job"), (16, "upload")],
+    "a4": [(4, "register"), (4, "job"), (11, "upload"), (13, "job"), (14, "upload"), (15, "job"),
+           (16, "upload")],
+    "s1": [(0, "register"), (0, "job"), (2, "upload"), (11, "job"), (15, "upload")],
+}  # fmt: skip
+# The intended epochs (spec 2.4/2.6): the cache rows, as (client, its n-th upload), that each
+# close averages; s1 is the straggler group.
+EPOCHS = [
+    {"a1": 1, "a2": 1, "a3": 1},
+    {"a1": 2, "a2": 2, "a3": 1, "s1": 1},  # closed by the deadline at t = 11
+    {"a1": 3, "a2": 3, "a3": 2, "a4": 1, "s1": 1},
+    {"a1": 4, "a2": 4, "a3": 3, "a4": 2, "s1": 1},
+    {"a1": 5, "a2": 5, "a3": 4, "a4": 3, "s1": 2},
+]
+
+
+def replay(
+    order: str, seed: int, deltas: dict[tuple[str, int], torch.Tensor], restore_at: float = -1
+) -> FedOGD:
+    """Deliver SCRIPT with the clients' RPCs of each time interleaved: by client name
+    ("ascending"/"descending") or at random; a job request answered None is retried after the
+    other RPCs of its time, as a polling client would. Before time ``restore_at`` the
+    strategy is saved and replaced by a fresh one that loads the state."""
+    cfg = {"tiers": {"s1": 3}, "detect": False, "epoch_timeout": 10.0,
+           "learning_rate": 0.1, "server_lr": 0.5}  # fmt: skip
+    s = FedOGD(LAYOUT, torch.linspace(-1, 1, D), cfg)
+    rng = torch.Generator().manual_seed(seed)
+    sent = dict.fromkeys(SCRIPT, 0)
+    n = 0
+    for t in sorted({t for acts in SCRIPT.values() for t, _ in acts}):
+        if t == restore_at:
+            buf = io.BytesIO()
+            torch.save(s.state_dict(), buf)
+            buf.seek(0)
+            s = FedOGD(LAYOUT, torch.zeros(D), cfg)
+            s.load_state_dict(torch.load(buf, weights_only=False))
+        s.on_timer(float(t))
+        queues = {c: [a for tt, a in acts if tt == t] for c, acts in SCRIPT.items()}
+        queues = {c: q for c, q in queues.items() if q}
+        retry: list[str] = []
+        while queues:
+            names = sorted(queues, reverse=order == "descending")
+            if order == "random":
+                names = [names[int(torch.randint(len(names), (1,), generator=rng))]]
+            c = names[0]
+            action = queues[c].pop(0)
+            if not queues[c]:
+                del queues[c]
+            if action == "register":
+                s.on_register(c, float(t))
+            elif action == "job":
+                if s.job_for(c, float(t)) is None:
+                    retry.append(c)
+            else:
+                job = s.outstanding_job(c)
+                assert job is not None, (order, seed, t, c)
+                sent[c] += 1
+                n += 1
+                upd = Update(c, job.job_id, job.base_version, f"u{n}", 10, 1.0,
+                             UpdateKind.DELTA, deltas[c, sent[c]])  # fmt: skip
+                s.on_update(upd, float(t))
+        for c in retry:
+            assert s.job_for(c, float(t)) is not None, (order, seed, t, c)
+    return s
+
+
+def test_epoch_membership_does_not_depend_on_the_order_rpcs_arrive_in() -> None:
+    """The same registrations, job requests and uploads at the same virtual times, the RPCs of
+    each time arriving in different orders (and once through a state-dict round trip): the
+    same model bit for bit, one version per intended epoch, equal to a float64 oracle of
+    those epochs."""
+    gen = torch.Generator().manual_seed(17)
+    uploads = {c: sum(a == "upload" for _, a in acts) for c, acts in SCRIPT.items()}
+    deltas = {(c, k): fresh(gen) for c in SCRIPT for k in range(1, uploads[c] + 1)}
+    runs = [replay("ascending", 0, deltas), replay("descending", 0, deltas)]
+    runs += [replay("random", seed, deltas) for seed in range(4)]
+    # Saved right after a close, while the new epoch waits for members that have not asked yet.
+    runs.append(replay("descending", 0, deltas, restore_at=2))
+    w = torch.linspace(-1, 1, D).double()
+    for rows in EPOCHS:
+        g = {c: -deltas[c, k].double() / 0.1 for c, k in rows.items()}
+        b_a = torch.stack([v for c, v in g.items() if c != "s1"]).mean(0)
+        b_s = g.get("s1", torch.zeros(D, dtype=torch.float64))
+        w = w - 0.5 * (b_a + b_s)
+    for s in runs:
+        assert s.version == len(EPOCHS)
+        assert torch.equal(s.global_model(), runs[0].global_model())
+        assert torch.equal(s.bases[0], runs[0].bases[0])
+        assert torch.equal(s.bases[1], runs[0].bases[1])
+    close64(runs[0].global_model(), w)
 
 
 def test_deadline_without_updates_is_extended() -> None:

@@ -101,6 +101,28 @@ def test_hand_trace_paper_variant() -> None:
     assert s.version == 3
 
 
+def test_late_job_request_mixes_with_the_staleness_of_its_job() -> None:
+    """t - tau = s + 1 with the server's s = version - job.base_version, also when the client
+    asks for its next job after other updates landed (tau_m, the version of G_m, is older than
+    the job). By hand (beta = 0.5, a = 1): A's update makes v1, B's v2 (s = 1, beta_t = 0.25),
+    then A asks for its job at v2 and uploads at v2: s = 0, beta_t = 0.5, where counting from
+    A's last aggregation (v1) would give 0.25. The shift is still measured from G_A = W1, the
+    global A's model was calibrated against, so Y is the same as in the trace above."""
+    s = tiny()
+    ja, jb = s.job_for("A", 0.0), s.job_for("B", 0.0)
+    s.on_update(make_update(ja, t32(2, 2, 3, 6, 6, 6)), 1.0)
+    s.on_update(make_update(jb, t32(2, 3, 5, 6, 4, 7)), 2.0)
+    assert torch.equal(s.global_model(), t32(1.625, 2.25, 3.5, 5.25, 5.125, 6.25))
+    ja2 = s.job_for("A", 2.0)
+    assert ja2.base_version == 2 and s.client_tau("A") == 1
+    assert torch.equal(ja2.weights, t32(2, 2, 3, 6, 6, 6))  # Y_A from v1, unchanged
+    s.on_update(make_update(ja2, t32(4, 2, 3, 4, 7, 7)), 3.0)
+    assert s.last_coeffs is not None and s.last_coeffs.tolist() == [0.0625, -0.125, 0.0]
+    assert torch.equal(s.job_for("A", 3.0).weights, t32(4, 2.25, 3.5, 4, 7, 7))
+    # W3 = W2 / 2 + X / 2.
+    assert torch.equal(s.global_model(), t32(2.8125, 2.125, 3.25, 4.625, 6.0625, 6.625))
+
+
 def test_hand_trace_code_variant() -> None:
     """Spec 1.6 by hand: Y = V + (1 - c) (X - S_m), A is the evaluated moving average."""
     s = tiny("client_chain")
@@ -213,9 +235,11 @@ class Oracle:
             self.tau[c] = self.t
         return self.C[c]
 
-    def arrive(self, c: str, x32: torch.Tensor) -> None:
+    def arrive(self, c: str, x32: torch.Tensor, base: int) -> None:
+        """Client c's weights from a job that started from version ``base``: t - tau = s + 1
+        with s = (versions so far) - base; the shift is measured from G_c."""
         x = x32.to(F64)
-        beta_t = self.beta * (self.t + 1 - self.tau[c]) ** -self.a
+        beta_t = self.beta * (self.t + 1 - base) ** -self.a
         chain = self.variant == "client_chain"
         shift = (self.V - self.C[c]) if chain else (self.W - self.G[c])
         dm = x - self.C[c]
@@ -270,7 +294,7 @@ def test_random_trace_matches_float64_oracle(variant: str, gen: torch.Generator)
         kind = UpdateKind.DELTA if step % 3 == 0 else UpdateKind.WEIGHTS
         out = s.on_update(make_update(job, x, kind), float(step))
         assert out.status is Status.APPLIED and out.version == o.t + 1
-        o.arrive(c, x)
+        o.arrive(c, x, job.base_version)
         close(s.global_model(), o.W)
         o.W = s.global_model().to(F64)
         o.G[c] = o.W.clone()

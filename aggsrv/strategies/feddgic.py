@@ -45,7 +45,9 @@ Float buffers (BatchNorm statistics) follow the weights: the sample-weighted mea
 rounds, then the same two moving averages (group, then global) with the same ratios.
 
 Outcomes: grouping rounds answer BUFFERED(current version) until the update that closes the
-round (APPLIED(new version)); the asynchronous phase answers APPLIED(new version) every time.
+round (APPLIED(new version)); every BUFFERED update is in the round's average. An update whose
+job is not part of the open round is refused (ABORTED) and changes nothing. The asynchronous
+phase answers APPLIED(new version) every time.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import torch
 from aggsrv import kernels
 from aggsrv.strategies.base import (
     Job,
+    JobSuperseded,
     Outcome,
     Status,
     Strategy,
@@ -228,6 +231,23 @@ class FedDGIC(Strategy):
 
     # --------------------------------------------------------------------------- updates
 
+    def _check(self, update: Update, job: Job, staleness: int, now: float) -> None:
+        # A grouping round averages only its own jobs' updates (spec 1.4.5: u_i = W_new,i -
+        # W_global^r); one from outside it is refused here, before any state changes, rather
+        # than answered BUFFERED and left out. A closed round retires its jobs, so this is a
+        # guard for states the API does not make.
+        if self.phase == "grouping" and not (
+            self._round_open
+            and update.client_id in self._participants
+            and job.base_version == self.version
+        ):
+            raise JobSuperseded(
+                f"job {job.job_id} of client {update.client_id!r} (from version "
+                f"{job.base_version}) is not part of the open grouping round (round "
+                f"{self.rounds_done + 1}, version {self.version}); discard this update and ask "
+                "for a new job"
+            )
+
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         if self.phase == "grouping":
             return self._apply_grouping(update, job, now)
@@ -258,11 +278,7 @@ class FedDGIC(Strategy):
         self._has_row[i] = True
 
     def _apply_grouping(self, update: Update, job: Job, now: float) -> Outcome:
-        cid = update.client_id
-        if not (self._round_open and cid in self._participants and
-                job.base_version == self.version):  # fmt: skip
-            # Unreachable: a closed round's jobs are retired, so its late updates are refused.
-            return Outcome(Status.BUFFERED, self.version)
+        cid = update.client_id  # _check refused any update outside the open round
         i = self._row_of(cid)
         self._store_row(i, update, job)
         n = float(update.num_samples) or 1.0  # a client without samples counts once

@@ -18,12 +18,19 @@ an opt-in deviation, spec 2.11; NONE: no basis is sent) and ``only_conflicting``
 remove the component only when ``<g, b> < 0``; False: the "traditional OGD" ablation).
 
 Epochs (spec 2.6 deployment mode). An epoch opens once ``min_available`` clients are registered
-and again right after each close. ``job_for`` hands every client that has not reported in the
-open epoch a job from the current version (a client still running a job keeps it; asking again
-for a job from an older version supersedes it, as the base class does). The epoch closes when
-every A-client dispatched in it has reported and at least ``min_updates`` updates arrived in it,
-or at ``epoch start + epoch_timeout`` (``on_timer``) if ``min_updates`` arrived; otherwise the
-deadline moves ``epoch_timeout`` on. A client that reported waits (``job_for`` -> None) until
+and again right after each close. When it opens it dispatches every idle client (spec S1: every
+registered client with no job in flight), and a client that registers while it is open is
+dispatched at once; the A-clients among them are the ones the epoch waits for. This membership
+is fixed by the registrations and the updates, never by when job requests arrive, so the same
+events give the same model whatever order their RPCs reach the server in (a straggler's upload
+that lands right after a close waits for the new epoch's A-clients instead of closing it).
+``job_for`` hands every client that has not reported in the open epoch a job from the current
+version (a client still running a job keeps it; asking again for a job from an older version
+supersedes it, as the base class does, without making it a member). The epoch closes when every
+A-client dispatched in it has reported and at least ``min_updates`` updates arrived in it, or at
+``epoch start + epoch_timeout`` (``on_timer``) if ``min_updates`` arrived; otherwise the
+deadline moves ``epoch_timeout`` on. An epoch that opens with no idle A-client closes at the
+first ``min_updates`` arrivals. A client that reported waits (``job_for`` -> None) until
 the next epoch (re-dispatch at t0 + P, spec 2.6). Updates arriving after the close of the epoch
 their job came from are accepted and overwrite the row at any later epoch (stragglers), with no
 staleness weighting; ``max_staleness`` still applies.
@@ -209,7 +216,9 @@ class CachedEpochs(Strategy):
         self._bases = torch.zeros(2, self.dim, dtype=torch.float32, device=self.device)
         self._open = False
         self._deadline: float | None = None
-        self._pending: dict[str, None] = {}  # A-clients dispatched this epoch, not reported
+        # A-clients dispatched this epoch (idle when it opened, or joined during it) that have
+        # not reported: the epoch closes when this is empty (and min_updates arrived).
+        self._pending: dict[str, None] = {}
         self._arrivals: dict[str, bool] = {}  # reported this epoch -> on time (same epoch)
 
     # --------------------------------------------------------------------------- views
@@ -230,7 +239,10 @@ class CachedEpochs(Strategy):
     # --------------------------------------------------------------------------- protocol
 
     def on_register(self, client_id: str, now: float) -> None:
-        """Register, give the client a cache row and its group; maybe open the first epoch."""
+        """Register, give the client a cache row and its group; maybe open the first epoch.
+
+        A new client is idle: joining an open epoch it is dispatched in it at once (spec S1),
+        so an active one is waited for like the members the epoch opened with."""
         known = client_id in self._clients
         super().on_register(client_id, now)
         if not known:
@@ -238,18 +250,19 @@ class CachedEpochs(Strategy):
             self._group[client_id] = ACTIVE if p == 1 else STRAGGLER
             self._streak[client_id] = 0
             self._add_row(client_id)
+            if self._open and self._group[client_id] == ACTIVE:
+                self._pending[client_id] = None
         self._maybe_open(now)
 
     def job_for(self, client_id: str, now: float) -> Job | None:
-        """A job from the current version, unless the client already reported in this epoch."""
+        """A job from the current version, unless the client already reported in this epoch.
+
+        Asking for a job does not change who the epoch waits for (decided when it opened)."""
         self._require_registered(client_id)
         self._maybe_open(now)
         if not self._open or client_id in self._arrivals:
             return None
-        job = self._issue_job(client_id, deadline=None)
-        if self._group[client_id] == ACTIVE:
-            self._pending[client_id] = None
-        return job
+        return self._issue_job(client_id, deadline=None)
 
     def _next_deadline(self) -> float | None:
         """The open epoch's deadline."""
@@ -305,6 +318,13 @@ class CachedEpochs(Strategy):
         if self._open or len(self._clients) < self.config.min_available:
             return
         self._open = True
+        # Spec S1: every idle client (no job in flight) is dispatched when the epoch opens, and
+        # the epoch waits for the active ones among them, whenever their job requests arrive.
+        self._pending = {
+            c: None
+            for c in self._clients
+            if self._group[c] == ACTIVE and self.outstanding_job(c) is None
+        }
         timeout = self.config.epoch_timeout
         self._deadline = None if timeout is None else now + timeout
         logger.debug("%s: epoch %d opens at %.3f", self.name, self.version, now)
@@ -325,7 +345,8 @@ class CachedEpochs(Strategy):
     def _reclassify(self) -> None:
         """Deadline detection (spec 2.6 S4) for clients without a fixed group."""
         h = self.config.hysteresis
-        for cid in self._pending:  # dispatched as A in this epoch, did not report in it
+        for cid in self._pending:  # dispatched as A in this epoch (idle at its opening or
+            # joined during it), did not report in it
             if not self._fixed(cid):
                 self._group[cid] = STRAGGLER
                 self._streak[cid] = 0

@@ -17,10 +17,11 @@ On an arrival ``X`` (the client's final weights; a DELTA update is ``C_m + delta
 named tensor, spec G5) ``c_l = <dW, dm> / <dm, dm>`` (0 where ``<dm, dm> <= eps``) and
 ``Y = X + dW - c_l dm``; normalisation segments (``layout.is_norm``) are not calibrated (Y = X
 there, spec G6). The global becomes ``W <- (1 - beta_t) W + beta_t X`` with
-``beta_t = beta * (t - tau)^(-a)``; then ``G_m <- W``, ``C_m <- Y``, ``tau_m <- t`` and the
-client's next job carries ``Y`` as its "weights". Both passes are one call of
-``kernels.orthogonal_calibrate``. When ``t - tau = 1`` (no other update in between) ``dW`` is 0
-and the calibration is skipped: ``Y == X`` bit for bit (spec G4, acceptance check 2).
+``beta_t = beta * (t - tau)^(-a)`` (``t - tau`` below); then ``G_m <- W``, ``C_m <- Y``,
+``tau_m <- t`` and the client's next job carries ``Y`` as its "weights". Both passes are one
+call of ``kernels.orthogonal_calibrate``. When no update was aggregated since ``G_m``
+(``version == tau_m``; the paper's ``t - tau = 1``) ``dW`` is 0 and the calibration is skipped:
+``Y == X`` bit for bit (spec G4, acceptance check 2).
 
 Variant C (``shift_source = "client_chain"``, the released code, spec 1.6). The published,
 evaluated model is the moving average ``A`` of the raw client weights; a separate chain ``V``
@@ -32,14 +33,15 @@ it was sent) is kept. ``Y = X + (V - S_m) - c_l (X - S_m)`` per calibrated segme
 (skip a segment whose shift sums to exactly 0, instead of relying on an all-zero shift giving
 c = 0); both default off and also apply to variant P where they make sense.
 
-Staleness. DESIGN.md: ``t - tau = s + 1``. Here ``tau`` is ``tau_m``, the version of the
-snapshot the calibration measures the shift from, so ``t - tau = (version - tau_m) + 1``. When a
-client asks for its next job right after its update was applied (the paper's protocol and the
-simulator's), its job starts from version ``tau_m`` and this is exactly ``s + 1``. If other
-updates land between a client's update and its next job request, the job's ``s`` is smaller
-than ``version - tau_m``; the shift still has to be measured from ``G_m`` (the client's model
-was calibrated against it), and the paper's tau is "the round when client m last communicated
-with the server", so ``tau_m`` is used for both the shift and ``beta_t``.
+Staleness. ``t - tau = s + 1``, where ``s = version - job.base_version`` is the staleness the
+server computes for every strategy at arrival (docs/strategies.md): the paper's tau is "the
+round when client m last communicated with the server", which is when the client was handed
+its job. When a client asks for its next job right after its update was applied (the paper's
+protocol and the simulator's), the job starts from version ``tau_m`` and ``version - tau_m``
+is that same ``s``. If other updates land between a client's update and its next job request,
+the job's ``s`` is smaller than ``version - tau_m``: ``beta_t`` uses ``s``, while the shift is
+still measured from ``G_m``, the global the client's model ``C_m`` was calibrated against
+(``tau_m`` only names that snapshot's version).
 
 Memory bound (variant P): per client that was ever issued a job, ``C_m`` and ``G_m``: at most
 ``2 x clients x D x 4`` bytes, plus the model versions, one [D] staging buffer and, for DELTA
@@ -272,8 +274,10 @@ class OrthoFL(Strategy):
         else:
             x = update.tensor
         sent = job.weights
-        t_minus_tau = self.version - self._tau[cid] + 1
+        t_minus_tau = staleness + 1  # the one staleness of every strategy (module docstring)
         beta_t = self.mixing_weight(t_minus_tau)
+        # Whether the global moved since G_m; if not, dW = 0 exactly and Y = X (spec G4).
+        drifted = self.version != self._tau[cid]
         if cfg.first_update_alpha_one and self.version == 0:
             beta_t = 1.0
         if self.chain_mode:
@@ -287,8 +291,7 @@ class OrthoFL(Strategy):
                 if self._staging is None:
                     self._staging = torch.empty(self.dim, dtype=torch.float32, device=self.device)
                 snap = self._staging.copy_(snap, non_blocking=True)
-            # t - tau = 1: no other update in between, dW = 0 exactly: Y = X (spec G4).
-            mask = self._mask if t_minus_tau > 1 else self._no_mask
+            mask = self._mask if drifted else self._no_mask
         if cfg.zero_sum_skip and bool(mask.any()):
             sums = torch.segment_reduce(w - snap, "sum", lengths=self._lengths)
             if self.reduce is not None:  # a shard: the whole segments' sums
@@ -303,8 +306,8 @@ class OrthoFL(Strategy):
         )  # fmt: skip
         self.last_coeffs = coeffs
         if update.buffers is not None:
-            # Calibrated exactly when norm segments would be (variant P skips t - tau = 1).
-            calibrate = cfg.calibrate_norm and (self.chain_mode or t_minus_tau > 1)
+            # Calibrated exactly when norm segments would be (variant P skips an undrifted G_m).
+            calibrate = cfg.calibrate_norm and (self.chain_mode or drifted)
             self._apply_buffers(cid, update.buffers, beta_t, calibrate)
         version = self._publish(new)
         old_sent = self._sent[cid]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .._partials import Reduce
-from ._common import config, tile_table
+from ._common import acc_dtype, config, tile_table
 from .segmented import seg_reduce
 
 
@@ -34,19 +34,19 @@ def _nnz_partial_kernel(
 
 @triton.jit
 def _sparse_acc_kernel(
-    out_ptr, idx_ptr, val_ptr, n, weight, ACC_F64: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr, idx_ptr, val_ptr, w_ptr, n, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[idx[j]] += weight * val[j] for the j of this block."""
+    """out[idx[j]] += weight * val[j] for the j of this block, in w_ptr's dtype."""
     pid = tl.program_id(0)
     j = pid * BLOCK + tl.arange(0, BLOCK)
     m = j < n
+    acc_ty = w_ptr.dtype.element_ty
+    # The weight comes from memory: a Python float argument would be a float32 on the GPU.
+    weight = tl.load(w_ptr)
     i = tl.load(idx_ptr + j, mask=m, other=0).to(tl.int64)
     v = tl.load(val_ptr + j, mask=m, other=0.0)
     o = tl.load(out_ptr + i, mask=m, other=0.0)
-    if ACC_F64:
-        r = o.to(tl.float64) + weight * v.to(tl.float64)
-    else:
-        r = o.to(tl.float32) + weight * v.to(tl.float32)
+    r = o.to(acc_ty) + weight * v.to(acc_ty)
     tl.store(out_ptr + i, r.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -81,7 +81,7 @@ def sparse_accumulate(
         return
     cfg = config(out)
     block = cfg.block
+    w = torch.tensor([weight], dtype=torch.float64).to(device=out.device, dtype=acc_dtype(out))
     _sparse_acc_kernel[(triton.cdiv(n, block),)](
-        out, indices, values, n, float(weight),
-        ACC_F64=out.dtype == torch.float64, BLOCK=block, num_warps=cfg.num_warps,
+        out, indices, values, w, n, BLOCK=block, num_warps=cfg.num_warps,
     )  # fmt: skip
