@@ -748,6 +748,30 @@ class Strategy(ABC):
         self._absmax = (self.version, value)
         return value
 
+    def _checked_absmax(self, t: torch.Tensor, what: str) -> float:
+        """max |t| (NonFiniteResult if ``t`` holds NaN/Inf), the way :meth:`model_absmax`
+        measures: on a sharded server the sum of the shards' maxima, so every shard decides
+        alike."""
+        lo, hi = torch.aminmax(t) if t.numel() else (torch.zeros(()), torch.zeros(()))
+        value = max(-float(lo), float(hi))  # NaN in, NaN out; Inf in, Inf out
+        if self.reduce is not None:
+            value = float(self.reduce(torch.tensor([value], dtype=torch.float64)))
+        if not math.isfinite(value):
+            raise NonFiniteResult(
+                f"applying this update would make {what} non-finite (NaN/Inf: a float32 "
+                "overflow); it was refused and nothing changed. Send a smaller update."
+            )
+        return value
+
+    def _require_reach(self, reach: float, what: str) -> None:
+        """Refuse (NonFiniteResult) when a bound on the values a step could produce is past
+        float32's range (:data:`FLOAT32_SAFE_MAX`)."""
+        if not reach < FLOAT32_SAFE_MAX:
+            raise NonFiniteResult(
+                f"with this update {what} could reach {reach:.3g}, past float32's range; it "
+                "was refused and nothing changed. Send a smaller update."
+            )
+
     def _check_version(self, model: torch.Tensor) -> None:
         """Refuse (NonFiniteResult) a candidate next version that is not finite, handing its
         buffer back to the pool."""

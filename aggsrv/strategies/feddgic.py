@@ -204,11 +204,11 @@ class FedDGIC(Strategy):
         """Grouping: a job for a round participant that has not reported. Async: always."""
         self._require_registered(client_id)
         if self.phase == "async":
-            return self._issue_job(client_id, deadline=None)
+            return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
         if not self._round_open or self._participants.get(client_id, True):
             return None
-        return self._issue_job(client_id, deadline=self._deadline)
+        return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:
         """The open grouping round's deadline."""

@@ -220,6 +220,11 @@ class CachedEpochs(Strategy):
         # not reported: the epoch closes when this is empty (and min_updates arrived).
         self._pending: dict[str, None] = {}
         self._arrivals: dict[str, bool] = {}  # reported this epoch -> on time (same epoch)
+        # max |row| per cache row (derived from the cache, so not saved): bounds what a close
+        # can publish without computing it at every update.
+        self._row_absmax: list[float] = []
+        self._candidate: torch.Tensor | None = None  # the next row of the updating client
+        self._candidate_absmax = 0.0
 
     # --------------------------------------------------------------------------- views
 
@@ -262,7 +267,7 @@ class CachedEpochs(Strategy):
         self._maybe_open(now)
         if not self._open or client_id in self._arrivals:
             return None
-        return self._issue_job(client_id, deadline=None)
+        return self._issue_job(client_id, deadline=None, now=now)
 
     def _next_deadline(self) -> float | None:
         """The open epoch's deadline."""
@@ -291,6 +296,15 @@ class CachedEpochs(Strategy):
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         cid = update.client_id
+        # Checked before any change: the client's new row is finite, and whichever epoch close
+        # comes next (this update's or a deadline's) publishes a finite model.
+        self._candidate_absmax = self._prepare(update, job)
+        bound = self._bound_with(cid, self._candidate_absmax)
+        factor = 2.0 if self._sums_both_bases() else 1.0
+        self._require_reach(
+            self.model_absmax() + self.config.effective_server_lr * factor * bound,
+            "the model an epoch close would publish",
+        )
         self._ingest(update, job)
         if update.buffers is not None:
             self.float_buffers.remember(cid, update.buffers)
@@ -303,14 +317,35 @@ class CachedEpochs(Strategy):
             return Outcome(Status.APPLIED, self._close(now))
         return Outcome(Status.BUFFERED, self.version)
 
-    def _ingest(self, update: Update, job: Job) -> None:
-        """Overwrite the client's row with its pseudo-gradient ``-DELTA / lr`` (one pass)."""
-        dst = self._cache[self._row[update.client_id]]
+    def _prepare(self, update: Update, job: Job) -> float:
+        """The client's next row, the pseudo-gradient ``-DELTA / lr``, in a scratch row (not
+        yet in the cache); its max |x| (NonFiniteResult if it is not finite)."""
+        if self._candidate is None:
+            self._candidate = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        dst = self._candidate
         lr = job.recipe.learning_rate
         if update.kind is UpdateKind.DELTA:
             torch.div(update.tensor, -lr, out=dst)
         else:
             torch.sub(job.weights, update.tensor, out=dst).div_(lr)
+        return self._checked_absmax(dst, "the client's pseudo-gradient -DELTA / lr")
+
+    def _bound_with(self, client_id: str, absmax: float) -> float:
+        """The largest max |row| over the cache with the client's row replaced."""
+        mine = self._row[client_id]
+        return max([absmax, *(m for r, m in enumerate(self._row_absmax) if r != mine)])
+
+    def _sums_both_bases(self) -> bool:
+        """Whether a close steps by the sum of two means (Fed-OGD's group_sum) rather than
+        one mean: a bound on the step doubles."""
+        return False
+
+    def _ingest(self, update: Update, job: Job) -> None:
+        """Make the prepared row (:meth:`_prepare`) the client's cache row."""
+        assert self._candidate is not None
+        row = self._row[update.client_id]
+        self._cache[row].copy_(self._candidate)
+        self._row_absmax[row] = self._candidate_absmax
 
     # --------------------------------------------------------------------------- epochs
 
@@ -377,6 +412,7 @@ class CachedEpochs(Strategy):
         self._row[client_id] = n
         self._valid.append(False)
         self._base_version.append(-1)
+        self._row_absmax.append(0.0)
 
     @abstractmethod
     def _step(self) -> torch.Tensor:
@@ -415,6 +451,9 @@ class CachedEpochs(Strategy):
             self._cache = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
             self._cache[:n].copy_(cache)
         self._row = rows
+        self._row_absmax = [0.0] * len(rows)
+        for r in range(n):
+            self._row_absmax[r] = self._checked_absmax(self._cache[r], "a saved row")
         self._valid = [bool(v) for v in state["valid"]]
         self._base_version = [int(v) for v in state["base_version"]]
         self._group = {str(c): int(g) for c, g in state["group"].items()}
@@ -437,6 +476,7 @@ class FedOGD(CachedEpochs):
         """Allocate the running group sums in the privacy variant (no cache rows then)."""
         super().__init__(*args, **kwargs)
         self._sums: torch.Tensor | None = None
+        self._sums_absmax = [0.0, 0.0]  # max |sum| per group (derived, not saved)
         if self.config.send_differences:
             self._sums = torch.zeros(2, self.dim, dtype=torch.float64, device=self.device)
 
@@ -470,14 +510,38 @@ class FedOGD(CachedEpochs):
         self._row[client_id] = len(self._row)  # bookkeeping only: no cache row
         self._valid.append(False)
         self._base_version.append(-1)
+        self._row_absmax.append(0.0)
+
+    def _sums_both_bases(self) -> bool:
+        return self.config.aggregation != "uniform_mean"
+
+    def _prepare(self, update: Update, job: Job) -> float:
+        if self._sums is None:
+            return super()._prepare(update, job)
+        # Σ_group + Δb_k with Δb_k = -(delta_t - delta_{t-1}) / lr (spec 2.14, corrected G9),
+        # in a float64 scratch row; a basis is this sum over the group's count (>= 1).
+        if self._candidate is None or self._candidate.dtype != torch.float64:
+            self._candidate = torch.empty(self.dim, dtype=torch.float64, device=self.device)
+        g = self._group[update.client_id]
+        torch.add(self._sums[g], update.tensor, alpha=-1.0 / job.recipe.learning_rate,
+                  out=self._candidate)  # fmt: skip
+        return self._checked_absmax(self._candidate, "the group's running sum")
+
+    def _bound_with(self, client_id: str, absmax: float) -> float:
+        if self._sums is None:
+            return super()._bound_with(client_id, absmax)
+        g = self._group[client_id]
+        others = [self._sums_absmax[h] for h in (ACTIVE, STRAGGLER) if h != g]
+        return max([absmax, *others]) if self._sums_both_bases() else absmax + sum(others)
 
     def _ingest(self, update: Update, job: Job) -> None:
         if self._sums is None:
             super()._ingest(update, job)
             return
-        # Σ_group += Δb_k with Δb_k = -(delta_t - delta_{t-1}) / lr (spec 2.14, corrected G9).
+        assert self._candidate is not None
         g = self._group[update.client_id]
-        self._sums[g].add_(update.tensor, alpha=-1.0 / job.recipe.learning_rate)
+        self._sums[g].copy_(self._candidate)
+        self._sums_absmax[g] = self._candidate_absmax
 
     def _means(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new bases [2, D] and, for uniform_mean, the mean over all counted rows."""
@@ -531,3 +595,4 @@ class FedOGD(CachedEpochs):
             raise ValueError("saved state and config disagree about send_differences")
         if sums is not None:
             self._sums = sums.to(device=self.device, dtype=torch.float64, copy=True)
+            self._sums_absmax = [self._checked_absmax(self._sums[g], "a saved sum") for g in (0, 1)]

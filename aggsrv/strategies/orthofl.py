@@ -87,6 +87,7 @@ from aggsrv import kernels
 from aggsrv.strategies.base import (
     Job,
     JobSuperseded,
+    NonFiniteResult,
     Outcome,
     Status,
     Strategy,
@@ -271,6 +272,7 @@ class OrthoFL(Strategy):
             if self._scratch is None:
                 self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
             x = self.client_weights(update, job, out=self._scratch)
+            self._require_finite(x, "the client's weights (its job's weights plus the delta)")
         else:
             x = update.tensor
         sent = job.weights
@@ -304,11 +306,21 @@ class OrthoFL(Strategy):
             calibrate=mask, ma=ma, eps=cfg.eps, out_y=y, out_ma=new, return_coeffs=True,
             reduce=self.reduce,
         )  # fmt: skip
-        self.last_coeffs = coeffs
+        # Both results are checked before anything changes (the client's next model is kept).
+        try:
+            self._require_finite(y, "the client's calibrated model")
+            self._check_version(new)
+        except NonFiniteResult:
+            self._versions.retire(y)
+            raise
+        buffers = None
         if update.buffers is not None:
             # Calibrated exactly when norm segments would be (variant P skips an undrifted G_m).
             calibrate = cfg.calibrate_norm and (self.chain_mode or drifted)
-            self._apply_buffers(cid, update.buffers, beta_t, calibrate)
+            buffers = self._calibrated_buffers(cid, update.buffers, beta_t, calibrate)
+        self.last_coeffs = coeffs
+        if buffers is not None:
+            self._commit_buffers(cid, *buffers)
         version = self._publish(new)
         old_sent = self._sent[cid]
         self._sent[cid] = y
@@ -323,8 +335,11 @@ class OrthoFL(Strategy):
         logger.debug("orthofl: %s t-tau=%d beta_t=%.4g -> v%d", cid, t_minus_tau, beta_t, version)
         return Outcome(Status.APPLIED, version)
 
-    def _apply_buffers(self, cid: str, xb: torch.Tensor, beta_t: float, calibrate: bool) -> None:
-        """The [B] buffers through the same calibration and moving average as the weights."""
+    def _calibrated_buffers(
+        self, cid: str, xb: torch.Tensor, beta_t: float, calibrate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [B] buffers through the same calibration and moving average as the weights:
+        (the client's next buffers, the next global ones), checked finite; nothing changes."""
         current = self.float_buffers.current
         assert current is not None
         if self.chain_mode:
@@ -341,6 +356,12 @@ class OrthoFL(Strategy):
         if calibrate and self._variance_index.numel():
             # A calibrated variance can come out negative (spec G6: clamp at 0).
             yb[self._variance_index] = yb[self._variance_index].clamp(min=0.0)
+        self._require_finite(yb, "the client's calibrated float buffers")
+        self._require_finite(new_b, "the next float buffers")
+        return yb, new_b
+
+    def _commit_buffers(self, cid: str, yb: torch.Tensor, new_b: torch.Tensor) -> None:
+        """Keep the buffers :meth:`_calibrated_buffers` computed."""
         self.float_buffers.set(new_b)
         self._b_sent[cid] = yb
         if self.chain_mode:
