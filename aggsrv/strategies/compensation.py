@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CompensationStep", "GroupCompensation", "compensated_alpha", "group_alpha"]
+__all__ = [
+    "CompensationPlan",
+    "CompensationStep",
+    "GroupCompensation",
+    "compensated_alpha",
+    "group_alpha",
+]
 
 
 def group_alpha(alpha_max: float, beta: float, staleness: int) -> float:
@@ -55,6 +61,16 @@ class CompensationStep:
     version_after: int  # V_g after the increment
     dropped: int  # D_g
     alpha_comp: float
+
+
+@dataclass(frozen=True)
+class CompensationPlan:
+    """One submission computed but not applied (:meth:`GroupCompensation.plan`)."""
+
+    step: CompensationStep
+    group_model: torch.Tensor  # the submitter's group model after Eq. 8
+    global_model: torch.Tensor  # the global model after Eq. 10
+    dropped: dict[int, bool]  # the new dropout flag of each member of the group
 
 
 class GroupCompensation:
@@ -119,23 +135,53 @@ class GroupCompensation:
     ) -> CompensationStep:
         """Lines 7-14 for one submission; ``self.global_model`` is what the client gets back
         (written into ``out`` when given, a fresh tensor otherwise; never in place)."""
-        if not 0 <= client < len(self.labels):
-            raise ValueError(f"client {client} is not in the grouping of {len(self.labels)}")
-        g = self.labels[client]
-        n_g = len(self.members[g])
-        staleness = max(self.group_version[g] - self.client_version[client] - n_g, 0)
+        return self.commit(self.plan(client, weights, out))
+
+    def plan(
+        self,
+        client: int,
+        weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+        joining: bool = False,
+    ) -> CompensationPlan:
+        """What :meth:`submit` would do, computed without changing anything, so the caller can
+        check the results first and then :meth:`commit` them. ``joining``: ``client`` is one
+        past the last index, a client that :meth:`add_client` would add (a group of its own)."""
+        n = len(self.labels)
+        valid = client == n if joining else 0 <= client < n
+        if not valid:
+            raise ValueError(f"client {client} is not in the grouping of {n}")
+        g = len(self.members) if joining else self.labels[client]
+        members = [client] if joining else self.members[g]
+        n_g = len(members)
+        v_g_before = 0 if joining else self.group_version[g]
+        v_i = 0 if joining else self.client_version[client]
+        staleness = max(v_g_before - v_i - n_g, 0)
         a_grp = group_alpha(self.alpha_max, self.beta, staleness)
-        w_g = self.group_models[g]
-        w_g.lerp_(weights.to(w_g.dtype), a_grp)  # a W_new + (1 - a) W_g
-        self.group_version[g] += 1
-        v_g, t = self.group_version[g], self.thresholds[g]
-        for j in self.members[g]:
-            self.dropped[j] = j != client and v_g - self.client_version[j] >= t
-        d_g = sum(self.dropped[j] for j in self.members[g])
+        w_g = self.global_model if joining else self.group_models[g]
+        group_model = torch.lerp(w_g, weights.to(w_g.dtype), a_grp)  # a W_new + (1 - a) W_g
+        v_g = v_g_before + 1
+        t = self._threshold(1) if joining else self.thresholds[g]
+        dropped = {j: j != client and v_g - self.client_version[j] >= t for j in members}
+        d_g = sum(dropped.values())
         a_comp = compensated_alpha(self.alpha_global, n_g, d_g if self.compensate else 0)
-        self.global_model = torch.lerp(self.global_model, w_g, a_comp, out=out)
-        self.client_version[client] = v_g
-        return CompensationStep(client, g, staleness, a_grp, v_g, d_g, a_comp)
+        global_model = torch.lerp(self.global_model, group_model, a_comp, out=out)
+        step = CompensationStep(client, g, staleness, a_grp, v_g, d_g, a_comp)
+        return CompensationPlan(step, group_model, global_model, dropped)
+
+    def commit(self, plan: CompensationPlan) -> CompensationStep:
+        """Apply a :meth:`plan` (adding the client first when it is new)."""
+        step = plan.step
+        if step.client == len(self.labels):
+            self.add_client()
+        g = step.group
+        self.group_models[g] = plan.group_model
+        self.group_version[g] = step.version_after
+        for j, flag in plan.dropped.items():
+            self.dropped[j] = flag
+        self.global_model = plan.global_model
+        self.client_version[step.client] = step.version_after
+        return step
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, flags and models (the caller clones the tensors)."""

@@ -171,6 +171,7 @@ class FedDGIC(Strategy):
         self._acc_buffers: torch.Tensor | None = None
         self._comp: GroupCompensation | None = None
         self._group_buffers: list[torch.Tensor] = []
+        self._scratch = torch.zeros(0, dtype=torch.float32, device=self.device)  # a row, unchecked
         self._async_versions = 0  # versions made in the asynchronous phase (regroup_every)
 
     # --------------------------------------------------------------------------- views
@@ -269,19 +270,45 @@ class FedDGIC(Strategy):
             self._rows = grown
         return i
 
-    def _store_row(self, i: int, update: Update, job: Job) -> None:
-        row = self._rows[i]
+    def _prepare_row(self, update: Update, job: Job) -> torch.Tensor:
+        """The client's next similarity row (its update or its weights, by ``sim_input``) in a
+        scratch row, checked finite; not yet stored."""
+        if self._scratch.numel() != self.dim:
+            self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
         if self.config.sim_input == "update":
-            self.client_delta(update, job, out=row)
+            self.client_delta(update, job, out=self._scratch)
         else:
-            self.client_weights(update, job, out=row)
+            self.client_weights(update, job, out=self._scratch)
+        absmax = self._checked_absmax(self._scratch, "the client's similarity row")
+        # The cosines between rows sum products in float32: |sum x_i y_i| <= D max|x| max|y|,
+        # so a row with larger values could make the similarity matrix NaN.
+        self._require_reach(
+            absmax * absmax * self.layout.whole.numel, "a dot product of similarity rows"
+        )
+        return self._scratch
+
+    def _store_row(self, i: int, row: torch.Tensor) -> None:
+        self._rows[i].copy_(row)
         self._has_row[i] = True
 
     def _apply_grouping(self, update: Update, job: Job, now: float) -> Outcome:
         cid = update.client_id  # _check refused any update outside the open round
-        i = self._row_of(cid)
-        self._store_row(i, update, job)
         n = float(update.num_samples) or 1.0  # a client without samples counts once
+        row = self._prepare_row(update, job)
+        base = job.weights if update.kind is UpdateKind.DELTA else None
+        total = self._acc_weight + n
+
+        def mean_after(s: slice) -> torch.Tensor:
+            acc = torch.add(self._acc[s], update.tensor[s], alpha=n)
+            if base is not None:
+                acc.add_(base[s], alpha=n)
+            return acc.div_(total).float()
+
+        # The round's mean if it closed now: its close (this update's or the deadline's)
+        # publishes a checked value.
+        self._require_finite_chunks(mean_after, "the model the grouping round would publish")
+        i = self._row_of(cid)
+        self._store_row(i, row)
         # n * (client weights) into the float64 sum, without a [D] temporary.
         self._acc.add_(update.tensor, alpha=n)
         if update.kind is UpdateKind.DELTA:
@@ -300,23 +327,37 @@ class FedDGIC(Strategy):
         assert comp is not None
         cid = update.client_id
         joined = cid not in self._index
+        i = self._index.get(cid, len(self._ids))
+        new_group = i >= len(comp.labels)
+        assert i <= len(comp.labels), "every client with an index is in the compensation"
+        # Everything is computed and checked first (a joining client's group too), then kept.
+        new = self._new_model_buffer()
+        weights = self.client_weights(update, job)
+        plan = comp.plan(i, weights, out=new, joining=new_group)
+        self._require_finite(plan.group_model, "the client's group model")
+        self._check_version(new)
+        group_buffers = None
+        if update.buffers is not None:
+            current = self.float_buffers.current
+            assert current is not None
+            gb = current if new_group else self._group_buffers[plan.step.group]
+            gb = torch.lerp(gb, update.buffers, plan.step.alpha_group)
+            group_buffers = (gb, torch.lerp(current, gb, plan.step.alpha_comp))
+            self._require_finite(group_buffers[1], "the next float buffers")
+        row = self._prepare_row(update, job) if self._regrouping() else None
         i = self._row_of(cid)
-        if i >= len(comp.labels):
-            comp.add_client()
+        if new_group:
             if self.float_buffers.enabled:
                 assert self.float_buffers.current is not None
                 self._group_buffers.append(self.float_buffers.current.clone())
             logger.info("%s: %s joined after the grouping: a group of its own", self.name, cid)
-        if self._regrouping():
-            self._store_row(i, update, job)
-        before = list(comp.dropped)
-        new = self._new_model_buffer()
-        step = comp.submit(i, self.client_weights(update, job), out=new)
-        if update.buffers is not None:
-            gb = self._group_buffers[step.group]
-            gb.lerp_(update.buffers, step.alpha_group)
-            assert self.float_buffers.current is not None
-            self.float_buffers.set(torch.lerp(self.float_buffers.current, gb, step.alpha_comp))
+        if row is not None:
+            self._store_row(i, row)
+        before = list(comp.dropped) + [False] * new_group
+        step = comp.commit(plan)
+        if group_buffers is not None:
+            self._group_buffers[step.group] = group_buffers[0]
+            self.float_buffers.set(group_buffers[1])
         for j, (was, now_dropped) in enumerate(zip(before, comp.dropped, strict=True)):
             if was != now_dropped:
                 self._emit_dropout(j, now_dropped, now)
