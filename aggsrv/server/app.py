@@ -25,9 +25,9 @@ from aggsrv.server.evaluation import Evaluator, load_hook
 from aggsrv.server.federation import Federation
 from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.persistence import StateStore
-from aggsrv.server.service import AggregationService
+from aggsrv.server.service import AggregationService, add_to_server
 from aggsrv.server.shards import ShardGroup, ShardLost
-from aggsrv.v1 import aggregation_pb2, aggregation_pb2_grpc
+from aggsrv.v1 import aggregation_pb2
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = aggregation_pb2.DESCRIPTOR.services_by_name["Aggregation"].full_name
@@ -91,7 +91,7 @@ class Server:
         service = AggregationService(
             self.federation, self.authenticator, on_shutdown=self.request_stop
         )
-        aggregation_pb2_grpc.add_AggregationServicer_to_server(service, self._grpc)
+        add_to_server(service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -179,8 +179,11 @@ class AggregationServicer:
         has nothing for this client yet (the stream stays open and the server asks the strategy
         again after every state change), then one `header`, the announced tensors' chunks, one
         `trailer`, and the call ends OK. One job per call. Calling GetJob again while a job is out
-        supersedes it: an update for the older job is then ABORTED. If no job comes before the
-        client's gRPC deadline, or before its lease expires, the call ends with DEADLINE_EXCEEDED.
+        is idempotent: while the global version the job starts from is still the latest, the call
+        returns the same job (same job id) and nothing new is recorded; once the strategy issues
+        the client a newer job, the older one is superseded (an update for it is ABORTED). If no
+        job comes before the client's gRPC deadline, or before its lease expires, the call ends with
+        DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
