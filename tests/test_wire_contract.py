@@ -344,3 +344,230 @@ def test_a_receive_limit_too_small_for_any_chunk_is_invalid_argument(servers) ->
         request = pb.GetModelRequest(max_receive_message_bytes=100)
         err = rpc_error(lambda: list(stub.GetModel(request, timeout=CALL_S)))
         assert err.code() == SC.INVALID_ARGUMENT and "max_receive_message_bytes" in err.details()
+
+
+# ----------------------------------------------------------- 10. the status table, row by row
+
+
+class Table:
+    """Two servers for the table's rows: one without a model, one (fedasync, 2 retained
+    versions) with a model at version 2, client "c1" registered and holding a job."""
+
+    def __init__(self) -> None:
+        from server_helpers import RunningServer
+
+        self.empty = RunningServer(strategy="fedasync")
+        self.srv = RunningServer(strategy="fedasync", retained_versions=2, rate_limit_per_second=0)
+        self.model = odd_model(21)
+        self.client = Client(self.srv.address, "c1")
+        self.client.register(self.model)
+        for _ in range(2):
+            job = self.client.get_job()
+            self.client.push(job, torch.randn(self.layout.numel), buffers=job.buffers)
+        self.job = self.client.get_job()
+        self.channel = grpc.insecure_channel(self.srv.address)
+        self.stub = pb_grpc.AggregationStub(self.channel)
+        self.empty_channel = grpc.insecure_channel(self.empty.address)
+        self.empty_stub = pb_grpc.AggregationStub(self.empty_channel)
+
+    @property
+    def layout(self) -> ModelLayout:
+        return self.client.layout
+
+    def update(self, **header) -> list:
+        values = {"update": torch.randn(self.layout.numel), "buffers": self.job.buffers}
+        return update_messages(self.client, self.job, values, **header)
+
+    def push(self, msgs: list):
+        return self.stub.PushUpdate(iter(msgs), timeout=CALL_S)
+
+    def get_job(self, **fields):
+        request = pb.GetJobRequest(client_id="c1", layout_hash=self.layout.hash, **fields)
+        return list(self.stub.GetJob(request, timeout=CALL_S))
+
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+        self.empty_channel.close()
+        self.srv.stop()
+        self.empty.stop()
+
+
+@pytest.fixture(scope="module")
+def table():
+    t = Table()
+    yield t
+    t.close()
+
+
+def _header_first(t: Table, msgs: list) -> list:
+    return [msgs[1], msgs[0], *msgs[2:]]
+
+
+def _trailer_then(t: Table, msgs: list) -> list:
+    return [*msgs, pb.UpdateMessage(chunk=msgs[1].chunk)]
+
+
+def _bare_register(client_id: str = "c9", **fields) -> pb.RegisterRequest:
+    return pb.RegisterRequest(header=pb.RegisterHeader(client_id=client_id, **fields))
+
+
+ROWS: dict[str, tuple[SC, Callable[[Table], object]]] = {
+    # calls before the model exists
+    "GetJob before the model": (
+        SC.FAILED_PRECONDITION,
+        lambda t: list(t.empty_stub.GetJob(pb.GetJobRequest(client_id="c1"), timeout=CALL_S)),
+    ),
+    "GetModel before the model": (
+        SC.FAILED_PRECONDITION,
+        lambda t: list(t.empty_stub.GetModel(pb.GetModelRequest(), timeout=CALL_S)),
+    ),
+    "PushUpdate before the model": (
+        SC.FAILED_PRECONDITION,
+        lambda t: t.empty_stub.PushUpdate(iter(t.update()), timeout=CALL_S),
+    ),
+    "Register without a model offering none": (
+        SC.FAILED_PRECONDITION,
+        lambda t: t.empty_stub.Register(
+            iter([_bare_register(layout=P.layout_to_pb(t.layout), layout_hash=t.layout.hash)]),
+            timeout=CALL_S,
+        ),
+    ),
+    "Checkpoint without a state_dir": (
+        SC.FAILED_PRECONDITION,
+        lambda t: t.stub.Checkpoint(pb.CheckpointRequest(), timeout=CALL_S),
+    ),
+    # malformed ids
+    "malformed client_id (GetJob)": (
+        SC.INVALID_ARGUMENT,
+        lambda t: list(t.stub.GetJob(pb.GetJobRequest(client_id="a b"), timeout=CALL_S)),
+    ),
+    "malformed client_id (Heartbeat)": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.stub.Heartbeat(pb.HeartbeatRequest(client_id="x" * 129), timeout=CALL_S),
+    ),
+    "malformed client_id (Register)": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.stub.Register(iter([_bare_register("é")]), timeout=CALL_S),
+    ),
+    "malformed update_id": (SC.INVALID_ARGUMENT, lambda t: t.push(t.update(update_id="u/1"))),
+    "job_id not the server's decimal string": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(t.update(job_id="0" + t.job.job_id)),
+    ),
+    "unknown client": (
+        SC.NOT_FOUND,
+        lambda t: t.stub.Heartbeat(pb.HeartbeatRequest(client_id="nobody"), timeout=CALL_S),
+    ),
+    # stream structure
+    "a stream not starting with its header": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(_header_first(t, t.update())),
+    ),
+    "Register not starting with its header": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.stub.Register(
+            iter([pb.RegisterRequest(trailer=tpb.StreamTrailer())]), timeout=CALL_S
+        ),
+    ),
+    "a message after the trailer": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(_trailer_then(t, t.update())),
+    ),
+    "a second header in the stream": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push([t.update()[0], *t.update()]),
+    ),
+    "an empty chunk": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(
+            [*t.update()[:1], pb.UpdateMessage(chunk=tpb.TensorChunk(tensor="update"))]
+        ),
+    ),
+    "Register tensors without initial_tensors": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.stub.Register(
+            iter(
+                [
+                    _bare_register(
+                        "c1", layout=P.layout_to_pb(t.layout), layout_hash=t.layout.hash
+                    ),
+                    pb.RegisterRequest(chunk=tpb.TensorChunk(tensor="weights", data=bytes(4))),
+                ]
+            ),
+            timeout=CALL_S,
+        ),
+    ),
+    "payload_bytes not what was sent": (
+        SC.DATA_LOSS,
+        lambda t: t.push(
+            [
+                *t.update()[:-1],
+                pb.UpdateMessage(
+                    trailer=tpb.StreamTrailer(
+                        crc32c=t.update()[-1].trailer.crc32c,
+                        payload_bytes=t.update()[-1].trailer.payload_bytes + 4,
+                    )
+                ),
+            ]
+        ),
+    ),
+    # header fields
+    "unspecified dtype": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(t.update(dtype=tpb.WIRE_DTYPE_UNSPECIFIED)),
+    ),
+    "unspecified update kind": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(t.update(kind=pb.UPDATE_KIND_UNSPECIFIED)),
+    ),
+    "unknown tensor encoding": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(
+            t.update(
+                tensors=[
+                    tpb.TensorInfo(name="update", numel=t.layout.numel, encoding=9),
+                    tpb.TensorInfo(name="buffers", numel=t.layout.buffer_numel),
+                ]
+            )
+        ),
+    ),
+    "a dtype the wire does not know (GetJob)": (SC.INVALID_ARGUMENT, lambda t: t.get_job(dtype=7)),
+    "a receive limit below 1024 bytes (GetJob)": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.get_job(max_receive_message_bytes=1023),
+    ),
+    # sharding fields on a single server
+    "shard_rank on a single server": (
+        SC.FAILED_PRECONDITION,
+        lambda t: t.push(t.update(shard_rank=1)),
+    ),
+    "job_id on a single server's GetJob": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.get_job(job_id=t.job.job_id),
+    ),
+    # versions
+    "GetModel of a version not yet made": (
+        SC.OUT_OF_RANGE,
+        lambda t: list(t.stub.GetModel(pb.GetModelRequest(version=3), timeout=CALL_S)),
+    ),
+    "GetModel of a version no longer retained": (
+        SC.NOT_FOUND,
+        lambda t: list(t.stub.GetModel(pb.GetModelRequest(version=0), timeout=CALL_S)),
+    ),
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_each_refusal_of_the_status_table_gets_its_code_and_changes_nothing(table, row) -> None:
+    code, call = ROWS[row]
+    srv = table.srv
+    before, version = srv.model(), srv.strategy.version
+    clients = set(srv.federation.clients)
+    err = rpc_error(lambda: call(table))
+    assert err.code() == code, (row, err.code(), err.details())
+    assert err.details() and "Traceback" not in err.details()
+    assert torch.equal(srv.model(), before) and srv.strategy.version == version == 2
+    assert set(srv.federation.clients) == clients and table.empty.federation.strategy is None
+    # the client's job is still the open one
+    assert srv.strategy.job_state("c1", int(table.job.job_id)) == "current"
