@@ -19,7 +19,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from aggsrv.client.model_init import load_model_init
 from aggsrv.server import auth as A
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.evaluation import Evaluator, load_hook
@@ -293,6 +292,9 @@ class Server:
 
     def _load_initial_model(self, path: str) -> None:
         # Laid out as the clients of that model lay it out, or none of them could register.
+        # (Imported here: only --model-init needs the client package.)
+        from aggsrv.client.model_init import load_model_init
+
         layout, weights, buffers = load_model_init(path)
         self.federation.adopt(layout, weights, buffers)
 
