@@ -1065,8 +1065,12 @@ def _refusing_unparseable(service: AggregationService, handler, streams: bool):
         async def stream_handler(request, context):
             if isinstance(request, Unparseable):
                 await service.refuse_unparseable(request, context)
-            async for msg in handler(request, context):
-                yield msg
+            inner = handler(request, context)
+            try:
+                async for msg in inner:
+                    yield msg
+            finally:  # a cancelled call closes the handler now, not when it is collected
+                await inner.aclose()
 
         return stream_handler
 
