@@ -99,7 +99,11 @@ _SERVE_OPTIONS = {
     "tls_key": (str, "server private key (PEM)"),
     "tls_client_ca": (str, "CA for client certificates: mutual TLS"),
     "state_dir": (str, "checkpoints and the write-ahead log (default aggsrv-state; '' for none)"),
-    "durability": (str, "on (default): every update fsynced to the log before its ack; off"),
+    "durability": (
+        str,
+        "on: every update fsynced to the log before its ack; off: checkpoints only; "
+        "auto (default): on with a state dir, off with --state-dir ''",
+    ),
     "checkpoint_every_updates": (int, None),
     "checkpoint_every_seconds": (float, None),
     "checkpoint_keep": (int, None),

@@ -89,6 +89,11 @@ def _build_specs(
     for (name, shape), flag in zip(pairs, flags, strict=True):
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if not name.isascii():
+            try:
+                name.encode("utf-8")  # the layout hash is over the names' UTF-8 bytes
+            except UnicodeEncodeError:
+                raise ValueError(f"tensor name {name!r} is not valid Unicode text") from None
         shp = tuple(int(s) for s in shape)
         if any(s < 0 for s in shp):
             raise ValueError(f"{name}: negative dimension in shape {_fmt_shape(shp)}")
@@ -307,12 +312,15 @@ class ModelLayout:
         return [[s.name, list(s.shape)] for s in self.specs]
 
     def manifest_json(self) -> str:
-        """The canonical JSON of :meth:`manifest` (no spaces): the input of the layout hash."""
-        return json.dumps(self.manifest(), separators=(",", ":"))
+        """The canonical JSON of :meth:`manifest`, the input of the layout hash (docs/wire.md
+        "Layout and layout hash"): no spaces; only '"', '\\' and U+0000-U+001F escaped (json's
+        own escapes, which are RFC 8785's); every other character as itself, so its UTF-8 bytes
+        are hashed, never a \\uXXXX escape; dims as plain decimal integers."""
+        return json.dumps(self.manifest(), separators=(",", ":"), ensure_ascii=False)
 
     @cached_property
     def hash(self) -> str:
-        """SHA-256 hex of the manifest JSON: covers names, shapes and order, not dtypes."""
+        """SHA-256 hex of the manifest JSON's UTF-8 bytes: names, shapes and order, not dtypes."""
         return hashlib.sha256(self.manifest_json().encode("utf-8")).hexdigest()
 
     def index(self, name: str) -> int:

@@ -49,14 +49,29 @@ ELASTIC_ENUMS = {
 }
 
 
-def wire_dtype(value: int) -> WireDtype:
-    """The transport dtype of a proto enum value; UNSPECIFIED means float32."""
+def wire_dtype(value: int, field: str = "dtype") -> WireDtype:
+    """The dtype of a header that announces tensors (UpdateHeader.dtype, initial_dtype, the
+    job's and the model's dtype): UNSPECIFIED is an error there (tensor.proto), as is an enum
+    value the wire does not know; ValueError names the field."""
     if value == tpb.WIRE_DTYPE_UNSPECIFIED:
-        return WireDtype.FLOAT32
+        raise ValueError(
+            f"{field} is WIRE_DTYPE_UNSPECIFIED: a header that announces tensors must name "
+            "their wire dtype (FLOAT32, FLOAT16 or BFLOAT16)"
+        )
     try:
         return PB_TO_WIRE[value]
     except KeyError:
-        raise ValueError(f"unsupported wire dtype enum value {value}") from None
+        raise ValueError(
+            f"{field} {value} is not a wire dtype: use FLOAT32, FLOAT16 or BFLOAT16"
+        ) from None
+
+
+def requested_dtype(value: int) -> WireDtype:
+    """The dtype a download request asks for (GetJobRequest.dtype, GetModelRequest.dtype):
+    UNSPECIFIED means FLOAT32, which every client decodes; ValueError for an unknown value."""
+    if value == tpb.WIRE_DTYPE_UNSPECIFIED:
+        return WireDtype.FLOAT32
+    return wire_dtype(value)
 
 
 def layout_to_pb(layout: ModelLayout) -> tpb.ModelLayout:

@@ -171,6 +171,8 @@ class StreamModel:
 
     def feed(self, name: str, offset: int, data: bytes) -> set[type]:
         n, item, bad = len(data), self.wd.itemsize, set()
+        if n == 0 and name in self.layout:
+            bad.add(BadChunk)  # tensor.proto: a chunk is never empty
         if n > self.max_chunk:
             bad.add(ChunkTooLarge)
         if name not in self.layout:
@@ -653,7 +655,7 @@ def mutate(draw, kind: str, chunks: list[list], trailer: list, layout, wd, max_c
         if kind == "swap_recrc":
             trailer[0] = crc(b"".join(c[2] for c in chunks))
         return MODEL if i != j else None
-    # empty_chunk: proto says chunks are never empty; the decoder takes an in-place one as a no-op
+    # empty_chunk: tensor.proto says chunks are never empty: refused wherever it is
     name = draw(st.sampled_from(list(layout)))
     at = draw(st.integers(0, len(chunks)))
     offset = draw(st.sampled_from([0, item, sum(len(c[2]) for c in chunks[:at] if c[0] == name)]))
@@ -1000,13 +1002,21 @@ def test_sparse_infos_any_message(infos) -> None:
 @fuzz(200)
 @given(value=st.one_of(st.integers(-5, 10), st.integers(-(2**80), 2**80)))
 def test_wire_dtype_any_int(value) -> None:
+    """A header's dtype must name a wire dtype (UNSPECIFIED refused); a request's may leave it
+    unspecified, meaning float32."""
+    want = {1: WireDtype.FLOAT32, 2: WireDtype.FLOAT16, 3: WireDtype.BFLOAT16}
     try:
         wd = P.wire_dtype(value)
     except ValueError:
-        assert value not in (0, 1, 2, 3)
-        return
-    want = {0: WireDtype.FLOAT32, 1: WireDtype.FLOAT32, 2: WireDtype.FLOAT16}
-    assert wd is want.get(value, WireDtype.BFLOAT16) and value in (0, 1, 2, 3)
+        assert value not in want
+    else:
+        assert wd is want[value]
+    try:
+        asked = P.requested_dtype(value)
+    except ValueError:
+        assert value not in (0, *want)
+    else:
+        assert asked is {0: WireDtype.FLOAT32, **want}[value]
 
 
 FLOATS = st.floats(allow_nan=True, allow_infinity=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -68,6 +69,50 @@ def test_hash_matches_hand_computed_json_and_ignores_dtype() -> None:
     assert ModelLayout.from_named_shapes(json.loads(literal)).hash == expected
     scalar = ModelLayout.from_named_shapes([("s", ())])
     assert scalar.hash == hashlib.sha256(b'[["s",[]]]').hexdigest()
+
+
+def test_layout_hash_is_the_canonical_utf8_json_documented_in_wire_md() -> None:
+    """docs/wire.md's non-ASCII example: its bytes are its JSON in UTF-8 (no \\u escapes),
+    hashlib over those bytes gives its hash, and the code computes exactly those bytes."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wire.md").read_text("utf-8")
+    block = next(b for b in doc.split("```text\n")[1:] if "\nbytes:" in b).split("```")[0]
+    fields: dict[str, list[str]] = {}
+    key = ""
+    for line in block.splitlines():
+        head, _, rest = line.partition(":")
+        if line[:1] != " " and rest:
+            key, line = head, rest
+        fields.setdefault(key, []).append(line.strip())
+    text = fields["JSON"][0]
+    data = bytes.fromhex(" ".join(fields["bytes"]))
+    digest = fields["hash"][0]
+    assert data == text.encode("utf-8") and b"\\u" not in data and max(data) > 0x7F
+    assert hashlib.sha256(data).hexdigest() == digest
+    described = re.findall(r"(\S+) \[([0-9,]*)\]", fields["layout"][0])
+    layout = ModelLayout.from_named_shapes(
+        [(name, [int(d) for d in dims.split(",") if d]) for name, dims in described]
+    )
+    assert len(layout.names) == 3 and f"(D = {layout.numel})" in fields["layout"][0]
+    assert layout.manifest_json().encode("utf-8") == data
+    assert layout.hash == digest
+    # Only layouts with non-ASCII names hash differently from the old \\uXXXX form.
+    escaped = json.dumps(layout.manifest(), separators=(",", ":")).encode("ascii")
+    assert hashlib.sha256(escaped).hexdigest() != digest
+    ascii_layout = ModelLayout.from_named_shapes({"fc.weight": [2, 3], "fc.bias": [2]})
+    old = json.dumps(ascii_layout.manifest(), separators=(",", ":")).encode("ascii")
+    assert ascii_layout.hash == hashlib.sha256(old).hexdigest()
+
+
+def test_layout_hash_escapes_only_quote_backslash_and_control_characters() -> None:
+    name = 'q"b\\c\x01\n\x7f\u00e9\U0001f642'
+    layout = ModelLayout.from_named_shapes([(name, [0, 12])])
+    want = '[["q\\"b\\\\c\\u0001\\n\x7f\u00e9\U0001f642",[0,12]]]'.encode()
+    assert layout.manifest_json().encode("utf-8") == want
+    assert layout.hash == hashlib.sha256(want).hexdigest()
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        ModelLayout.from_named_shapes([("bad\ud800", [1])])
 
 
 def test_hash_changes_with_order_shape_and_name() -> None:

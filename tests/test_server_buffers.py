@@ -155,3 +155,55 @@ def test_registrations_must_agree_on_the_buffers(server: RunningServer) -> None:
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "float buffers" in err.value.details()
     assert "c2" not in server.federation.clients
+
+
+def _fresh_bn_model() -> torch.nn.Module:
+    return bn_model(int(torch.randint(0, 2**31 - 1, ()).item()))
+
+
+def test_model_init_state_dict_is_classified_as_the_client_does(tmp_path) -> None:
+    """`aggsrv serve --model-init` with a BatchNorm model's state dict: the running statistics
+    are buffers (as Client.register lays the model out), so clients of that model register and
+    the initial statistics are served with the initial weights."""
+    model = _fresh_bn_model()
+    path = tmp_path / "init.pt"
+    torch.save(model.state_dict(), path)
+    want = ModelLayout.from_module(model)
+    srv = RunningServer(strategy="fedasync", model_init=str(path))
+    try:
+        assert srv.federation.layout.hash == want.hash
+        with Client(srv.address, "c1") as client:
+            resp = client.register(_fresh_bn_model())  # another init: its weights are not taken
+            assert not resp.initial_model_adopted and resp.model_version == 0
+            job = client.get_job()
+            assert torch.equal(job.weights, want.flatten(model, dtype=torch.float32))
+            assert torch.equal(job.buffers, want.flatten_buffers(model, dtype=torch.float32))
+            version, weights, buffers = client.get_model(include_buffers=True)
+            assert version == 0 and torch.equal(weights, job.weights)
+            assert torch.equal(buffers, job.buffers)
+    finally:
+        srv.stop()
+
+
+def test_model_init_file_keeps_what_a_state_dict_cannot_say(tmp_path) -> None:
+    """A frozen parameter (a buffer for the client) and LayerNorm's norm flags survive in the
+    file save_model_init writes; the server's layout is the client's in every field."""
+    from aggsrv.client.model_init import save_model_init
+
+    model = _fresh_bn_model()
+    model[0].bias.requires_grad_(False)
+    path = tmp_path / "init.pt"
+    want = save_model_init(model, path)
+    assert "0.bias" in want.buffer_names and bool(want.is_norm.any())
+    srv = RunningServer(strategy="fedasync", model_init=str(path))
+    try:
+        got = srv.federation.layout
+        assert got == want and torch.equal(got.is_norm, want.is_norm)
+        with Client(srv.address, "c1") as client:
+            frozen = _fresh_bn_model()
+            frozen[0].bias.requires_grad_(False)
+            client.register(frozen)
+            job = client.get_job()
+            assert torch.equal(job.buffers, want.flatten_buffers(model, dtype=torch.float32))
+    finally:
+        srv.stop()

@@ -9,6 +9,7 @@ count, as rejected updates under their code) and the client's lease."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import stat
@@ -539,6 +540,47 @@ def test_checkpoint_and_shutdown_with_the_admin_token(tmp_path) -> None:
                 calls.close()
 
 
+def test_the_admin_token_is_never_logged_but_kept_in_a_private_file(tmp_path, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="aggsrv")
+    state = tmp_path / "state"
+    with running(auth="hmac", state_dir=str(state), durability="on") as srv:
+        admin = srv.server.admin_token
+        assert (
+            admin
+            and A.HmacAuthenticator(A.load_secret(state / "auth" / "secret"))
+            .authenticate(admin)
+            .role
+            == A.ROLE_ADMIN
+        )
+        with Client(srv.address, "c1", token=admin, retries=0, timeout=CALL_S) as c:
+            assert c.status().auth == "hmac"  # the token works
+    token_file = state / "auth" / "admin.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert token_file.read_text() == admin + "\n"
+    said = [r.getMessage() + " " + repr(r.args) + " " + repr(r.__dict__) for r in caplog.records]
+    assert not [line for line in said if admin in line]
+    assert any(str(token_file) in r.getMessage() for r in caplog.records), said
+
+
+def test_the_admin_token_goes_to_the_terminal_once_and_never_elsewhere(tmp_path) -> None:
+    import io
+
+    from aggsrv.server.app import show_admin_token
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    where = tmp_path / "auth" / "admin.token"
+    terminal, redirected = Terminal(), io.StringIO()
+    show_admin_token("aggsrv1.tok.en", where, terminal)
+    show_admin_token("aggsrv1.tok.en", where, redirected)
+    assert terminal.getvalue().count("aggsrv1.tok.en") == 1 and str(where) in terminal.getvalue()
+    # stderr redirected to a file is a log: the token stays in its private file only (the log
+    # says where that is).
+    assert redirected.getvalue() == ""
+
+
 def test_checkpoint_without_state_dir_is_failed_precondition(tmp_path) -> None:
     _, path = secret_file(tmp_path)
     with running(auth="hmac", auth_secret_file=str(path)) as srv:
@@ -618,7 +660,7 @@ def test_serve_process_default_hmac_generated_secret_and_admin_cli(tmp_path, cap
         assert stat.S_IMODE((state / "auth").stat().st_mode) == 0o700
         admin = admin_path.read_text().strip()
         text = log_path.read_text()
-        assert admin in text, text
+        assert admin not in text and f"admin token written to {admin_path}" in text, text
         assert "no auth secret configured: generated one in" in text and str(secret_path) in text
         assert "auth hmac" in text and "tokens travel in plaintext" in text
 

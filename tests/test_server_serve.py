@@ -221,3 +221,24 @@ def test_serve_config_unknown_strategy_key_exits_2_naming_it(serve, tmp_path) ->
     rc = srv.proc.poll()
     assert rc == 2, f"exit code {rc} (None: still running and serving)"
     assert "bufer_size" in srv.log()
+
+
+def test_serve_without_a_state_dir_runs_without_durability_and_says_so(serve, capsys) -> None:
+    from aggsrv.cli import main as cli_main
+
+    srv = serve("--state-dir", "")
+    srv.wait_serving()
+    with grpc.insecure_channel(srv.address) as channel:
+        status = pb_grpc.AggregationStub(channel).GetStatus(pb.GetStatusRequest(), timeout=30)
+    assert status.durability == "off"
+    assert srv.terminate() == 0
+    log = srv.log()
+    assert "no state_dir: nothing is written to disk (durability off" in log, log
+    # Asking for durability without a place for the log is refused, naming both keys.
+    rc = cli_main(["serve", "--state-dir", "", "--durability", "on", "--auth", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "durability" in err and "state_dir" in err, err
+    # hmac keeps its generated secret in the state dir: without one, a secret file is needed.
+    rc = cli_main(["serve", "--state-dir", ""])
+    err = capsys.readouterr().err
+    assert rc == 2 and "auth_secret_file" in err and "state_dir" in err, err

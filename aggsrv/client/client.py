@@ -109,6 +109,10 @@ class Client:
         self.backoff = backoff
         self.upload_dtype = WireDtype.parse(upload_dtype)
         self.download_dtype = WireDtype.parse(download_dtype)
+        # The channel's limit both ways: the server keeps its chunks 64 bytes below it (told at
+        # registration and in every download request), and so do our uploads.
+        # (gRPC spells "no limit" -1; its messages cannot exceed 2**31 - 1 bytes anyway.)
+        self.max_message_bytes = int(max_message_bytes) if max_message_bytes > 0 else 2**31 - 1
         token = read_token(token, token_file)
 
         def connect(to: str) -> tuple[grpc.Channel, pb_grpc.AggregationStub]:
@@ -134,7 +138,7 @@ class Client:
         self._shard_channels: list[grpc.Channel] = []
         self._pool: ThreadPoolExecutor | None = None
         self.layout: ModelLayout | None = None
-        self.chunk_bytes = MIB
+        self.chunk_bytes = self._fit_chunk(MIB)
         self.strategy: str | None = None
         self.last_model_layout: ModelLayout | None = None  # from the latest get_model header
 
@@ -240,6 +244,11 @@ class Client:
                 delay *= 2
         raise AssertionError("unreachable")
 
+    def _fit_chunk(self, chunk_bytes: int) -> int:
+        """A chunk size the channel can send: at most ``chunk_bytes``, 64 bytes below our own
+        message limit, in whole 4-byte elements."""
+        return max(4, min(int(chunk_bytes), (self.max_message_bytes - 64) // 4 * 4))
+
     def _require_layout(self) -> ModelLayout:
         if self.layout is None:
             raise RuntimeError("call register() first")
@@ -318,13 +327,15 @@ class Client:
                 download_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
                 update_kinds=[pb.UPDATE_KIND_WEIGHTS, pb.UPDATE_KIND_DELTA],
                 proximal=True,
+                max_receive_message_bytes=self.max_message_bytes,
             ),
             labels=dict(labels or {}),
         )
         status = self.status()
         offer = initial is not None and not status.has_model
         if offer and status.limits.chunk_bytes:
-            self.chunk_bytes = int(status.limits.chunk_bytes)  # the weights travel in its chunks
+            # The weights travel in the server's chunks, as far as our channel sends them.
+            self.chunk_bytes = self._fit_chunk(status.limits.chunk_bytes)
         offered = {"weights": initial}
         if layout.buffer_numel:
             offered["buffers"] = initial_buffers
@@ -344,7 +355,7 @@ class Client:
         resp = self._retry(
             "register", lambda: self._stub.Register(messages(), timeout=self.timeout)
         )
-        self.chunk_bytes = int(resp.limits.chunk_bytes) or MIB
+        self.chunk_bytes = self._fit_chunk(resp.limits.chunk_bytes or MIB)
         self.strategy = resp.strategy
         self._use_shards(resp.shard_map)
         return resp
@@ -356,6 +367,7 @@ class Client:
             client_id=self.client_id,
             layout_hash=layout.hash,
             dtype=P.WIRE_TO_PB[self.download_dtype],
+            max_receive_message_bytes=self.max_message_bytes,
         )
 
         def call() -> tuple[Any, dict[str, torch.Tensor]]:
@@ -519,6 +531,7 @@ class Client:
             dtype=P.WIRE_TO_PB[self.download_dtype],
             client_id=self.client_id,
             include_buffers=include_buffers,
+            max_receive_message_bytes=self.max_message_bytes,
         )
         if version is not None:
             request.version = version

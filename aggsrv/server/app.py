@@ -10,24 +10,24 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
+from typing import TextIO
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from aggsrv.layout import ModelLayout
 from aggsrv.server import auth as A
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.evaluation import Evaluator, load_hook
 from aggsrv.server.federation import Federation
 from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.persistence import StateStore
-from aggsrv.server.service import AggregationService
+from aggsrv.server.service import AggregationService, add_to_server
 from aggsrv.server.shards import ShardGroup, ShardLost
-from aggsrv.v1 import aggregation_pb2, aggregation_pb2_grpc
+from aggsrv.v1 import aggregation_pb2
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = aggregation_pb2.DESCRIPTOR.services_by_name["Aggregation"].full_name
@@ -91,7 +91,7 @@ class Server:
         service = AggregationService(
             self.federation, self.authenticator, on_shutdown=self.request_stop
         )
-        aggregation_pb2_grpc.add_AggregationServicer_to_server(service, self._grpc)
+        add_to_server(service, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -223,16 +223,22 @@ class Server:
         self.admin_token = authenticator.issue(A.ADMIN_SUBJECT, A.ROLE_ADMIN)
         admin_file = path.parent / "admin.token"
         A.write_private_file(admin_file, self.admin_token + "\n")
+        # The token is a password: logs are shipped and kept, so they only say where it is.
         log.warning(
-            "admin token (also in %s, for aggsrv status / checkpoint --token-file): %s",
-            admin_file, self.admin_token,
+            "admin token written to %s (mode 0600; for aggsrv status / checkpoint / shutdown "
+            "--token-file)", admin_file,
         )  # fmt: skip
+        show_admin_token(self.admin_token, admin_file)
         return authenticator
 
     def _open_state(self) -> None:
         """Attach the state directory: resume from it, or refuse one an earlier run left."""
         cfg = self.config
         if not cfg.state_dir:
+            log.warning(
+                "no state_dir: nothing is written to disk (durability off, no checkpoints); a "
+                "restart starts from scratch (--state-dir DIR keeps the run)"
+            )
             return
         store = StateStore(cfg.state_dir, durable=cfg.durability == "on", keep=cfg.checkpoint_keep)
         fed = self.federation
@@ -285,12 +291,12 @@ class Server:
         self.stop_requested.set()
 
     def _load_initial_model(self, path: str) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise ValueError(f"{path}: expected a state dict saved with torch.save")
-        floats = {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
-        layout = ModelLayout.from_state_dict(floats, list(floats))
-        self.federation.adopt(layout, layout.flatten(floats, dtype=torch.float32))
+        # Laid out as the clients of that model lay it out, or none of them could register.
+        # (Imported here: only --model-init needs the client package.)
+        from aggsrv.client.model_init import load_model_init
+
+        layout, weights, buffers = load_model_init(path)
+        self.federation.adopt(layout, weights, buffers)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let in-flight ones finish within `grace` seconds, write a final
@@ -330,6 +336,15 @@ class Server:
     async def wait(self) -> None:
         assert self._grpc is not None
         await self._grpc.wait_for_termination()
+
+
+def show_admin_token(token: str, path: Path, stream: TextIO | None = None) -> None:
+    """Print the admin token once for the operator at the terminal; nothing when stderr is not
+    a terminal (then it is a log file or a journal, and the token stays in its private file)."""
+    stream = sys.stderr if stream is None else stream
+    if stream.isatty():
+        stream.write(f"aggsrv admin token (also in {path}): {token}\n")
+        stream.flush()
 
 
 def _reachable_host(host: str) -> str:

@@ -67,10 +67,11 @@ class ServerConfig(TomlConfig):
     max_labels: int = 32  # per client, each key and value <= 256 bytes
 
     # --- durability (docs/operations.md "Durability")
-    # Checkpoints and the write-ahead log live here; None: nothing is written (durability off).
+    # Checkpoints and the write-ahead log live here; None or "": nothing is written.
     state_dir: str | None = "aggsrv-state"
-    # on: every accepted update is in the fsynced write-ahead log before it is acknowledged.
-    durability: str = "on"
+    # on: every accepted update is in the fsynced write-ahead log before it is acknowledged;
+    # off: checkpoints only; auto: on with a state_dir, off without one (resolved at load).
+    durability: str = "auto"
     resume: bool = False  # continue from state_dir's newest checkpoint and log
     checkpoint_every_updates: int = 1000  # 0: not by count
     checkpoint_every_seconds: float = 300.0  # 0: not by time
@@ -150,7 +151,9 @@ class ServerConfig(TomlConfig):
             raise ValueError("auth = 'tokens' needs tokens_file")
         if self.auth == "hmac" and not self.auth_secret_file and not self.state_dir:
             raise ValueError(
-                "auth = 'hmac' needs auth_secret_file, or a state_dir to keep a generated secret in"
+                "auth = 'hmac' needs auth_secret_file (--auth-secret-file FILE, made with "
+                "aggsrv token --new-secret --secret-file FILE), or a state_dir to keep a "
+                "generated secret in; --auth none turns authentication off"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
@@ -171,11 +174,17 @@ class ServerConfig(TomlConfig):
             raise ValueError("max_model_bytes must be >= 64")
 
     def _check_durability(self) -> None:
-        if self.durability not in ("on", "off"):
-            raise ValueError(f"durability must be on or off, got {self.durability!r}")
+        if self.durability not in ("auto", "on", "off"):
+            raise ValueError(f"durability must be auto, on or off, got {self.durability!r}")
+        if self.durability == "auto":
+            # "--state-dir ''" alone means "write nothing": no log either.
+            self.durability = "on" if self.state_dir else "off"
         # A sharded server has no log (checked in _check_sharding, with what to do instead).
         if self.durability == "on" and not self.state_dir and self.shards == 1:
-            raise ValueError("durability = 'on' needs a state_dir for the write-ahead log")
+            raise ValueError(
+                "durability = 'on' needs a state_dir for the write-ahead log: give state_dir "
+                "(--state-dir DIR), or durability = 'off' (--durability off) to keep nothing"
+            )
         if self.resume and not self.state_dir:
             raise ValueError("resume needs a state_dir")
         if self.checkpoint_every_updates < 0 or self.checkpoint_every_seconds < 0:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import torch
+from google.protobuf import message_factory
 
 from aggsrv import protocol as P
 from aggsrv.layout import LayoutMismatchError, ModelLayout
@@ -59,6 +62,73 @@ UPLOAD_DTYPES = [P.WIRE_TO_PB[d] for d in WireDtype]
 
 LABEL_BYTES = 256  # each label key and value
 JOB_ID = re.compile(r"[1-9][0-9]{0,18}")  # how the server writes job ids (str of an int >= 1)
+SERVICE = pb.DESCRIPTOR.services_by_name["Aggregation"]
+# A client that declares no receive limit has gRPC's default (ClientCapabilities).
+DEFAULT_RECEIVE_BYTES = 4 << 20
+# Room a chunk leaves for the rest of its message (tensor.proto: at least 64 bytes).
+CHUNK_HEADROOM = 64
+# The smallest receive limit a client may declare: a chunk and the stream headers must fit.
+MIN_RECEIVE_BYTES = 1024
+UNPARSEABLE = "the request bytes are not a valid"
+UNPARSEABLE_LOG_SECONDS = 60.0
+
+
+class Unparseable:
+    """What the service's request deserializer hands over for bytes protobuf refused: the
+    handler answers INVALID_ARGUMENT (grpc would answer UNKNOWN and log a traceback per call)."""
+
+    __slots__ = ("type_name",)
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    @property
+    def details(self) -> str:
+        return f"{UNPARSEABLE} {self.type_name} message (protobuf could not parse them)"
+
+
+def tolerant_parser(message_cls: type) -> Callable[[bytes], object]:
+    """A request deserializer that never raises: the message, or an :class:`Unparseable`."""
+    name = message_cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> object:
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # DecodeError, or whatever else hostile bytes make protobuf raise
+            return Unparseable(name)
+
+    return parse
+
+
+class OncePerInterval:
+    """Bounds a log line per key (a peer) to one per interval; counts what it held back."""
+
+    def __init__(self, interval: float, max_keys: int = 4096, clock=time.monotonic) -> None:
+        self.interval = interval
+        self.max_keys = max_keys
+        self.clock = clock
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    def __call__(self, key: str) -> int | None:
+        """None: stay quiet; else how many lines for `key` were held back since the last one."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        self._last[key] = (now, 0)
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        return 0 if last is None else last[1]
+
+
+def peer_host(peer: str) -> str:
+    """The caller's address without its port ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7"): one
+    key per host, however many connections it opens."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
 
 
 class AggregationService(pb_grpc.AggregationServicer):
@@ -78,6 +148,9 @@ class AggregationService(pb_grpc.AggregationServicer):
             cfg.rate_limit_per_second, cfg.rate_limit_burst, max_keys=4 * cfg.max_clients + 64
         )
         self._adopting = asyncio.Lock()  # one initial-model upload at a time
+        self._unparseable_log = OncePerInterval(UNPARSEABLE_LOG_SECONDS)
+        # The receive limit each client declared at registration (0: none declared).
+        self._receive_limits: dict[str, int] = {}
 
     # ------------------------------------------------------------------ auth and limits
 
@@ -139,7 +212,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         upload_idle_timeout_seconds is cut with DEADLINE_EXCEEDED, freeing its slot."""
         timeout = self.fed.config.upload_idle_timeout_seconds
         try:
-            return await asyncio.wait_for(anext(stream, None), timeout)
+            msg = await asyncio.wait_for(anext(stream, None), timeout)
         except TimeoutError:
             await self._abort(
                 context,
@@ -147,6 +220,28 @@ class AggregationService(pb_grpc.AggregationServicer):
                 f"the upload sent nothing for {timeout:g} s (upload_idle_timeout_seconds); "
                 "send the update again",
             )
+        if isinstance(msg, Unparseable):
+            await self.refuse_unparseable(msg, context)
+        return msg
+
+    async def refuse_unparseable(
+        self, request: Unparseable, context: grpc.aio.ServicerContext
+    ) -> None:
+        """INVALID_ARGUMENT for bytes that do not parse; one log line per peer and interval, so
+        a flood of them cannot fill the log."""
+        await self._authorize(context)  # a caller without credentials learns nothing
+        peer = peer_host(context.peer() or "unknown peer")
+        held_back = self._unparseable_log(peer)
+        if held_back is not None:
+            log.warning(
+                "unparseable %s from %s refused (INVALID_ARGUMENT)%s; further ones from this "
+                "peer are logged at most once per %g s",
+                request.type_name, peer,
+                f", {held_back} more since the last such line" if held_back else "",
+                self._unparseable_log.interval,
+                extra={"event": "unparseable", "peer": peer, "outcome": "INVALID_ARGUMENT"},
+            )  # fmt: skip
+        await context.abort(SC.INVALID_ARGUMENT, request.details)
 
     # ------------------------------------------------------------------ helpers
 
@@ -225,11 +320,13 @@ class AggregationService(pb_grpc.AggregationServicer):
                 f"{ours.buffer_numel} elements): the client runs another model architecture",
             )
 
-    def _limits(self) -> pb.ServerLimits:
+    def _limits(self, chunk_bytes: int | None = None) -> pb.ServerLimits:
+        """The server's limits; ``chunk_bytes`` the size negotiated with one client (None: as
+        configured)."""
         cfg = self.fed.config
         strategy = self.fed.strategy
         limits = pb.ServerLimits(
-            chunk_bytes=cfg.chunk_bytes,
+            chunk_bytes=cfg.chunk_bytes if chunk_bytes is None else chunk_bytes,
             max_concurrent_uploads=cfg.max_concurrent_uploads,
             max_receive_message_bytes=cfg.max_receive_message_bytes,
             upload_dtypes=UPLOAD_DTYPES,
@@ -242,6 +339,26 @@ class AggregationService(pb_grpc.AggregationServicer):
         if bound is not None:
             limits.max_staleness = bound
         return limits
+
+    async def _check_receive_limit(
+        self, limit: int, field: str, context: grpc.aio.ServicerContext
+    ) -> None:
+        if 0 < limit < MIN_RECEIVE_BYTES:
+            await self._abort(
+                context,
+                SC.INVALID_ARGUMENT,
+                f"{field} {limit} is too small: a chunk {CHUNK_HEADROOM} bytes below it and the "
+                f"stream's headers must fit; declare at least {MIN_RECEIVE_BYTES} (0: gRPC's "
+                "default of 4 MiB)",
+            )
+
+    def _chunk_bytes_for(self, client_id: str, requested_limit: int = 0) -> int:
+        """The chunk size of what the server sends `client_id`: the configured one, kept
+        CHUNK_HEADROOM bytes below the smallest receive limit the client stated (in this request
+        or at registration; none: gRPC's default), in whole 4-byte elements."""
+        stated = [n for n in (requested_limit, self._receive_limits.get(client_id, 0)) if n]
+        limit = min(stated) if stated else DEFAULT_RECEIVE_BYTES
+        return min(self.fed.config.chunk_bytes, (limit - CHUNK_HEADROOM) // 4 * 4)
 
     async def _decode(
         self,
@@ -313,6 +430,10 @@ class AggregationService(pb_grpc.AggregationServicer):
         await self._check_id("client_id", header.client_id, context)
         await self._check_rate(header.client_id, context)
         await self._check_labels(header.labels, context)
+        receive_limit = int(header.capabilities.max_receive_message_bytes)
+        await self._check_receive_limit(
+            receive_limit, "capabilities.max_receive_message_bytes", context
+        )
         try:
             layout = P.layout_from_pb(header.layout)
         except (ValueError, LayoutMismatchError) as exc:
@@ -343,6 +464,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             known, record = await fed.register(header.client_id, dict(header.labels))
         except StrategyError as exc:
             await self._abort(context, strategy_code(exc), str(exc))
+        self._receive_limits[header.client_id] = receive_limit
         fed.touch(header.client_id)
         fed.notify()
         log.info(
@@ -357,7 +479,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             model_version=fed.version,
             layout_hash=layout.hash,
             strategy=strategy.name,
-            limits=self._limits(),
+            limits=self._limits(self._chunk_bytes_for(header.client_id)),
             lease_expires=P.timestamp(record.lease_expires),
             next_heartbeat=P.duration(fed.config.lease_seconds / 3),
             shard_map=self._shard_map(),
@@ -388,7 +510,7 @@ class AggregationService(pb_grpc.AggregationServicer):
                 f"{fed.config.max_model_bytes}",
             )
         try:
-            dtype = P.wire_dtype(header.initial_dtype)
+            dtype = P.wire_dtype(header.initial_dtype, "initial_dtype")
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         async with self._adopting:  # one model-sized allocation at a time
@@ -450,7 +572,7 @@ class AggregationService(pb_grpc.AggregationServicer):
                 )
             return
         try:
-            dtype = P.wire_dtype(header.initial_dtype)
+            dtype = P.wire_dtype(header.initial_dtype, "initial_dtype")
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         fed = self.fed
@@ -483,9 +605,13 @@ class AggregationService(pb_grpc.AggregationServicer):
             await self._require_client(request.client_id, context)
         await self._require_hash(request.layout_hash, context)
         try:
-            dtype = P.wire_dtype(request.dtype)
+            dtype = P.requested_dtype(request.dtype)
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
+        await self._check_receive_limit(
+            request.max_receive_message_bytes, "max_receive_message_bytes", context
+        )
+        chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
         job = None
         if request.job_id or fed.follower:
             job = await self._issued_job(request, context)
@@ -523,7 +649,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             header.time_budget.CopyFrom(P.duration(job.deadline - fed.clock()))
         yield pb.JobMessage(header=header)
         fed.metrics.sent_bytes.inc(_payload_bytes(job.tensors, dtype))
-        for msg in P.chunk_stream(job.tensors, dtype, fed.config.chunk_bytes, pb.JobMessage):
+        for msg in P.chunk_stream(job.tensors, dtype, chunk_bytes, pb.JobMessage):
             yield msg
 
     async def _issued_job(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext):
@@ -594,7 +720,10 @@ class AggregationService(pb_grpc.AggregationServicer):
     def _log_refusal(
         self, h: pb.UpdateHeader | None, code: SC, context: grpc.aio.ServicerContext
     ) -> None:
-        """One structured line per refused update; ids only when well-formed (no log injection)."""
+        """One structured line per refused update; ids only when well-formed (no log injection).
+        Unparseable bytes have their own line, bounded per peer (refuse_unparseable)."""
+        if str(context.details() or "").startswith(UNPARSEABLE):
+            return
         client_id = h.client_id if h is not None and ID_PATTERN.fullmatch(h.client_id) else None
         update_id = h.update_id if h is not None and ID_PATTERN.fullmatch(h.update_id) else None
         log.info(
@@ -634,7 +763,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         if kind is None:
             await self._abort(context, SC.INVALID_ARGUMENT, "kind must be WEIGHTS or DELTA")
         try:
-            dtype = P.wire_dtype(h.dtype)
+            dtype = P.wire_dtype(h.dtype, "dtype")
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, f"bad header: {exc}")
         job_id = _job_number(h.job_id)
@@ -731,9 +860,14 @@ class AggregationService(pb_grpc.AggregationServicer):
         else:
             snap = latest
         try:
-            dtype = P.wire_dtype(request.dtype)
+            dtype = P.requested_dtype(request.dtype)
         except ValueError as exc:
             await context.abort(SC.INVALID_ARGUMENT, str(exc))
+        await self._check_receive_limit(
+            request.max_receive_message_bytes, "max_receive_message_bytes", context
+        )
+        # client_id is not checked: naming another client can only make the chunks smaller.
+        chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
         tensors = snap.tensors(request.include_buffers)
         yield pb.ModelMessage(
             header=pb.ModelHeader(
@@ -749,7 +883,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             )
         )
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
-        for msg in P.chunk_stream(tensors, dtype, fed.config.chunk_bytes, pb.ModelMessage):
+        for msg in P.chunk_stream(tensors, dtype, chunk_bytes, pb.ModelMessage):
             yield msg
 
     async def _await_version(self, version: int) -> None:
@@ -890,3 +1024,55 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _payload_bytes(tensors: dict[str, torch.Tensor], dtype: WireDtype) -> int:
     return sum(t.numel() for t in tensors.values()) * dtype.itemsize
+
+
+def add_to_server(service: AggregationService, server: grpc.aio.Server) -> None:
+    """Register the service's eight calls, as the generated add_AggregationServicer_to_server
+    does, but with request deserializers that turn bytes protobuf refuses into an
+    :class:`Unparseable` the handler answers with INVALID_ARGUMENT."""
+    makers = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in SERVICE.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behaviour = getattr(service, method.name)
+        if not method.client_streaming:  # streamed requests are checked as they are read
+            behaviour = _refusing_unparseable(service, behaviour, method.server_streaming)
+        handlers[method.name] = makers[method.client_streaming, method.server_streaming](
+            behaviour,
+            request_deserializer=tolerant_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _refusing_unparseable(service: AggregationService, handler, streams: bool):
+    """`handler` behind a check that refuses an unparseable request message."""
+    if streams:
+
+        async def stream_handler(request, context):
+            if isinstance(request, Unparseable):
+                await service.refuse_unparseable(request, context)
+            inner = handler(request, context)
+            try:
+                async for msg in inner:
+                    yield msg
+            finally:  # a cancelled call closes the handler now, not when it is collected
+                await inner.aclose()
+
+        return stream_handler
+
+    async def unary_handler(request, context):
+        if isinstance(request, Unparseable):
+            await service.refuse_unparseable(request, context)
+        return await handler(request, context)
+
+    return unary_handler

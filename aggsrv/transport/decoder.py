@@ -199,6 +199,14 @@ class Decoder:
         if mv.ndim != 1 or mv.itemsize != 1:
             mv = mv.cast("B")  # protobuf gives bytes; other callers may pass typed views
         n = mv.nbytes
+        if n == 0:
+            raise self._fail(
+                BadChunk(
+                    f"chunk of tensor {name!r} at byte offset {byte_offset} is empty: every "
+                    "chunk carries data (tensor.proto: never empty)",
+                    tensor=name,
+                )
+            )
         if n > self.max_chunk_bytes:
             raise self._fail(
                 ChunkTooLarge(
@@ -243,8 +251,6 @@ class Decoder:
                     tensor=name,
                 )
             )
-        if n == 0:
-            return  # zero whole elements: legal and a no-op (torch.frombuffer rejects it)
         self._crc.update(mv)
         # Straight from the message's buffer into the slot: a memcpy for native float32, one
         # conversion pass for half types (torch's copy_ beats numpy's there: it uses every core).

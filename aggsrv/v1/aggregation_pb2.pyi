@@ -282,16 +282,18 @@ class ShardInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("client_id", "layout_hash", "dtype", "job_id")
+    __slots__ = ("client_id", "layout_hash", "dtype", "job_id", "max_receive_message_bytes")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     layout_hash: str
     dtype: _tensor_pb2.WireDtype
     job_id: str
-    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    max_receive_message_bytes: int
+    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., job_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
 
 class JobMessage(_message.Message):
     __slots__ = ("pending", "header", "chunk", "trailer")
@@ -396,16 +398,18 @@ class PushUpdateResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., version: _Optional[int] = ..., original_outcome: _Optional[_Union[Outcome, str]] = ..., staleness: _Optional[int] = ..., update_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
-    __slots__ = ("version", "dtype", "include_buffers", "client_id")
+    __slots__ = ("version", "dtype", "include_buffers", "client_id", "max_receive_message_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     dtype: _tensor_pb2.WireDtype
     include_buffers: bool
     client_id: str
-    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., include_buffers: _Optional[bool] = ..., client_id: _Optional[str] = ...) -> None: ...
+    max_receive_message_bytes: int
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., include_buffers: _Optional[bool] = ..., client_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

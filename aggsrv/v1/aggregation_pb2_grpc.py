@@ -33,6 +33,7 @@ class AggregationStub:
 
     Status codes. Every failed call ends with one of these codes and a message a person can act
     on; a failed call never changes the global model, the update caches or the strategy's state.
+    This is a summary; docs/wire.md "Status codes" has a row for every refusal.
 
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
@@ -43,11 +44,13 @@ class AggregationStub:
     |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
-    | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
-    |   does not match the job (job id, base version, client), chunks  |                      |
-    |   out of order or not whole elements, a missing or malformed     |                      |
-    |   header, a declared layout hash that is not the hash of the     |                      |
-    |   declared layout                                                | INVALID_ARGUMENT     |
+    | Wrong length or dtype (UNSPECIFIED in a header that announces    |                      |
+    |   tensors), NaN or Inf in a payload, a header that does not      |                      |
+    |   match the job (job id, base version, client), chunks out of    |                      |
+    |   order, empty or not whole elements, a missing or malformed     |                      |
+    |   header, a message after the trailer, request bytes that are    |                      |
+    |   not a protobuf message, a declared layout hash that is not the |                      |
+    |   hash of the declared layout                                    | INVALID_ARGUMENT     |
     | CRC-32C mismatch, or the stream ended before its trailer         | DATA_LOSS            |
     | Update too stale (s > max_staleness), its job superseded by a    |                      |
     |   newer job for the same client, or the same update id already   |                      |
@@ -125,6 +128,7 @@ class AggregationServicer:
 
     Status codes. Every failed call ends with one of these codes and a message a person can act
     on; a failed call never changes the global model, the update caches or the strategy's state.
+    This is a summary; docs/wire.md "Status codes" has a row for every refusal.
 
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
@@ -135,11 +139,13 @@ class AggregationServicer:
     |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
-    | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
-    |   does not match the job (job id, base version, client), chunks  |                      |
-    |   out of order or not whole elements, a missing or malformed     |                      |
-    |   header, a declared layout hash that is not the hash of the     |                      |
-    |   declared layout                                                | INVALID_ARGUMENT     |
+    | Wrong length or dtype (UNSPECIFIED in a header that announces    |                      |
+    |   tensors), NaN or Inf in a payload, a header that does not      |                      |
+    |   match the job (job id, base version, client), chunks out of    |                      |
+    |   order, empty or not whole elements, a missing or malformed     |                      |
+    |   header, a message after the trailer, request bytes that are    |                      |
+    |   not a protobuf message, a declared layout hash that is not the |                      |
+    |   hash of the declared layout                                    | INVALID_ARGUMENT     |
     | CRC-32C mismatch, or the stream ended before its trailer         | DATA_LOSS            |
     | Update too stale (s > max_staleness), its job superseded by a    |                      |
     |   newer job for the same client, or the same update id already   |                      |
@@ -179,8 +185,11 @@ class AggregationServicer:
         has nothing for this client yet (the stream stays open and the server asks the strategy
         again after every state change), then one `header`, the announced tensors' chunks, one
         `trailer`, and the call ends OK. One job per call. Calling GetJob again while a job is out
-        supersedes it: an update for the older job is then ABORTED. If no job comes before the
-        client's gRPC deadline, or before its lease expires, the call ends with DEADLINE_EXCEEDED.
+        is idempotent: while the global version the job starts from is still the latest, the call
+        returns the same job (same job id) and nothing new is recorded; once the strategy issues
+        the client a newer job, the older one is superseded (an update for it is ABORTED). If no
+        job comes before the client's gRPC deadline, or before its lease expires, the call ends with
+        DEADLINE_EXCEEDED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -301,6 +310,7 @@ class Aggregation:
 
     Status codes. Every failed call ends with one of these codes and a message a person can act
     on; a failed call never changes the global model, the update caches or the strategy's state.
+    This is a summary; docs/wire.md "Status codes" has a row for every refusal.
 
     | Condition                                                        | Code                 |
     |------------------------------------------------------------------|----------------------|
@@ -311,11 +321,13 @@ class Aggregation:
     |   or a client token on an operator call (Checkpoint, Shutdown)   | PERMISSION_DENIED    |
     | Layout hash differs from the server's model (or buffers differ); |                      |
     |   server has no model and the registration offers none           | FAILED_PRECONDITION  |
-    | Wrong length or dtype, NaN or Inf in a payload, a header that    |                      |
-    |   does not match the job (job id, base version, client), chunks  |                      |
-    |   out of order or not whole elements, a missing or malformed     |                      |
-    |   header, a declared layout hash that is not the hash of the     |                      |
-    |   declared layout                                                | INVALID_ARGUMENT     |
+    | Wrong length or dtype (UNSPECIFIED in a header that announces    |                      |
+    |   tensors), NaN or Inf in a payload, a header that does not      |                      |
+    |   match the job (job id, base version, client), chunks out of    |                      |
+    |   order, empty or not whole elements, a missing or malformed     |                      |
+    |   header, a message after the trailer, request bytes that are    |                      |
+    |   not a protobuf message, a declared layout hash that is not the |                      |
+    |   hash of the declared layout                                    | INVALID_ARGUMENT     |
     | CRC-32C mismatch, or the stream ended before its trailer         | DATA_LOSS            |
     | Update too stale (s > max_staleness), its job superseded by a    |                      |
     |   newer job for the same client, or the same update id already   |                      |
