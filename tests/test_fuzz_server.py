@@ -395,6 +395,8 @@ def push_strategy_verdict(env: Env, h: pb.UpdateHeader) -> tuple[frozenset, str 
     work = float(h.work.steps) if recipe.local_steps is not None else h.work.epochs
     if not math.isfinite(work) or work < 0:
         return frozenset({IA}), None
+    if h.num_samples > env.strategy.config.max_num_samples:
+        return frozenset({IA}), None
     n = job_number(h.job_id)
     job = env.strategy._jobs.get(n)
     if job is None:

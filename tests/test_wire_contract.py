@@ -357,7 +357,10 @@ class Table:
         from server_helpers import RunningServer
 
         self.empty = RunningServer(strategy="fedasync")
-        self.srv = RunningServer(strategy="fedasync", retained_versions=2, rate_limit_per_second=0)
+        self.srv = RunningServer(
+            strategy="fedasync", retained_versions=2, rate_limit_per_second=0,
+            strategy_config={"max_update_norm": 1e6},
+        )  # fmt: skip
         self.model = odd_model(21)
         self.client = Client(self.srv.address, "c1")
         self.client.register(self.model)
@@ -536,6 +539,21 @@ ROWS: dict[str, tuple[SC, Callable[[Table], object]]] = {
     "a receive limit below 1024 bytes (GetJob)": (
         SC.INVALID_ARGUMENT,
         lambda t: t.get_job(max_receive_message_bytes=1023),
+    ),
+    # the strategy's bounds (an update that would overflow the model: test_strategy_guards.py)
+    "num_samples above max_num_samples": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(t.update(num_samples=1_000_001)),
+    ),
+    "an update above max_update_norm": (
+        SC.INVALID_ARGUMENT,
+        lambda t: t.push(
+            update_messages(
+                t.client,
+                t.job,
+                {"update": torch.full((t.layout.numel,), 1e6), "buffers": t.job.buffers},
+            )  # fmt: skip
+        ),
     ),
     # sharding fields on a single server
     "shard_rank on a single server": (
