@@ -124,7 +124,7 @@ def test_hostile_updates_never_reach_the_model(name: str, hostile: str, seed: in
     refused: dict[str, list[str]] = {k: [] for k in kinds}
     huge_accepted = accepted = 0
     t = 0.0
-    for step in range(30):
+    for step in range(18):
         t += 0.25
         deadline = s.next_deadline()
         if deadline is not None and t >= deadline:
@@ -153,7 +153,7 @@ def test_hostile_updates_never_reach_the_model(name: str, hostile: str, seed: in
             accepted += err is None
     if hostile == "invalid":
         assert huge_accepted == 0
-        assert accepted >= 10 and s.version >= 2, (accepted, s.version)
+        assert accepted >= 6 and s.version >= 2, (accepted, s.version)
         assert refused["nan"] and set(refused["nan"]) == {"NonFiniteUpdate"}
         assert refused["inf"] and set(refused["inf"]) == {"NonFiniteUpdate"}
         assert refused["samples"] and set(refused["samples"]) == {"TooManySamples"}
@@ -256,7 +256,7 @@ def test_simulator_refuses_a_nan_update_and_keeps_learning(tmp_path, monkeypatch
 
     monkeypatch.setattr(LocalTrainer, "run", diverging)
     config = {"strategy": "fedasync", "dataset": "digits", "clients": 4, "model": "mlp",
-              "profile": "none", "budget": "6s", "eval_every": "3s", "transport": "inproc",
+              "profile": "none", "budget": "4s", "eval_every": "2s", "transport": "inproc",
               "strategy_config": {"learning_rate": 0.05}, "out": str(tmp_path / "run")}  # fmt: skip
     result = run(config, progress=False)
     summary = result.summary
