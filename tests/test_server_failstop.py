@@ -437,3 +437,91 @@ def test_a_slot_is_not_reused_before_the_device_copy_from_it_completes(
         assert longest_gap[0] < device.lag / 2, longest_gap  # the loop polled, never blocked
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------------ the same on a real GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# GPU cycles the stream spends in a sleep kernel queued before a copy (about 0.2 s at 2 GHz),
+# so that the copy out of pinned memory certainly has not run when the host goes on.
+LATE_CYCLES = 400_000_000
+
+
+@needs_cuda
+def test_cuda_a_fenced_slot_is_idle_only_once_the_copy_read_it() -> None:
+    """A non_blocking copy from a pinned slot, queued behind a sleeping kernel: overwriting the
+    slot at once changes what the device gets (the hazard, shown), while waiting until the
+    slot's fence says idle keeps the device's copy intact."""
+    from aggsrv.transport import StagingSlot
+
+    device = torch.device("cuda")
+    slot = StagingSlot(1 << 22, pin_memory=True)
+    before, after = torch.full((1 << 22,), 1.0), torch.full((1 << 22,), 2.0)
+
+    slot.flat.copy_(before)
+    torch.cuda._sleep(LATE_CYCLES)
+    unfenced = slot.flat.to(device, non_blocking=True)
+    slot.flat.copy_(after)  # what the server did: the next upload lands at once
+    torch.cuda.synchronize()
+    assert torch.equal(unfenced.cpu(), after)  # the device read the next upload's bytes
+
+    slot.flat.copy_(before)
+    torch.cuda._sleep(LATE_CYCLES)
+    fenced = slot.flat.to(device, non_blocking=True)
+    slot.fence(device)
+    assert not slot.idle()
+    while not slot.idle():
+        time.sleep(0.001)
+    slot.flat.copy_(after)
+    torch.cuda.synchronize()
+    assert torch.equal(fenced.cpu(), before)
+
+
+@needs_cuda
+def test_cuda_server_uploads_reach_the_device_intact_when_copies_run_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA server with one staging slot and two clients pushing in turn, each copy to the
+    device queued behind a sleeping kernel: every update the strategy got equals what its
+    client sent."""
+    real = S._on_device
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def late(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        torch.cuda._sleep(LATE_CYCLES // 4)
+        out = real(t, device)
+        got.append((out, t.clone()))  # what the slot held when the copy was queued
+        return out
+
+    monkeypatch.setattr(S, "_on_device", late)
+    layout = ModelLayout.from_named_shapes([("w", (512, 301)), ("b", (17,))])
+    srv = RunningServer(strategy="fedasync", device="cuda", max_concurrent_uploads=1,
+                        rate_limit_per_second=0.0)  # fmt: skip
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    deltas = [torch.randn(layout.numel, generator=gen) for _ in range(6)]
+    errors: list[str] = []
+    try:
+        with Client(srv.address, "c0", retries=0) as c0:
+            c0.register(layout=layout, initial=torch.zeros(layout.numel))
+
+        def push(cid: str, mine: list[torch.Tensor]) -> None:
+            try:
+                with Client(srv.address, cid, retries=0) as c:
+                    c.register(layout=layout)
+                    for delta in mine:
+                        c.push(c.get_job(), delta, num_samples=2)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+
+        pushers = [threading.Thread(target=push, args=(f"p{i}", deltas[i::2])) for i in range(2)]
+        for t in pushers:
+            t.start()
+        for t in pushers:
+            t.join(120)
+        assert not errors, errors
+        torch.cuda.synchronize()
+        assert len(got) == len(deltas)
+        for on_device, sent in got:
+            assert torch.equal(on_device.cpu(), sent)
+    finally:
+        srv.stop()

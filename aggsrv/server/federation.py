@@ -387,9 +387,8 @@ class Federation:
             return
         assert self.strategy is not None
         rows = self._collective(shards.compare, S.call_digest(self.strategy, refused))
-        mismatch = S.divergence(rows)
-        if mismatch:
-            self.fail(f"the shards diverged on {S.describe_call(kind, meta)}: {mismatch}")
+        if rows is not None:
+            self.fail(f"the shards diverged on {S.describe_call(kind, meta)}: {S.divergence(rows)}")
             raise AggregationFailed(self.failure)
 
     def _vote(self, update: Update) -> None:
@@ -800,8 +799,13 @@ class Federation:
 
     @property
     def version(self) -> int:
-        """The latest published version (one GetModel serves now); 0 before the model. The
-        strategy's own may be ahead, in a call not yet published (or that failed)."""
+        """The strategy's version: ahead of :attr:`published_version` while a call that made a
+        version is not published yet (or failed). Handlers tell clients the published one."""
+        return self.strategy.version if self.strategy is not None else 0
+
+    @property
+    def published_version(self) -> int:
+        """The latest published version, one GetModel serves now (0 before the model)."""
         return self._version
 
     def latest(self) -> Snapshot:

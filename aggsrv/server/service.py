@@ -360,7 +360,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             client_id=header.client_id,
             known_before=known,
             initial_model_adopted=adopted,
-            model_version=fed.version,
+            model_version=fed.published_version,
             layout_hash=layout.hash,
             strategy=strategy.name,
             limits=self._limits(),
@@ -513,7 +513,9 @@ class AggregationService(pb_grpc.AggregationServicer):
                 await self._check_open(context)
             # Nothing yet: keep the stream open, tell the client why, wait for a change.
             yield pb.JobMessage(
-                pending=pb.JobPending(reason="waiting for the strategy", model_version=fed.version)
+                pending=pb.JobPending(
+                    reason="waiting for the strategy", model_version=fed.published_version
+                )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)
         header = pb.JobHeader(
@@ -771,7 +773,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         loop = asyncio.get_running_loop()
         give_up = loop.time() + fed.shards.order_wait
-        while fed.version < version and fed.failure is None and loop.time() < give_up:
+        while fed.published_version < version and fed.failure is None and loop.time() < give_up:
             await fed.wait_for_change(min(1.0, give_up - loop.time()))
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
@@ -790,7 +792,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             lease_expires=P.timestamp(record.lease_expires),
             lease=P.duration(fed.config.lease_seconds),
             next_heartbeat=P.duration(fed.config.lease_seconds / 3),
-            latest_version=fed.version,
+            latest_version=fed.published_version,
             job_state=pb.JOB_STATE_UNSPECIFIED,
         )
         if request.job_id:
@@ -811,7 +813,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         resp = pb.StatusResponse(
             has_model=fed.strategy is not None,
-            version=fed.version,
+            version=fed.published_version,
             strategy=fed.strategy.name if fed.strategy else fed.config.strategy,
             clients_known=len(fed.clients),
             clients_active=fed.active_clients(),
@@ -884,7 +886,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         log.warning("shutdown requested by an operator", extra={"event": "shutdown"})
         # After this answer is on its way: the handler must return before the server stops.
         asyncio.get_running_loop().call_later(0.05, self.on_shutdown, grace)
-        return pb.ShutdownResponse(version=self.fed.version)
+        return pb.ShutdownResponse(version=self.fed.published_version)
 
 
 def _job_number(job_id: str) -> int | None:

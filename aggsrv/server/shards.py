@@ -14,8 +14,10 @@ diverged from rank 0, and every shard stops taking writes.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -247,12 +249,19 @@ class ShardGroup:
         self._collective("the vote on an update", self._dist.all_reduce, votes)
         return votes.tolist()
 
-    def compare(self, digest: Sequence[int]) -> list[list[int]]:
-        """Every shard's digest of the call just made (:func:`call_digest`), in rank order: one
-        all_reduce of a [world, fields] int64 tensor, each shard filling its own row."""
+    def compare(self, digest: Sequence[int]) -> list[list[int]] | None:
+        """None when every shard's digest of the call just made (:func:`call_digest`) equals
+        rank 0's, else every shard's digest, in rank order. One all_reduce of one int64 per
+        shard (a key of its digest; gloo takes longer for each element more); the digests
+        themselves travel, in a second one, only when the keys differ (on every shard)."""
+        keys = torch.zeros(self.world_size, dtype=torch.int64)
+        keys[self.rank] = digest_key(digest)
+        self._collective("comparing the shards' results of a call", self._dist.all_reduce, keys)
+        if len(set(keys.tolist())) == 1:
+            return None
         rows = torch.zeros(self.world_size, len(digest), dtype=torch.int64)
         rows[self.rank] = torch.tensor(list(digest), dtype=torch.int64)
-        self._collective("comparing the shards' results of a call", self._dist.all_reduce, rows)
+        self._collective("gathering the shards' results of a call", self._dist.all_reduce, rows)
         return rows.tolist()
 
     def close(self) -> None:
@@ -295,6 +304,12 @@ def call_digest(strategy: Any, refused: bool) -> list[int]:
     """What a call did on this shard, as the shards compare it (DIGEST_FIELDS): the same calls
     on the same state give the same digest on every shard."""
     return [int(refused), strategy.version, strategy.jobs_issued, len(strategy.clients)]
+
+
+def digest_key(digest: Sequence[int]) -> int:
+    """A 56-bit key of a digest, the same on every machine (not Python's hash())."""
+    packed = struct.pack(f"<{len(digest)}q", *digest)
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
 
 
 def divergence(rows: Sequence[Sequence[int]]) -> str:
