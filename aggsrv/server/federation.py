@@ -428,6 +428,8 @@ class Federation:
                 self._executor.submit(self._follow_step, kind, meta).result()
             except DurabilityError:  # fail() said why
                 return
+            except RuntimeError:  # the server stopped (its aggregation thread with it)
+                return
             loop.call_soon_threadsafe(self._followed)
 
     def _followed(self) -> None:
