@@ -51,12 +51,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure("debug" if args.verbose else config.log_level, config.log_format)
     try:
-        asyncio.run(serve(config))
+        return asyncio.run(serve(config))  # 1: the server stopped after a failure
     except (OSError, ValueError) as exc:  # e.g. an occupied state_dir, an unreadable TLS key
         logging.getLogger("aggsrv").error("%s", exc)
         sys.stderr.write(f"aggsrv serve: {exc}\n")
         return 2
-    return 0
 
 
 def _torchrun_shard(overrides: dict) -> None:

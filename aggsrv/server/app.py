@@ -196,7 +196,7 @@ class Server:
             await loop.run_in_executor(None, shards.close)
         else:
             with contextlib.suppress(Exception):
-                await self.federation.call(leave)
+                await self.federation.call(leave, after_failure=True)
 
     def _make_authenticator(self) -> A.Authenticator:
         cfg = self.config
@@ -264,7 +264,7 @@ class Server:
         m.gauge("clients_active", "Clients whose lease has not expired", fed.active_clients)
         m.gauge("global_version", "The latest global model version", lambda: fed.version)
         m.gauge("cache_bytes", "Bytes held by the strategy's tensors and retained versions",
-                lambda: fed.cache_bytes() if fed.strategy is not None else 0)  # fmt: skip
+                fed.cache_bytes_between_calls)  # fmt: skip
         m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
                 lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
 
@@ -372,8 +372,10 @@ def tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGINT/SIGTERM or an operator's Shutdown, then shut down cleanly."""
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGINT/SIGTERM or an operator's Shutdown, then shut down cleanly. The exit
+    code: 1 when the federation had stopped taking writes (a failure: restart with --resume),
+    else 0."""
     server = Server(config)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -386,8 +388,10 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     await server.stop_requested.wait()
     await server.stop(server.stop_grace)
+    code = 1 if server.federation.failure is not None else 0
     if server._follower is not None and server._follower.is_alive():
         # A shard stopped on its own is still waiting in a gloo receive for rank 0, which
         # nothing can interrupt; at interpreter exit that native wait would abort the process.
         logging.shutdown()
-        os._exit(0)
+        os._exit(code)
+    return code

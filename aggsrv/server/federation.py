@@ -15,6 +15,16 @@ Sharding (docs/sharding.md): on a sharded server the same records are the replic
 announces each call to the other shards (``_replicate``) right before making it, on its
 aggregation thread; the other shards' aggregation thread (``follow``) makes the same calls with
 the same inputs on their slices, so every shard takes the same decisions at the same versions.
+After each call the shards compare what it did (``_agree``): a shard that differs has diverged,
+and the federation stops on every shard.
+
+Fail-stop: a strategy refuses a call with a StrategyError and changes nothing. Any other
+exception on the aggregation thread (a bug, an allocation that fails) may leave the strategy
+half-changed and the call unlogged, so the federation stops taking writes (``fail``), as when the
+log cannot be written: nothing more runs on the strategy or is published, and a restart with
+--resume rebuilds the state from the log, without the half-made call. The event loop reads
+strategy state only through the aggregation thread (``read``) or what a call left behind
+(``_Settled``), never beside a call half made.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 import types
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -54,6 +65,9 @@ from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# How often a released staging slot asks whether the device copies out of it are done.
+SLOT_POLL_SECONDS = 0.001
 
 
 @dataclass
@@ -101,6 +115,40 @@ class DurabilityError(RuntimeError):
     """The write-ahead log could not be written or synced: the server stops taking writes."""
 
 
+class AggregationFailed(DurabilityError):
+    """The federation stopped taking writes for another reason (an unexpected exception on the
+    aggregation thread, shards that diverged, a lost shard): refused like a failed log write."""
+
+
+@dataclass(frozen=True)
+class _Settled:
+    """What the event loop publishes after a call, read on the aggregation thread when the call
+    is done: the loop never reads the strategy while the next call may be half made."""
+
+    version: int
+    weights: torch.Tensor
+    buffers: torch.Tensor | None
+    deadline: float | None
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> _Settled:
+        return cls(
+            strategy.version,
+            strategy.global_model(),
+            strategy.global_buffers(),
+            strategy.next_deadline(),
+        )
+
+
+@dataclass
+class _Reply:
+    """The answer to the slice a shard of rank >= 1 took for the update it is following."""
+
+    staged: S.StagedSlice
+    result: Any = None
+    error: BaseException | None = None
+
+
 class Federation:
     """The server's state; all strategy access goes through :meth:`call`."""
 
@@ -133,6 +181,13 @@ class Federation:
         self.store: Any = None
         self.failure: str | None = None  # why the server stopped taking writes
         self.on_failure: Callable[[str], None] | None = None
+        self._failure_lock = threading.Lock()
+        self._settled: _Settled | None = None  # the strategy after the last call
+        self._version = 0  # the latest published version
+        self._announced: tuple[str, dict[str, Any]] | None = None  # rank 0: the call being made
+        self._reply: _Reply | None = None  # a shard of rank >= 1: the slice being followed
+        # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
+        self._whole_slots = asyncio.Semaphore(config.max_concurrent_uploads)
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wal-sync")
         self.updates_since_checkpoint = 0
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
@@ -151,30 +206,88 @@ class Federation:
 
     # ------------------------------------------------------------------ the aggregation loop
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the aggregation thread, after every call queued before it."""
+    async def call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        refusals: tuple[type[Exception], ...] = (),
+        after_failure: bool = False,
+    ) -> T:
+        """Run `fn(*args)` on the aggregation thread, after every call queued before it.
+
+        Fail-stop: `fn` refuses with a StrategyError (which changes nothing) or one of
+        ``refusals``. Any other exception may have left the strategy half-changed and the call
+        unlogged: the federation stops taking writes (:meth:`fail`), and this call and every
+        later one raise AggregationFailed (``after_failure`` runs `fn` anyway: leaving the
+        shard group)."""
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, fn, *args)
-        self.publish()
+        result = await loop.run_in_executor(
+            self._executor, self._run_call, fn, args, refusals, after_failure
+        )
+        if self.failure is None:
+            self.publish()
         return result
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)`, a read of strategy state, on the aggregation thread between two
+        calls, so it never sees one half made. Runs after a failure too (what it reads may then
+        be half-changed: a caller that answers from it checks :attr:`failure`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _run_call(
+        self,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        refusals: tuple[type[Exception], ...],
+        after_failure: bool,
+    ) -> T:
+        """(aggregation thread) :meth:`call`'s rule; a sharded rank 0 then compares what the
+        call it announced did with the other shards (:meth:`_agree`)."""
+        if self.failure is not None and not after_failure:
+            raise AggregationFailed(self.failure)
+        self._announced = None
+        try:
+            result = fn(*args)
+        except StrategyError:
+            self._agree_on_announced(refused=True)
+            raise
+        except DurabilityError:  # fail() said why
+            raise
+        except refusals:
+            raise
+        except Exception as exc:
+            raise self._stop_on_unexpected(exc, getattr(fn, "__qualname__", repr(fn))) from exc
+        self._agree_on_announced(refused=False)
+        self._settle()
+        return result
+
+    def _stop_on_unexpected(self, exc: Exception, where: str) -> AggregationFailed:
+        """Fail-stop after an exception a call does not refuse with (aggregation thread)."""
+        self.fail(
+            f"unexpected {type(exc).__name__} on the aggregation thread in {where}: {exc} (the "
+            "strategy may be half-changed; the call was not logged)",
+            exc,
+        )
+        return AggregationFailed(self.failure)
+
+    def _settle(self) -> None:
+        """(aggregation thread, after a call) What :meth:`publish` will publish."""
+        if self.strategy is not None:
+            self._settled = _Settled.of(self.strategy)
 
     def publish(self) -> None:
         """Publish a new snapshot if the version moved, wake waiting job streams, re-arm timers."""
         strategy = self.strategy
         if strategy is None:
             return
-        if not self.snapshots or next(reversed(self.snapshots)) != strategy.version:
-            self._retain(
-                Snapshot(
-                    strategy.version,
-                    strategy.global_model(),
-                    self.clock(),
-                    strategy.global_buffers(),
-                )
-            )
+        # What the last call left (read on the aggregation thread); the strategy itself only
+        # when no call ran yet (a resumed or restored server, before it serves).
+        state = self._settled or _Settled.of(strategy)
+        if not self.snapshots or next(reversed(self.snapshots)) != state.version:
+            self._retain(Snapshot(state.version, state.weights, self.clock(), state.buffers))
             self._changed.set()
             self._changed = asyncio.Event()
-        self._arm_timer()
+        self._arm_timer(state.deadline)
 
     def notify(self) -> None:
         """Wake job streams waiting for a state change (a registration, a round opening)."""
@@ -187,11 +300,10 @@ class Federation:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 
-    def _arm_timer(self) -> None:
+    def _arm_timer(self, deadline: float | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        deadline = self.strategy.next_deadline() if self.strategy is not None else None
         if deadline is None or self.closing or self.follower:  # rank 0 orders the timers
             return
         loop = asyncio.get_running_loop()
@@ -257,6 +369,27 @@ class Federation:
         """Rank 0 of a sharded federation: announce the call about to be made."""
         if self.shards is not None:
             self._collective(self.shards.announce, kind, meta)
+            self._announced = (kind, meta)
+
+    def _agree_on_announced(self, refused: bool) -> None:
+        """Rank 0, after making the call it announced (aggregation thread)."""
+        announced, self._announced = self._announced, None
+        if announced is not None:
+            self._agree(*announced, refused)
+
+    def _agree(self, kind: str, meta: dict[str, Any], refused: bool) -> None:
+        """Every shard, after a call rank 0 ordered (aggregation thread): one small all_reduce
+        compares what the call did on each shard (refused or not, the version, jobs issued,
+        clients). The shards make the same calls on the same state, so a shard that differs
+        has diverged; every shard sees the same comparison, so all stop taking writes."""
+        shards = self.shards
+        if shards is None or kind not in S.COMPARED_KINDS:
+            return
+        assert self.strategy is not None
+        rows = self._collective(shards.compare, S.call_digest(self.strategy, refused))
+        if rows is not None:
+            self.fail(f"the shards diverged on {S.describe_call(kind, meta)}: {S.divergence(rows)}")
+            raise AggregationFailed(self.failure)
 
     def _vote(self, update: Update) -> None:
         """All or none: every shard checks its slice, and one refusal refuses the update
@@ -272,60 +405,94 @@ class Federation:
     # ------------------------------------------------------------------ shards of rank >= 1
 
     def follow(self) -> None:
-        """The aggregation thread of a shard of rank >= 1: make the calls rank 0 announces, in
-        its order, until it announces "stop" or a collective fails."""
+        """The receiving thread of a shard of rank >= 1: take the calls rank 0 announces, in its
+        order, and make each on the aggregation thread (where reads of the strategy queue too),
+        until rank 0 announces "stop", a collective fails or the shards diverge."""
         shards = self.shards
         loop = self._loop
         assert shards is not None and loop is not None
         while True:
-            kind = "next"
             try:
                 kind, meta = shards.receive()
-                if kind == "stop":
-                    log.info("rank 0 stopped the federation")
-                    if self.on_coordinator_stop is not None:
-                        loop.call_soon_threadsafe(self.on_coordinator_stop)
-                    return
-                self._follow_call(kind, meta)
             except S.ShardLost as exc:
-                loop.call_soon_threadsafe(self.fail, str(exc))
+                self.fail(str(exc))
                 return
-            except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
-                log.exception("shard %d could not follow a %s call", shards.rank, kind)
-                loop.call_soon_threadsafe(self.fail, f"could not follow rank 0's calls: {exc}")
+            if kind == "stop":
+                log.info("rank 0 stopped the federation")
+                if self.on_coordinator_stop is not None:
+                    loop.call_soon_threadsafe(self.on_coordinator_stop)
                 return
-            if kind != "noop":
-                loop.call_soon_threadsafe(self._followed)
+            if kind == "noop":
+                continue
+            try:
+                self._executor.submit(self._follow_step, kind, meta).result()
+            except DurabilityError:  # fail() said why
+                return
+            except RuntimeError:  # the server stopped (its aggregation thread with it)
+                return
+            loop.call_soon_threadsafe(self._followed)
 
     def _followed(self) -> None:
         """After a followed call (event loop): publish a new version, wake waiting handlers
         (a slice of a job waits for the job to exist here)."""
-        self.publish()
+        if self.failure is None:
+            self.publish()
         self.notify()
 
-    def _follow_call(self, kind: str, meta: dict[str, Any]) -> None:
-        if kind == "noop":
-            return
+    def _follow_step(self, kind: str, meta: dict[str, Any]) -> None:
+        """(aggregation thread of a shard of rank >= 1) Make one call rank 0 made, compare what
+        it did with the other shards, then answer the slice of an update."""
+        self._reply = None
+        try:
+            refused = self._follow_call(kind, meta)
+            self._agree(kind, meta, refused)
+        except S.ShardLost as exc:
+            self.fail(str(exc))
+            self._answer_slice(AggregationFailed(self.failure))
+            raise AggregationFailed(self.failure) from exc
+        except DurabilityError as exc:  # a lost shard, shards that diverged: fail() said why
+            self._answer_slice(exc)
+            raise
+        except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
+            error = self._stop_on_unexpected(exc, f"shard {self.shards.rank} following a {kind}")
+            self._answer_slice(error)
+            # Rank 0 may be waiting in a collective this shard will never join: leaving the
+            # group ends its wait now rather than at shard_timeout_seconds.
+            self.shards.close()
+            raise error from exc
+        self._answer_slice()
+        self._settle()
+
+    def _answer_slice(self, error: BaseException | None = None) -> None:
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            reply.staged.resolve(reply.result, error=error or reply.error)
+
+    def _follow_call(self, kind: str, meta: dict[str, Any]) -> bool:
+        """Make the call rank 0 announced; whether it was refused here."""
         if kind == "adopt":
             whole = ModelLayout.from_dict(meta["layout"])
-            weights = self.shards.share_model(None, whole.numel)
+            weights = self._collective(self.shards.share_model, None, whole.numel)
             self.install(*self._build(whole, weights, None))
-            return
+            return False
         assert self.strategy is not None, f"a {kind} call before the model"
-        now = float(meta["now"])
-        # A call rank 0's strategy refused changed nothing there; it changes nothing here.
-        with contextlib.suppress(StrategyError):
-            if kind == "update":  # its data is this shard's own slice, and the shards vote
-                self._follow_update(meta, now)
-            else:  # the same records a restarted server replays from its log
-                replay(self, WalRecord(kind, meta))
+        if kind == "update":  # its data is this shard's own slice, and the shards vote
+            return self._follow_update(meta, float(meta["now"]))
+        try:  # the same records a restarted server replays from its log
+            replay(self, WalRecord(kind, meta))
+        except StrategyError:
+            return True
+        return False
 
-    def _follow_update(self, meta: dict[str, Any], now: float) -> None:
+    def _follow_update(self, meta: dict[str, Any], now: float) -> bool:
+        """Follow an update on this shard's slice; whether it was refused here. The answer to
+        the slice waits in :attr:`_reply` until the shards agree on the outcome."""
         shards = self.shards
         strategy = self.strategy
         staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
         verdict, own, update = S.SLICE_MISSING, None, None
         if staged is not None:
+            self._reply = _Reply(staged)
             update = staged.update
             mismatch = _header_mismatch(update, meta)
             if mismatch:
@@ -336,24 +503,26 @@ class Federation:
                 )
             else:
                 verdict, own = S.slice_verdict(strategy, update)
-        votes = shards.vote(verdict)
+        votes = self._collective(shards.vote, verdict)
         if max(votes):
-            error = S.refusal(votes, shards.rank, own, meta["update_id"], shards.slice_wait)
-            if staged is not None:
-                staged.resolve(error=error)
-            return
-        assert staged is not None and update is not None
+            if self._reply is not None:
+                self._reply.error = S.refusal(
+                    votes, shards.rank, own, meta["update_id"], shards.slice_wait
+                )
+            return True
+        assert self._reply is not None and update is not None
         try:
             outcome = strategy.on_update(update, now)
         except StrategyError as exc:
-            staged.resolve(error=exc)
-            return
+            self._reply.error = exc
+            return True
         s = _staleness(outcome, strategy.version - update.base_version)
         if outcome.original is None:
             self.count_accepted(outcome)
         else:
             self.counters["duplicate"] += 1
-        staged.resolve((s, outcome))
+        self._reply.result = (s, outcome)
+        return False
 
     async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
         """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
@@ -396,16 +565,35 @@ class Federation:
                 with contextlib.suppress(DurabilityError):
                     await self.call(self._replicate, "noop", {})
 
-    def fail(self, reason: str) -> None:
-        """Stop taking writes for good (an operator restarts with --resume)."""
+    def fail(self, reason: str, exc: BaseException | None = None) -> None:
+        """Stop taking writes for good (an operator restarts with --resume); from any thread.
+        The first reason is logged once, at CRITICAL, with ``exc``'s traceback if given."""
+        with self._failure_lock:
+            first = self.failure is None
+            if first:
+                self.failure = reason
         if self.shards is not None:
-            self.shards.staged.fail_all(DurabilityError(reason))
-        if self.failure is None:
-            self.failure = reason
-            log.critical("%s; refusing all further calls (restart with --resume)", reason)
-            if self.on_failure is not None:
-                self.on_failure(reason)
+            self.shards.staged.fail_all(AggregationFailed(self.failure))
         self.closing = True
+        if not first:
+            return
+        log.critical("%s; refusing all further calls (restart with --resume)", reason,
+                     exc_info=exc)  # fmt: skip
+        if self.on_failure is not None:
+            self._on_loop(self.on_failure, reason)
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop: now when called there (or without a loop),
+        else as soon as the loop gets to it."""
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            fn(*args)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
 
     def count_accepted(self, outcome: Outcome) -> None:
         """Count an accepted update (served or replayed from the log)."""
@@ -608,12 +796,20 @@ class Federation:
 
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
+        self._version = snap.version  # one int: readable from any thread
         while len(self.snapshots) > self.config.retained_versions:
             self.snapshots.popitem(last=False)
 
     @property
     def version(self) -> int:
+        """The strategy's version: ahead of :attr:`published_version` while a call that made a
+        version is not published yet (or failed). Handlers tell clients the published one."""
         return self.strategy.version if self.strategy is not None else 0
+
+    @property
+    def published_version(self) -> int:
+        """The latest published version, one GetModel serves now (0 before the model)."""
+        return self._version
 
     def latest(self) -> Snapshot:
         return next(reversed(self.snapshots.values()))
@@ -637,8 +833,23 @@ class Federation:
         return await self._slots.get()
 
     def release_slot(self, slot: StagingSlot) -> None:
+        """Give a slot back once no device copy still reads it: a copy from pinned memory runs
+        on after it was queued, and the next upload must not overwrite its bytes. The loop
+        polls the copy's event meanwhile (it never blocks on it)."""
         assert self._slots is not None
-        self._slots.put_nowait(slot)
+        if slot.idle():
+            self._slots.put_nowait(slot)
+        else:
+            asyncio.get_running_loop().call_later(SLOT_POLL_SECONDS, self.release_slot, slot)
+
+    @contextlib.asynccontextmanager
+    async def whole_model_slot(self) -> AsyncIterator[StagingSlot]:
+        """A landing area for a whole model offered to a sharded rank 0 (its staging slots hold
+        its slice): at most max_concurrent_uploads at a time, and freed after use (a late offer
+        is rare; its memory is not kept)."""
+        assert self.layout is not None
+        async with self._whole_slots:
+            yield staging_slot(self.layout.whole)
 
     def cache_bytes(self) -> int:
         """Bytes of the tensors the strategy holds (model, caches, job bases, snapshots of
@@ -665,6 +876,16 @@ class Federation:
             visit(snap.weights)
             visit(snap.buffers)
         return sum(seen.values())
+
+    def cache_bytes_between_calls(self, timeout: float = 10.0) -> int:
+        """:meth:`cache_bytes` for a thread that may block (the metrics endpoint's): measured on
+        the aggregation thread between two calls; 0 once that thread has stopped."""
+        if self.strategy is None:
+            return 0
+        try:
+            return self._executor.submit(self.cache_bytes).result(timeout)
+        except RuntimeError:  # the executor shut down: the server is stopping
+            return 0
 
     def queue_depth(self) -> int:
         """Validated updates waiting for (or being folded in by) the aggregation loop."""

@@ -32,6 +32,8 @@ from aggsrv.server.auth import (
 from aggsrv.server.federation import DurabilityError, Federation, payload_sizes, staging_slot
 from aggsrv.server.limits import RateLimiter
 from aggsrv.strategies import (
+    Job,
+    Strategy,
     StrategyError,
     Update,
 )
@@ -476,7 +478,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             client_id=header.client_id,
             known_before=known,
             initial_model_adopted=adopted,
-            model_version=fed.version,
+            model_version=fed.published_version,
             layout_hash=layout.hash,
             strategy=strategy.name,
             limits=self._limits(self._chunk_bytes_for(header.client_id)),
@@ -522,7 +524,10 @@ class AggregationService(pb_grpc.AggregationServicer):
             )  # fmt: skip
             try:
                 # On the aggregation thread: a sharded server announces the model to the shards.
-                await fed.call(fed.adopt, layout, decoded["weights"], decoded.get("buffers"))
+                await fed.call(
+                    fed.adopt, layout, decoded["weights"], decoded.get("buffers"),
+                    refusals=(ValueError, OSError),
+                )  # fmt: skip
             except DurabilityError as exc:
                 await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
             except ValueError as exc:  # e.g. a negative running_var in the initial model
@@ -550,7 +555,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         self, header: pb.RegisterHeader, stream: AsyncIterator, context: grpc.aio.ServicerContext
     ) -> None:
         """A server with a model reads and discards offered weights after checking them (a
-        corrupt stream is refused like any other); the staging slot bounds the memory."""
+        corrupt stream is refused like any other); the staging slots bound the memory."""
         if not header.initial_tensors:
             msg = await self._next_message(stream, context)
             if msg is not None and msg.WhichOneof("kind") == "trailer":
@@ -578,10 +583,11 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         whole = fed.layout.whole
         if whole is not fed.layout:  # a shard's staging slots hold a slice, not a model
-            await self._decode(
-                stream, staging_slot(whole), list(header.initial_tensors),
-                payload_sizes(whole, "weights"), dtype, context,
-            )  # fmt: skip
+            async with fed.whole_model_slot() as slot:
+                await self._decode(
+                    stream, slot, list(header.initial_tensors), payload_sizes(whole, "weights"),
+                    dtype, context,
+                )  # fmt: skip
             return
         slot = await fed.acquire_slot()
         try:
@@ -629,7 +635,9 @@ class AggregationService(pb_grpc.AggregationServicer):
                 await self._check_open(context)
             # Nothing yet: keep the stream open, tell the client why, wait for a change.
             yield pb.JobMessage(
-                pending=pb.JobPending(reason="waiting for the strategy", model_version=fed.version)
+                pending=pb.JobPending(
+                    reason="waiting for the strategy", model_version=fed.published_version
+                )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)
         header = pb.JobHeader(
@@ -674,14 +682,12 @@ class AggregationService(pb_grpc.AggregationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + shards.order_wait
         while True:
-            strategy = fed.strategy
-            job = strategy.open_job(request.client_id, job_id)
-            if job is not None:
-                return job
+            job, issued, state = await fed.read(_issued, fed.strategy, request.client_id, job_id)
             if fed.failure is not None:
                 await self._check_open(context)
-            if job_id <= strategy.jobs_issued:
-                state = strategy.job_state(request.client_id, job_id)
+            if job is not None:
+                return job
+            if job_id <= issued:
                 if state == "unknown":
                     await self._abort(
                         context, SC.NOT_FOUND,
@@ -791,6 +797,11 @@ class AggregationService(pb_grpc.AggregationServicer):
                 context,
             )  # fmt: skip
             buffers = views.get("buffers")
+            device = fed.strategy.device
+            tensor = _on_device(views["update"], device)
+            moved = None if buffers is None else _on_device(buffers, device)
+            if tensor is not views["update"] or moved is not buffers:
+                slot.fence(device)  # the copies may read the slot after they return
             update = Update(
                 client_id=h.client_id,
                 job_id=job_id,
@@ -799,8 +810,8 @@ class AggregationService(pb_grpc.AggregationServicer):
                 num_samples=int(h.num_samples),
                 work_done=_work_done(h.work, fed.strategy.make_recipe().local_steps is not None),
                 kind=kind,
-                tensor=_on_device(views["update"], fed.strategy.device),
-                buffers=None if buffers is None else _on_device(buffers, fed.strategy.device),
+                tensor=tensor,
+                buffers=moved,
             )
             fed.updates_waiting += 1
             waiting = True
@@ -892,7 +903,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         loop = asyncio.get_running_loop()
         give_up = loop.time() + fed.shards.order_wait
-        while fed.version < version and fed.failure is None and loop.time() < give_up:
+        while fed.published_version < version and fed.failure is None and loop.time() < give_up:
             await fed.wait_for_change(min(1.0, give_up - loop.time()))
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
@@ -903,13 +914,15 @@ class AggregationService(pb_grpc.AggregationServicer):
         await self._check_id("client_id", request.client_id, context)
         await self._require_client(request.client_id, context)
         fed = self.fed
+        if fed.failure is not None:  # its job states may be half-changed: none is answered
+            await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {fed.failure}")
         fed.touch(request.client_id)
         record = fed.clients[request.client_id]
         resp = pb.HeartbeatResponse(
             lease_expires=P.timestamp(record.lease_expires),
             lease=P.duration(fed.config.lease_seconds),
             next_heartbeat=P.duration(fed.config.lease_seconds / 3),
-            latest_version=fed.version,
+            latest_version=fed.published_version,
             job_state=pb.JOB_STATE_UNSPECIFIED,
         )
         if request.job_id:
@@ -917,13 +930,12 @@ class AggregationService(pb_grpc.AggregationServicer):
             strategy = fed.strategy
             job_id = _job_number(request.job_id)
             if strategy is not None and job_id is not None:
-                # Read off the event loop without the aggregation thread: dict lookups only.
-                state = strategy.job_state(request.client_id, job_id)
+                # On the aggregation thread: never beside a call that retires or issues jobs.
+                state, deadline = await fed.read(_job_status, strategy, request.client_id, job_id)
                 resp.job_state = JOB_STATES[state]
-                job = strategy.outstanding_job(request.client_id) if state == "current" else None
-                if job is not None and job.deadline is not None:
-                    resp.job_deadline.CopyFrom(P.timestamp(job.deadline))
-                    resp.job_time_left.CopyFrom(P.duration(job.deadline - fed.clock()))
+                if deadline is not None:
+                    resp.job_deadline.CopyFrom(P.timestamp(deadline))
+                    resp.job_time_left.CopyFrom(P.duration(deadline - fed.clock()))
         return resp
 
     async def GetStatus(self, request, context):  # noqa: N802
@@ -931,7 +943,7 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         resp = pb.StatusResponse(
             has_model=fed.strategy is not None,
-            version=fed.version,
+            version=fed.published_version,
             strategy=fed.strategy.name if fed.strategy else fed.config.strategy,
             clients_known=len(fed.clients),
             clients_active=fed.active_clients(),
@@ -955,7 +967,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             resp.eval_version = fed.last_eval[0]
             resp.eval_metrics.update(fed.last_eval[1])
         if fed.strategy is not None:
-            resp.cache_bytes = fed.cache_bytes()
+            resp.cache_bytes = await fed.read(fed.cache_bytes)  # walks the strategy's state
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
         if fed.shards is not None:
@@ -963,7 +975,7 @@ class AggregationService(pb_grpc.AggregationServicer):
             shard_map = self._shard_map()
             if shard_map is not None:
                 resp.shard_map.CopyFrom(shard_map)
-        if fed.layout is not None:
+        if fed.strategy is not None:  # set last: the layout and the snapshots are ready
             resp.layout_hash = fed.layout.hash
             resp.numel = fed.layout.whole.numel
             resp.buffer_numel = fed.layout.whole.buffer_numel
@@ -1004,13 +1016,28 @@ class AggregationService(pb_grpc.AggregationServicer):
         log.warning("shutdown requested by an operator", extra={"event": "shutdown"})
         # After this answer is on its way: the handler must return before the server stops.
         asyncio.get_running_loop().call_later(0.05, self.on_shutdown, grace)
-        return pb.ShutdownResponse(version=self.fed.version)
+        return pb.ShutdownResponse(version=self.fed.published_version)
 
 
 def _job_number(job_id: str) -> int | None:
     """The job a wire job id names: exactly the decimal string the server sent (no sign, spaces,
     leading zeros or non-ASCII digits, which int() would take); None for anything else."""
     return int(job_id) if JOB_ID.fullmatch(job_id) else None
+
+
+def _job_status(strategy: Strategy, client_id: str, job_id: int) -> tuple[str, float | None]:
+    """(aggregation thread) What Heartbeat says of a job: its state and, if it is the client's
+    current job, its deadline."""
+    state = strategy.job_state(client_id, job_id)
+    job = strategy.outstanding_job(client_id) if state == "current" else None
+    return state, job.deadline if job is not None else None
+
+
+def _issued(strategy: Strategy, client_id: str, job_id: int) -> tuple[Job | None, int, str]:
+    """(aggregation thread) A shard's view of a job rank 0 issued: the open job (None if not
+    open here), how many jobs this shard has issued, and the job's state."""
+    job = strategy.open_job(client_id, job_id)
+    return job, strategy.jobs_issued, strategy.job_state(client_id, job_id)
 
 
 def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:

@@ -7,13 +7,17 @@ announces a call (``announce``) right before making it, the other shards receive
 (``receive``) and make the same call, and the strategy's own ``all_reduce``s inside that call
 then line up on every shard because they come from the same code on the same state. One gloo
 group carries both (NCCL would need its own group for CUDA partial sums; that is not done yet).
+After each strategy call the shards compare what it did (``compare``): one that differs has
+diverged from rank 0, and every shard stops taking writes.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -34,6 +38,10 @@ SLICE_INVALID = 2  # its numbers are refused (e.g. a negative running_var): INVA
 
 # The calls rank 0 orders; "adopt" carries the first model, "noop" keeps the group alive.
 CALL_KINDS = ("adopt", "register", "job", "update", "timer", "noop", "stop")
+# The strategy calls whose result the shards compare afterwards (docs/sharding.md).
+COMPARED_KINDS = ("register", "job", "update", "timer")
+# What a shard tells the others a call did: refused (1) or not (0), then its counts after it.
+DIGEST_FIELDS = ("refused", "version", "jobs issued", "clients")
 
 
 class ShardLost(RuntimeError):
@@ -241,6 +249,21 @@ class ShardGroup:
         self._collective("the vote on an update", self._dist.all_reduce, votes)
         return votes.tolist()
 
+    def compare(self, digest: Sequence[int]) -> list[list[int]] | None:
+        """None when every shard's digest of the call just made (:func:`call_digest`) equals
+        rank 0's, else every shard's digest, in rank order. One all_reduce of one int64 per
+        shard (a key of its digest; gloo takes longer for each element more); the digests
+        themselves travel, in a second one, only when the keys differ (on every shard)."""
+        keys = torch.zeros(self.world_size, dtype=torch.int64)
+        keys[self.rank] = digest_key(digest)
+        self._collective("comparing the shards' results of a call", self._dist.all_reduce, keys)
+        if len(set(keys.tolist())) == 1:
+            return None
+        rows = torch.zeros(self.world_size, len(digest), dtype=torch.int64)
+        rows[self.rank] = torch.tensor(list(digest), dtype=torch.int64)
+        self._collective("gathering the shards' results of a call", self._dist.all_reduce, rows)
+        return rows.tolist()
+
     def close(self) -> None:
         """Leave the group; the other shards' pending collectives then fail at once."""
         if self.owned and self._dist.is_initialized():
@@ -275,3 +298,38 @@ def refusal(
         "rank 0 ordering it (the stream to it was cut or is late); no shard applied it: send "
         "the update again"
     )
+
+
+def call_digest(strategy: Any, refused: bool) -> list[int]:
+    """What a call did on this shard, as the shards compare it (DIGEST_FIELDS): the same calls
+    on the same state give the same digest on every shard."""
+    return [int(refused), strategy.version, strategy.jobs_issued, len(strategy.clients)]
+
+
+def digest_key(digest: Sequence[int]) -> int:
+    """A 56-bit key of a digest, the same on every machine (not Python's hash())."""
+    packed = struct.pack(f"<{len(digest)}q", *digest)
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=7).digest(), "little")
+
+
+def divergence(rows: Sequence[Sequence[int]]) -> str:
+    """How the shards' digests of a call differ from rank 0's ("" when they all agree)."""
+
+    def said(row: Sequence[int]) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in zip(DIGEST_FIELDS[1:], row[1:], strict=True))
+        return f"{'refused' if row[0] else 'made'} it ({counts})"
+
+    first = list(rows[0])
+    others = [r for r, row in enumerate(rows) if list(row) != first]
+    if not others:
+        return ""
+    return f"rank 0 {said(first)}, " + ", ".join(f"rank {r} {said(rows[r])}" for r in others)
+
+
+def describe_call(kind: str, meta: dict[str, Any]) -> str:
+    """A call rank 0 ordered, named for the log (ids are well-formed: rank 0 checked them)."""
+    if kind == "update":
+        return f"update {meta.get('update_id')!r} of client {meta.get('client')!r}"
+    if kind in ("register", "job"):
+        return f"a {kind} call of client {meta.get('client')!r}"
+    return f"a {kind} call"

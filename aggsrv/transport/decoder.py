@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from .errors import (
 )
 from .sparse import Encoding, decode_sparse, encoded_nbytes
 
-__all__ = ["Decoder", "StagingSlot"]
+__all__ = ["Decoder", "StagingSlot", "device_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +61,35 @@ class StagingSlot:
         self.flat.zero_()
         for buf in self.extras.values():
             buf.zero_()
+        self._fence: Any = None  # an event after the last device copy out of the slot
+
+    def fence(self, device: torch.device) -> None:
+        """Mark the slot busy until the device copies queued out of it so far (on this thread's
+        current stream) are done: a ``non_blocking`` copy from pinned memory to a GPU still
+        reads its source after it returns, so the next upload must not land here before."""
+        self._fence = device_event(device)
+
+    def idle(self) -> bool:
+        """Whether no device copy still reads the slot (the next upload may overwrite it)."""
+        if self._fence is not None and not self._fence.query():
+            return False
+        self._fence = None
+        return True
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all buffers of the slot."""
         return 4 * (self.flat.numel() + sum(b.numel() for b in self.extras.values()))
+
+
+def device_event(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current stream: its ``query()`` turns True once the work
+    queued there before it (a copy) is done. None for the CPU, where copies are synchronous."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 @dataclass
