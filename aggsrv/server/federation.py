@@ -55,6 +55,7 @@ from aggsrv.strategies import (
     InvalidUpdate,
     Job,
     Outcome,
+    ShardsDisagree,
     Status,
     Strategy,
     StrategyError,
@@ -255,11 +256,22 @@ class Federation:
             raise
         except refusals:
             raise
+        except ShardsDisagree as exc:
+            raise self._stop_on_divergence(exc, self._announced) from exc
         except Exception as exc:
             raise self._stop_on_unexpected(exc, getattr(fn, "__qualname__", repr(fn))) from exc
         self._agree_on_announced(refused=False)
         self._settle()
         return result
+
+    def _stop_on_divergence(
+        self, exc: ShardsDisagree, call: tuple[str, dict[str, Any]] | None
+    ) -> AggregationFailed:
+        """Fail-stop when the strategy found, in the middle of a call, that the shards took
+        different branches (every shard sees the same sums, so all stop)."""
+        what = S.describe_call(*call) if call is not None else "a call"
+        self.fail(f"the shards diverged on {what}: {exc}")
+        return AggregationFailed(self.failure)
 
     def _stop_on_unexpected(self, exc: Exception, where: str) -> AggregationFailed:
         """Fail-stop after an exception a call does not refuse with (aggregation thread)."""
@@ -453,6 +465,10 @@ class Federation:
         except DurabilityError as exc:  # a lost shard, shards that diverged: fail() said why
             self._answer_slice(exc)
             raise
+        except ShardsDisagree as exc:
+            error = self._stop_on_divergence(exc, (kind, meta))
+            self._answer_slice(error)
+            raise error from exc
         except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
             error = self._stop_on_unexpected(exc, f"shard {self.shards.rank} following a {kind}")
             self._answer_slice(error)

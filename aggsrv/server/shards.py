@@ -51,6 +51,9 @@ class ShardLost(RuntimeError):
 class SliceMissing(StrategyError):
     """A shard never received its slice of an update rank 0 ordered; no shard applied it."""
 
+    code = "ABORTED"  # push the update again, same update id
+    reason = "slice_missing"
+
 
 @dataclass
 class StagedSlice:

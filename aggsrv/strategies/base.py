@@ -65,6 +65,7 @@ __all__ = [
     "Outcome",
     "ProjectionMode",
     "Recipe",
+    "ShardsDisagree",
     "Status",
     "Strategy",
     "StrategyConfig",
@@ -181,6 +182,11 @@ class TooManySamples(InvalidUpdate):
     """``num_samples`` is above ``max_num_samples``."""
 
     reason = "num_samples"
+
+
+class ShardsDisagree(RuntimeError):
+    """The shards of a sharded server decided the same call differently: not a refusal of the
+    call but a broken federation (the server stops taking writes)."""
 
 
 class TooManyClients(StrategyError):
@@ -604,14 +610,20 @@ class Strategy(ABC):
         A replayed update id returns DUPLICATE with the original outcome and changes nothing.
         """
         prior = self.ledger.lookup(update.client_id, update.update_id)
+        try:
+            if prior is None:
+                job = self._validate(update)
+                self._require_leased(job, now)
+                s = self.version - job.base_version
+                self._check(update, job, s, now)
+        except StrategyError:
+            self._agree_on_update(prior is not None, refused=True)
+            raise
+        self._agree_on_update(prior is not None, refused=False)
         if prior is not None:
             return Outcome(
                 Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness
             )
-        job = self._validate(update)
-        self._require_leased(job, now)
-        s = self.version - job.base_version
-        self._check(update, job, s, now)
         self._retire_job(job)
         try:
             outcome = self._apply(update, job, s, now)
@@ -626,6 +638,22 @@ class Strategy(ABC):
         self.ledger.record(update.client_id, update.update_id, outcome)
         self._completed_job[update.client_id] = job.job_id
         return outcome
+
+    def _agree_on_update(self, duplicate: bool, refused: bool) -> None:
+        """On a sharded server, check that every shard took the same branch for this update
+        (a duplicate, refused, or to be applied) before the collectives that applying it makes:
+        a shard whose state drifted would otherwise wait in a collective the others never
+        enter. Shards that disagree raise ShardsDisagree (not a refusal: the federation stops)."""
+        if self.reduce is None:
+            return
+        world, rank = self.reducer.world_size, self.reducer.rank
+        # One slot per shard (0: applies it, 1: a duplicate, 2: refuses it), summed.
+        branch = torch.zeros(world, dtype=torch.float64)
+        branch[rank] = 2.0 if refused else float(duplicate)
+        seen = [int(b) for b in self.reduce(branch).tolist()]
+        if len(set(seen)) > 1:
+            said = ("made it", "found it a duplicate", "refused it")
+            raise ShardsDisagree(", ".join(f"rank {r} {said[b]}" for r, b in enumerate(seen)))
 
     def next_deadline(self) -> float | None:
         """When :meth:`on_timer` wants to be called next (None: no timer): the strategy's own
