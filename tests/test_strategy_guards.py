@@ -81,14 +81,14 @@ def hostile_update(job: Job, kind: str, g: torch.Generator) -> Update:
         delta = torch.full((D,), 3.3e38) * torch.sign(torch.randn(D, generator=g))
     elif kind == "samples":
         samples = 2**64 - 1
-    tensor = delta if upd_kind is UpdateKind.DELTA else delta.clone()
+    tensor = delta.to(job.weights.device)
     return Update(job.client_id, job.job_id, job.base_version, f"{job.client_id}-{job.job_id}-"
                   f"{kind}", samples, job.recipe.work_target, upd_kind, tensor)  # fmt: skip
 
 
 def ordinary_update(job: Job, g: torch.Generator) -> Update:
     kind = UpdateKind.DELTA if int(torch.randint(0, 2, (1,), generator=g)) else UpdateKind.WEIGHTS
-    delta = 0.1 * torch.randn(D, generator=g)
+    delta = (0.1 * torch.randn(D, generator=g)).to(job.weights.device)
     tensor = delta if kind is UpdateKind.DELTA else job.weights + delta
     samples = int(torch.randint(1, 50, (1,), generator=g))
     return Update(job.client_id, job.job_id, job.base_version, f"{job.client_id}-{job.job_id}",
@@ -108,16 +108,25 @@ def submit(s: Strategy, upd: Update, now: float) -> StrategyError | None:
     return None
 
 
+# On a machine with a GPU the walk runs on it too (the checks synchronise with the device).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hostile", ["invalid", "huge"])
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_hostile_updates_never_reach_the_model(name: str, hostile: str, seed: int) -> None:
+def test_hostile_updates_never_reach_the_model(
+    name: str, hostile: str, device: str, seed: int
+) -> None:
     """Invalid updates (NaN, Inf, an absurd num_samples) are refused and the federation goes on;
     huge finite ones are applied while the results stay finite and refused once they would not.
     (An accepted huge update may leave the model near the float32 limit, so that later ordinary
     updates overflow too and are refused: that is what max_update_norm is for.)"""
     g = torch.Generator().manual_seed(seed)
     config = strategy_cases(len(CLIENTS))[name]
-    s = make_strategy(name, layout=LAYOUT, initial=torch.randn(D, generator=g), config=config)
+    s = make_strategy(
+        name, layout=LAYOUT, initial=torch.randn(D, generator=g), config=config, device=device
+    )
     for c in CLIENTS:
         s.on_register(c, 0.0)
     kinds = ("nan", "inf", "samples") if hostile == "invalid" else ("huge", "huge_weights")

@@ -830,10 +830,17 @@ class Strategy(ABC):
         self, compute: Callable[[slice], torch.Tensor], what: str, chunk: int = 1 << 18
     ) -> None:
         """:meth:`_require_finite` of a [D] value given chunk by chunk (``compute(s)`` returns
-        the elements ``s`` of the value), so a candidate is checked without a [D] temporary."""
-        bad = 0
-        for start in range(0, self.dim, chunk):
-            bad += count_non_finite(compute(slice(start, min(start + chunk, self.dim))))
+        the elements ``s`` of the value), so a candidate is checked without a [D] temporary.
+
+        Each chunk's float32 sum stays on the device (one synchronisation in all, not one per
+        chunk); a chunk whose sum is not finite is computed again and counted exactly (a sum of
+        finite values can overflow)."""
+        parts = [slice(start, min(start + chunk, self.dim)) for start in range(0, self.dim, chunk)]
+        sums = torch.zeros(len(parts), dtype=torch.float32, device=self.device)
+        for i, part in enumerate(parts):
+            sums[i] = compute(part).sum()
+        suspects = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+        bad = sum(count_non_finite(compute(parts[i])) for i in suspects)
         if self.reduce is None:
             if bad:
                 raise NonFiniteResult(
