@@ -160,6 +160,10 @@ class Federation:
         # before readers see them: (snapshot, LSN of the record; None without a log).
         self._unpublished: deque[tuple[Snapshot, int | None]] = deque()
         self._captured = -1  # the last version queued there
+        # The LSN of the newest record whose call issued a job (any kind of call may), and the
+        # number of jobs issued by then: a job handed out again is durable once that LSN is.
+        self._issue_lsn: int | None = None
+        self._jobs_logged = 0
         self.published_version = 0  # the newest version readers see
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
         self.last_eval: tuple[int, dict[str, float]] | None = None
@@ -232,6 +236,7 @@ class Federation:
         assert strategy is not None
         self._unpublished.clear()
         self._captured = strategy.version
+        self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # replayed: on disk
         if strategy.version != self.published_version:
             self._retain(
                 Snapshot(
@@ -302,6 +307,10 @@ class Federation:
                 self.fail(f"could not append to the write-ahead log: {exc}")
                 raise DurabilityError(self.failure) from exc
         self._capture(lsn)
+        strategy = self.strategy
+        if strategy is not None and strategy.jobs_issued != self._jobs_logged:
+            self._jobs_logged = strategy.jobs_issued
+            self._issue_lsn = lsn
         return lsn
 
     async def make_durable(self, lsn: int | None) -> None:
@@ -542,9 +551,8 @@ class Federation:
             if strategy.change_count != before:
                 return job, self._log("job", meta)
             # Unchanged: a job handed out again was logged when it was made, perhaps by a call
-            # whose fsync is still running; everything written so far covers it.
-            wal = self._wal()
-            return job, (wal.written_lsn if wal is not None and job is not None else None)
+            # whose fsync is still running (no wait, and no fsync, once that record is durable).
+            return job, (self._issue_lsn if job is not None else None)
 
         job, lsn = await self.call(run)
         await self.logged(lsn)
@@ -711,6 +719,7 @@ class Federation:
         self.snapshots.clear()
         self._unpublished.clear()
         self._captured = strategy.version
+        self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # on disk already
         self._retain(
             Snapshot(
                 strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
