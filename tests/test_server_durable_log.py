@@ -165,7 +165,7 @@ def test_getjob_is_rate_limited_per_call_not_per_pending_message(tmp_path: Path)
 
 
 def test_log_stays_bounded_under_getjob_and_register_floods(tmp_path: Path) -> None:
-    limit = 8192
+    limit = 6144
     srv = durable(
         tmp_path, strategy="fedasync", checkpoint_every_bytes=limit, checkpoint_keep=2,
         checkpoint_every_updates=0, checkpoint_every_seconds=0,
@@ -175,7 +175,7 @@ def test_log_stays_bounded_under_getjob_and_register_floods(tmp_path: Path) -> N
     try:
         with Client(srv.address, "a") as c:
             c.register(layout=layout, initial=torch.randn(layout.numel))
-            for i in range(160):
+            for i in range(100):
                 c.get_job()
                 c.heartbeat()
                 c.register(layout=layout, labels={"round": str(i)})  # each one is logged

@@ -53,7 +53,7 @@ def test_change_count_moves_exactly_when_job_for_changes_state(name: str) -> Non
         )
         seen["changed" if changed else "unchanged"] += 1
 
-    for _ in range(160):
+    for _ in range(120):
         run.step(on_job=checked_job_for)
     assert seen["changed"] >= 2 and seen["unchanged"] >= 2, (name, seed, seen)
 
@@ -89,7 +89,7 @@ def sharing(strategy: Any) -> set[frozenset[str]]:
 def test_checkpoint_round_trip_keeps_tensor_sharing(name: str) -> None:
     seed = secrets.randbits(31)
     run = StrategyRun(name, seed)
-    for _ in range(200):
+    for _ in range(150):
         run.step()
     for cid in run.registered:  # as many outstanding jobs as the strategy hands out
         run.job_for(cid)
