@@ -102,7 +102,10 @@ _SERVE_OPTIONS = {
     "durability": (str, "on (default): every update fsynced to the log before its ack; off"),
     "checkpoint_every_updates": (int, None),
     "checkpoint_every_seconds": (float, None),
-    "checkpoint_every_bytes": (int, "checkpoint once the log holds this many bytes (4x the model)"),
+    "checkpoint_every_bytes": (
+        int,
+        "checkpoint once the log holds this many bytes (default: 4x the model or more)",
+    ),
     "checkpoint_keep": (int, None),
     "metrics_port": (int, "serve Prometheus metrics on this port"),
     "metrics_host": (str, None),

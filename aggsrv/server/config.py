@@ -76,7 +76,8 @@ class ServerConfig(TomlConfig):
     checkpoint_every_seconds: float = 300.0  # 0: not by time
     # Also checkpoint once the log since the last checkpoint holds this many bytes (GetJob,
     # Register and update records alike), so no client can grow it (and recovery) without bound.
-    # None: 4x the model's bytes, at least 1 MiB; 0: not by size.
+    # None: the larger of 4x the model's bytes and twice the newest checkpoint's, at least
+    # 16 MiB; 0: not by size.
     checkpoint_every_bytes: int | None = None
     checkpoint_keep: int = 2  # newest checkpoints kept, with the log segments after the oldest
 

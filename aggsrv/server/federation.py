@@ -57,9 +57,10 @@ from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# The default checkpoint_every_bytes is 4x the model, but not below this: a small model's
-# checkpoint costs its fixed overheads (fsyncs, a new segment) whatever its size.
-MIN_CHECKPOINT_EVERY_BYTES = 1 << 20
+# The default checkpoint_every_bytes is 4x the model or twice the newest checkpoint, but not
+# below this: a small model's checkpoint costs its fixed overheads (fsyncs, a new segment, the
+# update-id ledger) whatever its size, and replaying this much log takes well under a second.
+MIN_CHECKPOINT_EVERY_BYTES = 16 << 20
 
 
 @dataclass
@@ -634,13 +635,16 @@ class Federation:
             self.checkpoint_soon()
 
     def checkpoint_bytes_limit(self) -> int:
-        """checkpoint_every_bytes, or by default 4x the model's bytes (at least 1 MiB)."""
+        """checkpoint_every_bytes, or by default the larger of 4x the model's bytes and twice
+        the newest checkpoint's (a strategy with a [K, D] cache checkpoints K models: writing
+        that every few updates would cost more than the log it saves), at least 16 MiB."""
         every = self.config.checkpoint_every_bytes
         if every is not None:
             return every
         whole = self.layout.whole if self.layout is not None else None
         model_bytes = 4 * (whole.numel + whole.buffer_numel) if whole is not None else 0
-        return max(4 * model_bytes, MIN_CHECKPOINT_EVERY_BYTES)
+        newest = self.store.checkpoint_bytes if self.store is not None else 0
+        return max(4 * model_bytes, 2 * newest, MIN_CHECKPOINT_EVERY_BYTES)
 
     def checkpoint_soon(self) -> None:
         """Start a checkpoint in the background unless one is running."""

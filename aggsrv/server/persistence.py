@@ -69,6 +69,7 @@ class StateStore:
         # earlier run) + what this run's log wrote after the LSN of the last cut.
         self._carried = 0
         self._cut_lsn = 0
+        self.checkpoint_bytes = 0  # the newest checkpoint's size
 
     # ------------------------------------------------------------------ inspection
 
@@ -119,6 +120,7 @@ class StateStore:
         """Write a checkpoint atomically, then drop what the kept checkpoints no longer need."""
         t0 = time.perf_counter()
         path = D.write_checkpoint(self.directory, number, payload)
+        self.checkpoint_bytes = path.stat().st_size
         D.prune(self.directory, self.keep)
         info = CheckpointInfo(
             number, int(payload["state"]["version"]), path, path.stat().st_size,
@@ -151,6 +153,7 @@ class StateStore:
         except ValueError as exc:
             raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
         restore(fed, payload)
+        self.checkpoint_bytes = path.stat().st_size
         fed.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
         strategy = fed.strategy
         sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
