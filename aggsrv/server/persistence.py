@@ -158,6 +158,7 @@ class StateStore:
         strategy = fed.strategy
         sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
         replayed = updates = 0
+        t0 = time.perf_counter()
         try:
             for segment, record in D.iter_records(self.directory, number):
                 try:
@@ -180,8 +181,8 @@ class StateStore:
         fed.updates_since_checkpoint = updates
         self._carried = sum(p.stat().st_size for n, p in segments if n >= number)
         log.info(
-            "resumed from checkpoint %d (%s): version %d after replaying %d logged records",
-            number, path.name, fed.version, replayed,
+            "resumed from checkpoint %d (%s): version %d after replaying %d logged records in "
+            "%.2f s", number, path.name, fed.version, replayed, time.perf_counter() - t0,
         )  # fmt: skip
         return replayed
 

@@ -471,8 +471,9 @@ class SharedCopies:
         key = _storage_key(t)
         if key not in self._copies:
             source = t.untyped_storage()
-            copy = torch.UntypedStorage(source.nbytes(), device=self.device)
-            copy.copy_(source)
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+            raw.set_(source, 0, (source.nbytes(),), (1,))
+            copy = raw.to(device=self.device, copy=True).untyped_storage()
             self._copies[key] = (source, copy)
         return _view(self._copies[key][1], t, t.storage_offset())
 
