@@ -11,20 +11,38 @@ to a temporary directory on the disk that holds /tmp). `AGGSRV_BENCH_SCALE=0.01`
   against each server: updates/s, push p50/p99, and fsyncs per update (below 1 when group commit
   shares an fsync between concurrent acks).
 
+- `test_bench_durability_resume`: how long `aggsrv serve --resume` takes from spawn to SERVING
+  against the length of the log it replays. 8 client threads push D = 50K deltas to a durable
+  fedasync server that never checkpoints after the first (so the log is all there is); after 0,
+  250, 500 and 1,000 updates the state directory is copied, and each copy is resumed by a fresh
+  `aggsrv serve` process (three times, the medians kept): spawn to SERVING, and the replay's own
+  time from the server's log line; the replay rate is compared with the rate the same server took
+  the updates in (target: replay at least as fast as live ingest). Beside it, the longest log is
+  replayed in a fresh process on its main thread (where resume ran before) and on the
+  aggregation thread (where it runs now, as live aggregation does).
+
 No target is asserted: the ingest issue's target (>= 0.7x a bare receiver) applies to `off`.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import grpc
 import numpy as np
 import torch
 from conftest import REPS, SCALE, emit, fmt_size, median_ratio, scaled
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ingest_helpers import AggsrvServer, interleaved_prepared
 
 from aggsrv.client.client import Client
@@ -36,6 +54,10 @@ D_INGEST = scaled(16 * 2**20)
 D_SMALL = scaled(100_000)
 N_CLIENTS = 32
 PER_CLIENT = int(os.environ.get("AGGSRV_BENCH_SMALL_UPDATES", "20"))
+D_RESUME = scaled(50_000)
+RESUME_UPDATES = [0, 250, 500, 1000]
+RESUME_CLIENTS = 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _layout(D: int) -> ModelLayout:
@@ -211,5 +233,166 @@ def test_bench_durability_small(benchmark) -> None:
         f"{p['off'][1] * 1e3:.1f} ms), on {ups['on']:.0f} updates/s (p50 {p['on'][0] * 1e3:.1f} "
         f"ms, p99 {p['on'][1] * 1e3:.1f} ms) -> on = {ratio:.2f}x off; {per_update:.2f} fsyncs "
         "per update (group commit; jobs are logged too)"
+    )
+    emit(benchmark, line, info)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _resume_seconds(state: str, config: str) -> tuple[float, int, float]:
+    """Spawn `aggsrv serve --resume state` and wait for SERVING: (seconds, records replayed,
+    seconds the replay took by the server's log)."""
+    port = _free_port()
+    log_path = os.path.join(os.path.dirname(state), f"resume-{port}.log")
+    cmd = [sys.executable, "-m", "aggsrv.cli", "serve", "--config", config, "--host",
+           "127.0.0.1", "--port", str(port), "--resume", state]  # fmt: skip
+    with open(log_path, "w") as log_file:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, cwd=REPO)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                while True:
+                    assert proc.poll() is None, Path(log_path).read_text()[-2000:]
+                    assert time.monotonic() - t0 < 300, "not SERVING after 300 s"
+                    try:
+                        req = health_pb2.HealthCheckRequest(service="")
+                        if health.Check(req, timeout=0.5).status == 1:  # SERVING
+                            break
+                    except grpc.RpcError:
+                        pass
+                    time.sleep(0.01)
+            took = time.monotonic() - t0
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    found = re.search(
+        r"after replaying (\d+) logged records in ([0-9.]+) s", Path(log_path).read_text()
+    )
+    assert found, Path(log_path).read_text()[-2000:]
+    return took, int(found.group(1)), float(found.group(2))
+
+
+# Replays a state directory's whole log in a fresh process, as `aggsrv serve --resume` would,
+# either on the main thread (where resume ran before) or on the federation's aggregation thread.
+_REPLAY = r"""
+import sys, time
+from aggsrv.server import durability as D, persistence
+from aggsrv.server.config import ServerConfig
+from aggsrv.server.federation import Federation
+state, config, where = sys.argv[1:4]
+cfg = ServerConfig.load(config)
+t0 = time.perf_counter()
+if where == "main":
+    fed = Federation(cfg)
+    persistence.restore(fed, D.load_checkpoint(D.checkpoint_path(state, 1)))
+    for _, record in D.iter_records(state, 1):
+        persistence.replay(fed, record)
+    fed.shutdown_threads()
+else:
+    persistence.rebuild(cfg, state, 1)
+print(time.perf_counter() - t0)
+"""
+
+
+def _replay_threads(state: str, config: str) -> dict[str, float]:
+    """Median seconds to load checkpoint 1 and replay the whole log in a fresh process, on its
+    main thread and on its aggregation thread (interleaved, three times each)."""
+    times: dict[str, list[float]] = {"main": [], "aggregation": []}
+    for _ in range(3):
+        for where in times:
+            proc = subprocess.run(
+                [sys.executable, "-c", _REPLAY, state, config, where],
+                capture_output=True, text=True, cwd=REPO, timeout=600, check=True,
+            )  # fmt: skip
+            times[where].append(float(proc.stdout.split()[-1]))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def test_bench_durability_resume(benchmark) -> None:
+    D = D_RESUME
+    layout = _layout(D)
+    tmp = tempfile.mkdtemp(prefix="aggsrv-bench-resume-")
+    config = os.path.join(tmp, "server.toml")
+    settings = (
+        'strategy = "fedasync"\nauth = "none"\ndurability = "on"\nrate_limit_per_second = 0.0\n'
+        "checkpoint_every_updates = 0\ncheckpoint_every_seconds = 0\ncheckpoint_every_bytes = 0\n"
+    )
+    Path(config).write_text(settings)
+    server = AggsrvServer(
+        strategy="fedasync", durability="on", state_dir=os.path.join(tmp, "state"),
+        rate_limit_per_second=0.0, checkpoint_every_updates=0, checkpoint_every_seconds=0,
+        checkpoint_every_bytes=0,
+    )  # fmt: skip
+    clients = [Client(server.address, f"resume-{i}") for i in range(RESUME_CLIENTS)]
+    pool = ThreadPoolExecutor(max_workers=RESUME_CLIENTS, thread_name_prefix="bench-client")
+    copies: dict[int, str] = {}
+    ingest_s = 0.0
+    try:
+        clients[0].register(layout=layout, initial=torch.randn(D))
+        list(pool.map(lambda c: c.register(layout=layout), clients[1:]))
+        done = 0
+        for n in RESUME_UPDATES:
+            per = [(n - done) // RESUME_CLIENTS + (i < (n - done) % RESUME_CLIENTS)
+                   for i in range(RESUME_CLIENTS)]  # fmt: skip
+
+            def work(i: int, per: list[int] = per) -> None:
+                c = clients[i]
+                for _ in range(per[i]):
+                    c.push(c.get_job(), torch.randn(D) * 1e-3, kind=UpdateKind.DELTA)
+
+            t0 = time.perf_counter()
+            list(pool.map(work, range(RESUME_CLIENTS)))
+            ingest_s += time.perf_counter() - t0
+            done = n
+            # Every push was acknowledged, so its records are on disk: a consistent copy.
+            copies[n] = shutil.copytree(server.config.state_dir, os.path.join(tmp, f"log-{n}"))
+    finally:
+        pool.shutdown(wait=True)
+        for c in clients:
+            c.close()
+        server.stop()
+    ingest_rate = RESUME_UPDATES[-1] / ingest_s
+    resume: dict[int, float] = {}
+    records: dict[int, int] = {}
+    replay: dict[int, float] = {}
+    for n, state in copies.items():
+        runs = [_resume_seconds(state, config) for _ in range(3)]
+        resume[n] = float(np.median([t for t, _, _ in runs]))
+        records[n] = runs[0][1]
+        replay[n] = float(np.median([r for _, _, r in runs]))
+    benchmark.pedantic(
+        lambda: _resume_seconds(copies[RESUME_UPDATES[-1]], config), rounds=1, iterations=1
+    )
+    threads = _replay_threads(copies[RESUME_UPDATES[-1]], config)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rates = {n: n / max(replay[n], 1e-6) for n in RESUME_UPDATES[1:]}
+    info = {
+        "scale": SCALE,
+        "D": D,
+        "live_ingest_updates_per_s": ingest_rate,
+        **{f"resume_{n}_updates_s": resume[n] for n in RESUME_UPDATES},
+        **{f"replay_{n}_updates_s": replay[n] for n in RESUME_UPDATES},
+        **{f"records_{n}": records[n] for n in RESUME_UPDATES},
+        **{f"replay_{n}_updates_per_s": rates[n] for n in rates},
+        **{f"replay_{k}_thread_s": v for k, v in threads.items()},
+    }
+    cells = ", ".join(
+        f"{n} updates ({records[n]} records) {resume[n]:.2f} s (replay {replay[n]:.2f} s)"
+        for n in RESUME_UPDATES
+    )
+    slowest = min(rates.values())
+    line = (
+        f"durability resume fedasync D={fmt_size(D)}: spawn to SERVING: {cells}; replay "
+        f"{slowest:.0f}+ updates/s vs live ingest {ingest_rate:.0f} updates/s "
+        f"({RESUME_CLIENTS} clients) -> replay = {slowest / ingest_rate:.1f}x live"
+        f"  [>= 1x live {'ok' if slowest >= ingest_rate else 'MISSED'}]; the "
+        f"{records[RESUME_UPDATES[-1]]} records replayed in a fresh process on its main thread "
+        f"(where resume ran before) {threads['main']:.2f} s, on its aggregation thread "
+        f"{threads['aggregation']:.2f} s"
     )
     emit(benchmark, line, info)

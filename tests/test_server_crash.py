@@ -205,3 +205,39 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, strategy: str) -> 
         f"({len(logged) - len(acked)} applied but unacknowledged at a kill), records {kinds}, "
         f"final version {version}, refusals {errors}, lost 0"
     )
+
+
+def test_kills_before_each_checkpoint_threshold_still_checkpoint(tmp_path: Path) -> None:
+    # Updates since the last checkpoint are counted from the checkpoint, across restarts: a
+    # server killed before each run reaches checkpoint_every_updates still checkpoints, so what
+    # a restart replays stays below the threshold instead of growing with every crash.
+    every = 6
+    config = tmp_path / "server.toml"
+    config.write_text(
+        'host = "127.0.0.1"\nstrategy = "fedasync"\nauth = "none"\nrate_limit_per_second = 0.0\n'
+        f"checkpoint_every_updates = {every}\ncheckpoint_every_seconds = 0\n"
+    )
+    torch.manual_seed(random.randrange(1 << 30))
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    layout = ModelLayout.from_module(model)
+    sup = Supervisor(tmp_path, config)
+    try:
+        for run in range(2):
+            sup.start()
+            with Client(sup.address, "a", timeout=20) as c:
+                c.register(model) if run == 0 else c.register(layout=layout)
+                for _ in range(every - 2):  # each run stays below the threshold on its own
+                    delta = torch.randn(layout.numel) * 0.01
+                    c.push(c.get_job(), delta, kind=UpdateKind.DELTA, num_samples=3)
+            give_up = time.monotonic() + 10
+            while (
+                run == 1 and len(D.list_checkpoints(sup.state)) < 2 and time.monotonic() < give_up
+            ):
+                time.sleep(0.05)
+            sup.kill()
+    finally:
+        sup.close()
+    assert "after replaying 9 logged records" in sup.read_log()  # run 1: register, 4 x 2
+    number, _ = D.latest_checkpoint(sup.state)
+    replayed = [r.kind for _, r in D.iter_records(sup.state, number)]
+    assert number >= 2 and replayed.count("update") < every, (number, replayed)

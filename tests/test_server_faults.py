@@ -484,10 +484,12 @@ def test_rate_limited_client_is_told_when_to_retry_and_others_are_not(servers) -
         D = a.layout.numel
         t0 = time.monotonic()
         for k in range(3):
-            result = a.push(a.get_job(), torch.randn(D, generator=gen), update_id=f"a-{k}")
+            job = a.get_job()
+            result = a.push(job, torch.randn(D, generator=gen), update_id=f"a-{k}")
             assert result.status is Status.APPLIED and result.version == k + 1
             acked.add(("a", f"a-{k}"))
-        job = a.get_job()
+        # GetJob has a bucket of its own (3 calls spent): the burst's pushes reuse the last job,
+        # whose update was accepted (ABORTED, not APPLIED, if the rate let them through).
         refused = []
         for k in range(3, 6):
             try:

@@ -63,7 +63,7 @@ class Server:
         fed = self.federation
         fed._loop = asyncio.get_running_loop()
         self.authenticator = self._make_authenticator()
-        self._open_state()
+        await self._open_state()
         if cfg.shards > 1:
             # Blocks until every shard has joined (up to shard_timeout_seconds).
             fed.shards = self._shards or ShardGroup.connect(cfg)
@@ -231,7 +231,7 @@ class Server:
         show_admin_token(self.admin_token, admin_file)
         return authenticator
 
-    def _open_state(self) -> None:
+    async def _open_state(self) -> None:
         """Attach the state directory: resume from it, or refuse one an earlier run left."""
         cfg = self.config
         if not cfg.state_dir:
@@ -248,10 +248,14 @@ class Server:
                     f"state_dir {cfg.state_dir} holds the checkpoints of an earlier run: pass "
                     "--resume to continue it, or choose an empty state_dir"
                 )
-            store.resume(fed)
+            # Replayed where live aggregation runs (its thread, its kernels, its speed).
+            await fed.call(store.resume, fed)
         elif cfg.resume:
             log.warning("--resume: %s holds no checkpoint yet; starting fresh", cfg.state_dir)
         fed.store = store
+        # A long replay counts toward the next checkpoint: take it now if it is due, so that a
+        # server killed again and again before each threshold does not replay more each time.
+        fed.checkpoint_if_due()
 
     def _watch_metrics(self) -> None:
         fed = self.federation

@@ -75,6 +75,11 @@ class ServerConfig(TomlConfig):
     resume: bool = False  # continue from state_dir's newest checkpoint and log
     checkpoint_every_updates: int = 1000  # 0: not by count
     checkpoint_every_seconds: float = 300.0  # 0: not by time
+    # Also checkpoint once the log since the last checkpoint holds this many bytes (GetJob,
+    # Register and update records alike), so no client can grow it (and recovery) without bound.
+    # None: the larger of 4x the model's bytes and twice the newest checkpoint's, at least
+    # 16 MiB; 0: not by size.
+    checkpoint_every_bytes: int | None = None
     checkpoint_keep: int = 2  # newest checkpoints kept, with the log segments after the oldest
 
     # --- operations
@@ -189,6 +194,10 @@ class ServerConfig(TomlConfig):
             raise ValueError("resume needs a state_dir")
         if self.checkpoint_every_updates < 0 or self.checkpoint_every_seconds < 0:
             raise ValueError("checkpoint_every_updates and checkpoint_every_seconds must be >= 0")
+        if self.checkpoint_every_bytes is not None and self.checkpoint_every_bytes < 0:
+            raise ValueError(
+                "checkpoint_every_bytes must be >= 0 (0: not by size), or unset for 4x the model"
+            )
         if self.checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
 

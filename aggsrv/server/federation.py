@@ -9,7 +9,10 @@ update, a timer) runs through one of the methods below, which read the clock on 
 thread and append a record of the call and its time to the write-ahead log there, in the order
 the calls ran. Replaying those records against the newest checkpoint repeats the same calls with
 the same inputs, so a restarted server reaches the same state bit for bit. Registrations, jobs and
-updates are acknowledged only once their record is fsynced (group commit).
+updates are acknowledged only once their record is fsynced (group commit). A GetJob that changed
+nothing (the same job again, or none yet) is not logged. A new version reaches readers (GetModel,
+GetStatus, jobs) only once the record that made it is fsynced, so a version number always names
+the model a restarted server has under that number.
 
 Sharding (docs/sharding.md): on a sharded server the same records are the replicated log. Rank 0
 announces each call to the other shards (``_replicate``) right before making it, on its
@@ -36,7 +39,7 @@ import logging
 import threading
 import time
 import types
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +69,10 @@ from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The default checkpoint_every_bytes is 4x the model or twice the newest checkpoint, but not
+# below this: a small model's checkpoint costs its fixed overheads (fsyncs, a new segment, the
+# update-id ledger) whatever its size, and replaying this much log takes well under a second.
+MIN_CHECKPOINT_EVERY_BYTES = 16 << 20
 
 # How often a released staging slot asks whether the device copies out of it are done.
 SLOT_POLL_SECONDS = 0.001
@@ -90,6 +97,9 @@ class Snapshot:
     weights: torch.Tensor
     created_at: float
     buffers: torch.Tensor | None = None
+    # The host copy of a device version, made once off the event loop and shared by every
+    # reader (Federation.on_host): {"copy": the future of {"weights": ..., "buffers": ...}}.
+    host: dict[str, asyncio.Future] = field(default_factory=dict, compare=False, repr=False)
 
     def tensors(self, include_buffers: bool) -> dict[str, torch.Tensor]:
         """The named flat tensors GetModel streams."""
@@ -97,6 +107,16 @@ class Snapshot:
         if include_buffers and self.buffers is not None:
             out["buffers"] = self.buffers
         return out
+
+
+def needs_host_copy(t: torch.Tensor) -> bool:
+    """Whether streaming ``t`` needs a device-to-host copy first."""
+    return t.device.type != "cpu"
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor (blocking: run it off the event loop)."""
+    return t.detach().to("cpu")
 
 
 class EventLog:
@@ -190,7 +210,17 @@ class Federation:
         # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
         self._whole_slots = asyncio.Semaphore(config.max_concurrent_uploads)
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wal-sync")
+        # Accepted updates logged since the newest checkpoint (replayed ones included): counted
+        # and reset on the aggregation thread, where the log is cut.
         self.updates_since_checkpoint = 0
+        # Versions made on the aggregation thread, waiting for their log record to be fsynced
+        # before readers see them: (snapshot, LSN of the record; None without a log).
+        self._unpublished: deque[tuple[Snapshot, int | None]] = deque()
+        self._captured = -1  # the last version queued there
+        # The LSN of the newest record whose call issued a job (any kind of call may), and the
+        # number of jobs issued by then: a job handed out again is durable once that LSN is.
+        self._issue_lsn: int | None = None
+        self._jobs_logged = 0
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
         self.last_eval: tuple[int, dict[str, float]] | None = None
         self._checkpoint_lock = asyncio.Lock()
@@ -287,19 +317,70 @@ class Federation:
         if self.strategy is not None:
             self._settled = _Settled.of(self.strategy)
 
+    def on_aggregation_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the aggregation thread and wait for it, from a thread that is not
+        serving (an offline replay: torch's kernels cost the same there as live)."""
+        return self._executor.submit(fn, *args).result()
+
     def publish(self) -> None:
-        """Publish a new snapshot if the version moved, wake waiting job streams, re-arm timers."""
+        """Publish the new versions whose log records are durable, wake waiting job streams,
+        re-arm timers (event loop)."""
         strategy = self.strategy
         if strategy is None:
             return
         # What the last call left (read on the aggregation thread); the strategy itself only
         # when no call ran yet (a resumed or restored server, before it serves).
         state = self._settled or _Settled.of(strategy)
-        if not self.snapshots or next(reversed(self.snapshots)) != state.version:
-            self._retain(Snapshot(state.version, state.weights, self.clock(), state.buffers))
+        wal = self._wal()
+        if wal is None and not self._unpublished and state.version != self.published_version:
+            # Calls made without _log (a shard following rank 0): the version the call left.
+            self._captured = state.version
+            snap = Snapshot(state.version, state.weights, self.clock(), state.buffers)
+            self._unpublished.append((snap, None))
+        durable = wal.durable_lsn if wal is not None else 0
+        published = False
+        while self._unpublished:
+            snap, lsn = self._unpublished[0]
+            if lsn is not None and lsn > durable:
+                break  # not on disk yet: its ack's make_durable publishes it
+            self._unpublished.popleft()
+            self._retain(snap)
+            published = True
+        if published:
             self._changed.set()
             self._changed = asyncio.Event()
         self._arm_timer(state.deadline)
+
+    def _capture(self, lsn: int | None) -> None:
+        """Queue the strategy's version for publication if it is new (aggregation thread, right
+        after the call that made it): its tensors as they are now, published once ``lsn`` is
+        durable."""
+        strategy = self.strategy
+        if strategy is None or strategy.version == self._captured:
+            return
+        self._captured = strategy.version
+        snap = Snapshot(
+            strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
+        )
+        self._unpublished.append((snap, lsn))
+
+    def publish_recovered(self) -> None:
+        """After recovery replayed the log (all of it durable): publish the state reached."""
+        strategy = self.strategy
+        assert strategy is not None
+        self._unpublished.clear()
+        self._captured = strategy.version
+        self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # replayed: on disk
+        if strategy.version != self.published_version:
+            self._retain(
+                Snapshot(
+                    strategy.version, strategy.global_model(), self.clock(),
+                    strategy.global_buffers(),
+                )
+            )  # fmt: skip
+
+    def _wal(self) -> Any:
+        return self.store.wal if self.store is not None else None
 
     def notify(self) -> None:
         """Wake job streams waiting for a state change (a registration, a round opening)."""
@@ -327,14 +408,15 @@ class Federation:
             return
         strategy = self.strategy
 
-        def run() -> None:
+        def run() -> int | None:
             now = self.clock()
             self._replicate("timer", {"now": now})
             strategy.on_timer(now)
-            self._log("timer", {"now": now})
+            return self._log("timer", {"now": now})
 
         try:
-            await self.call(run)
+            lsn = await self.call(run)
+            await self.logged(lsn)  # a version the timer made reaches readers once durable
         except DurabilityError:
             return  # the federation stopped taking writes; fail() said why
         self.notify()
@@ -345,21 +427,30 @@ class Federation:
         self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
     ) -> int | None:
         """Append a record of a state change (aggregation thread); its LSN, None without a log.
-        A failed write stops the server: the state in memory is then ahead of the log."""
-        wal = self.store.wal if self.store is not None else None
-        if wal is None:
-            return None
-        try:
-            return wal.append(kind, meta, tensors)
-        except Exception as exc:
-            self.fail(f"could not append to the write-ahead log: {exc}")
-            raise DurabilityError(self.failure) from exc
+        A failed write stops the server: the state in memory is then ahead of the log. A version
+        the call made is queued for publication once the record is durable."""
+        if kind == "update":
+            self.updates_since_checkpoint += 1
+        wal = self._wal()
+        lsn = None
+        if wal is not None:
+            try:
+                lsn = wal.append(kind, meta, tensors)
+            except Exception as exc:
+                self.fail(f"could not append to the write-ahead log: {exc}")
+                raise DurabilityError(self.failure) from exc
+        self._capture(lsn)
+        strategy = self.strategy
+        if strategy is not None and strategy.jobs_issued != self._jobs_logged:
+            self._jobs_logged = strategy.jobs_issued
+            self._issue_lsn = lsn
+        return lsn
 
     async def make_durable(self, lsn: int | None) -> None:
         """Return once the log is fsynced up to ``lsn`` (shared fsyncs: group commit)."""
-        wal = self.store.wal if self.store is not None else None
-        if lsn is None or wal is None:
-            return
+        wal = self._wal()
+        if lsn is None or wal is None or wal.durable_lsn >= lsn:
+            return  # nothing to wait for (and no thread hop)
         t0 = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(self._sync_pool, wal.sync, lsn)
@@ -367,6 +458,13 @@ class Federation:
             self.fail(f"could not fsync the write-ahead log: {exc}")
             raise DurabilityError(self.failure) from exc
         self.metrics.fsync_seconds.observe(time.perf_counter() - t0)
+
+    async def logged(self, lsn: int | None) -> None:
+        """After a logged call (event loop): wait until its record is durable, publish what that
+        made durable, and checkpoint if the log has grown enough."""
+        await self.make_durable(lsn)
+        self.publish()
+        self.checkpoint_if_due()
 
     def _collective(self, fn: Callable[..., T], *args: Any) -> T:
         """A collective between the shards (aggregation thread). A lost shard stops the
@@ -644,12 +742,16 @@ class Federation:
             return known, record, lsn
 
         known, record, lsn = await self.call(run)
-        await self.make_durable(lsn)
+        await self.logged(lsn)
         return known, record
 
     async def next_job(self, client_id: str) -> Job | None:
         """Ask the strategy for the client's next job (None: not yet). A job goes out only once
-        its record is durable, so an update for it is never refused as unknown after a crash."""
+        its record is durable, so an update for it is never refused as unknown after a crash.
+
+        Only a call that changed the strategy's state (a new job, a round opened) is logged: the
+        same job again, or none yet, adds nothing to the log, and needs no fsync once the log
+        holds the job already."""
         strategy = self.strategy
         assert strategy is not None
 
@@ -657,12 +759,16 @@ class Federation:
             now = self.clock()
             meta = {"client": client_id, "now": now}
             self._replicate("job", meta)
+            before = strategy.change_count
             job = strategy.job_for(client_id, now)
-            return job, self._log("job", meta)
+            if strategy.change_count != before:
+                return job, self._log("job", meta)
+            # Unchanged: a job handed out again was logged when it was made, perhaps by a call
+            # whose fsync is still running (no wait, and no fsync, once that record is durable).
+            return job, (self._issue_lsn if job is not None else None)
 
         job, lsn = await self.call(run)
-        if job is not None:
-            await self.make_durable(lsn)
+        await self.logged(lsn)
         return job
 
     async def apply_update(
@@ -686,7 +792,7 @@ class Federation:
             if outcome.original is not None:
                 self.counters["duplicate"] += 1
                 # The original's record may still be on its way to disk: ack after it.
-                wal = self.store.wal if self.store is not None else None
+                wal = self._wal()
                 return s, outcome, (wal.written_lsn if wal is not None else None), took
             self.count_accepted(outcome)
             lsn = self._log("update", update_record(update, now, outcome), wire)
@@ -694,12 +800,7 @@ class Federation:
 
         staleness, outcome, lsn, took = await self.call(run)
         self.metrics.aggregation_seconds.observe(took)
-        await self.make_durable(lsn)
-        if outcome.original is None:
-            self.updates_since_checkpoint += 1
-            every = self.config.checkpoint_every_updates
-            if every and self.updates_since_checkpoint >= every:
-                self.checkpoint_soon()
+        await self.logged(lsn)
         return staleness, outcome
 
     # ------------------------------------------------------------------ checkpoints
@@ -716,17 +817,47 @@ class Federation:
             # The state and the log rotation happen together on the aggregation thread, so
             # the new segment holds exactly the calls after the state.
             try:
-                number, payload = await self.call(store.cut, self)
+                number, payload = await self.call(self._cut)
             except OSError as exc:
                 self.fail(f"could not rotate the write-ahead log: {exc}")
                 raise DurabilityError(self.failure) from exc
-            self.updates_since_checkpoint = 0
             loop = asyncio.get_running_loop()
             info = await loop.run_in_executor(None, store.write, number, payload)
             self.last_checkpoint = (info.version, self.clock())
             self.metrics.checkpoints.inc()
             self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
             return info
+
+    def _cut(self) -> tuple[int, dict[str, Any]]:
+        """(Aggregation thread) the state and a fresh log segment; the counts start again."""
+        number, payload = self.store.cut(self)
+        self.updates_since_checkpoint = 0
+        return number, payload
+
+    def checkpoint_if_due(self) -> None:
+        """Start a checkpoint when enough updates or log bytes piled up since the last one
+        (both counted from the last checkpoint, across restarts)."""
+        store = self.store
+        if store is None or self.strategy is None:
+            return
+        every = self.config.checkpoint_every_updates
+        limit = self.checkpoint_bytes_limit()
+        if (every and self.updates_since_checkpoint >= every) or (
+            limit and store.log_bytes() >= limit
+        ):
+            self.checkpoint_soon()
+
+    def checkpoint_bytes_limit(self) -> int:
+        """checkpoint_every_bytes, or by default the larger of 4x the model's bytes and twice
+        the newest checkpoint's (a strategy with a [K, D] cache checkpoints K models: writing
+        that every few updates would cost more than the log it saves), at least 16 MiB."""
+        every = self.config.checkpoint_every_bytes
+        if every is not None:
+            return every
+        whole = self.layout.whole if self.layout is not None else None
+        model_bytes = 4 * (whole.numel + whole.buffer_numel) if whole is not None else 0
+        newest = self.store.checkpoint_bytes if self.store is not None else 0
+        return max(4 * model_bytes, 2 * newest, MIN_CHECKPOINT_EVERY_BYTES)
 
     def checkpoint_soon(self) -> None:
         """Start a checkpoint in the background unless one is running."""
@@ -803,6 +934,9 @@ class Federation:
             slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
         self._slots = slots
         self.snapshots.clear()
+        self._unpublished.clear()
+        self._captured = strategy.version
+        self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # on disk already
         self._retain(
             Snapshot(
                 strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
@@ -818,9 +952,9 @@ class Federation:
 
     @property
     def version(self) -> int:
-        """The strategy's version: ahead of :attr:`published_version` while a call that made a
-        version is not published yet (or failed). Handlers tell clients the published one."""
-        return self.strategy.version if self.strategy is not None else 0
+        """The newest version readers see (durable, in the durable mode); the strategy may be a
+        few calls ahead while their records are being fsynced."""
+        return self.published_version if self.strategy is not None else 0
 
     @property
     def published_version(self) -> int:
@@ -829,6 +963,64 @@ class Federation:
 
     def latest(self) -> Snapshot:
         return next(reversed(self.snapshots.values()))
+
+    # ------------------------------------------------------------------ host copies
+
+    async def on_host(self, snap: Snapshot, include_buffers: bool) -> dict[str, torch.Tensor]:
+        """The tensors GetModel streams, on the host: a device version's host copy is made once,
+        off the event loop, and shared by every reader of that version."""
+        tensors = snap.tensors(include_buffers)
+        if not any(needs_host_copy(t) for t in tensors.values()):
+            return tensors
+        host = await self._host_copy(snap)
+        return {name: host[name] for name in tensors}
+
+    async def job_on_host(self, job: Job) -> dict[str, torch.Tensor]:
+        """A job's tensors on the host: the weights (and buffers) of a retained version from its
+        shared host copy, any other device tensor (a basis, a client's own model) copied off
+        the event loop."""
+        tensors = dict(job.tensors)
+        if not any(needs_host_copy(t) for t in tensors.values()):
+            return tensors
+        snap = self.snapshots.get(job.base_version)
+        shared = {}
+        if snap is not None:
+            shared = {id(snap.weights): "weights"}
+            if snap.buffers is not None:
+                shared[id(snap.buffers)] = "buffers"
+        out: dict[str, torch.Tensor] = {}
+        rest: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if id(t) in shared:
+                assert snap is not None
+                out[name] = (await self._host_copy(snap))[shared[id(t)]]
+            elif needs_host_copy(t):
+                rest[name] = t
+            else:
+                out[name] = t
+        if rest:
+            loop = asyncio.get_running_loop()
+            out.update(await loop.run_in_executor(None, _all_to_host, rest))
+        return {name: out[name] for name in tensors}
+
+    async def _host_copy(self, snap: Snapshot) -> dict[str, torch.Tensor]:
+        """{"weights", "buffers"} of ``snap`` on the host, copied once per version (in an
+        executor thread: the event loop keeps serving meanwhile)."""
+        future = snap.host.get("copy")
+        if future is None:
+            tensors = {"weights": snap.weights}
+            if snap.buffers is not None:
+                tensors["buffers"] = snap.buffers
+            future = asyncio.get_running_loop().run_in_executor(None, _all_to_host, tensors)
+            snap.host["copy"] = future
+
+            def forget_failure(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:
+                    snap.host.pop("copy", None)  # the next reader tries again
+
+            future.add_done_callback(forget_failure)
+        # Shielded: a reader that goes away does not cancel the copy the others wait for.
+        return await asyncio.shield(future)
 
     # ------------------------------------------------------------------ clients and slots
 
@@ -934,6 +1126,10 @@ def _staleness(outcome: Outcome, at_apply: int) -> int:
     """The staleness to answer: the one the strategy recorded when it accepted the update (for
     a DUPLICATE, the original's), else the version difference at apply time."""
     return outcome.staleness if outcome.staleness is not None else at_apply
+
+
+def _all_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: to_host(t) if needs_host_copy(t) else t for name, t in tensors.items()}
 
 
 def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:

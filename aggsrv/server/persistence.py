@@ -9,6 +9,11 @@ Numbering: the first checkpoint is taken when the model is adopted (version 0) a
 each later checkpoint rotates the log to a new segment and takes that segment's number. A
 resumed server opens the segment after the last one it found, so a torn tail (a record a crash
 cut short: never acknowledged) is never appended to.
+
+Recovery replays on the federation's aggregation thread, where the live calls ran (the same
+kernels with the same thread settings, so the same bits), at thousands of updates a second
+(bench/README.md "Resume time"); what it replays counts toward the next checkpoint, so a server
+killed again and again before each threshold still checkpoints.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = "aggsrv-checkpoint/1"
+# Federation.counters restored from a checkpoint (and kept up by replaying the log).
+DURABLE_COUNTERS = ("accepted", "applied")
 
 
 class RecoveryError(RuntimeError):
@@ -58,6 +65,11 @@ class StateStore:
         self.keep = keep
         self.wal: D.WriteAheadLog | None = None
         self.segment = 0  # the current log segment (the number the next checkpoint gets - 1)
+        # Log bytes since the newest checkpoint = carried (replayed at resume, written by an
+        # earlier run) + what this run's log wrote after the LSN of the last cut.
+        self._carried = 0
+        self._cut_lsn = 0
+        self.checkpoint_bytes = 0  # the newest checkpoint's size
 
     # ------------------------------------------------------------------ inspection
 
@@ -68,7 +80,14 @@ class StateStore:
         return bool(D.list_checkpoints(self.directory) or D.list_segments(self.directory))
 
     def wal_bytes(self) -> int:
-        return self.wal.bytes_written if self.wal is not None else 0
+        """Bytes in the log since the newest checkpoint (records replayed at resume included)."""
+        return self.log_bytes()
+
+    def log_bytes(self) -> int:
+        """Bytes in the log since the newest checkpoint (records replayed at resume included)."""
+        if self.wal is None:
+            return 0
+        return self._carried + self.wal.written_lsn - self._cut_lsn
 
     # ------------------------------------------------------------------ writing
 
@@ -84,6 +103,7 @@ class StateStore:
         self.segment = number
         if self.durable:
             self.wal = D.WriteAheadLog(self.directory, number)
+            self._cut_lsn = 0
 
     def cut(self, fed: Federation) -> tuple[int, dict[str, Any]]:
         """On the aggregation thread: the federation's state and a fresh log segment for what
@@ -92,6 +112,7 @@ class StateStore:
         payload = snapshot(fed)
         if self.wal is not None:
             self.wal.rotate(number)
+            self._carried, self._cut_lsn = 0, self.wal.written_lsn
         self.segment = number
         return number, payload
 
@@ -99,6 +120,7 @@ class StateStore:
         """Write a checkpoint atomically, then drop what the kept checkpoints no longer need."""
         t0 = time.perf_counter()
         path = D.write_checkpoint(self.directory, number, payload)
+        self.checkpoint_bytes = path.stat().st_size
         D.prune(self.directory, self.keep)
         info = CheckpointInfo(
             number, int(payload["state"]["version"]), path, path.stat().st_size,
@@ -119,7 +141,9 @@ class StateStore:
 
     def resume(self, fed: Federation) -> int:
         """Load the newest checkpoint into ``fed`` and replay the log after it; the number of
-        records replayed. The next records go to a new segment."""
+        records replayed. The next records go to a new segment. Run it on the federation's
+        aggregation thread (before the server serves): replay makes the calls the live server
+        made there."""
         found = D.latest_checkpoint(self.directory)
         if found is None:
             raise RecoveryError(f"{self.directory} holds no checkpoint to resume from")
@@ -129,10 +153,12 @@ class StateStore:
         except ValueError as exc:
             raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
         restore(fed, payload)
+        self.checkpoint_bytes = path.stat().st_size
         fed.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
         strategy = fed.strategy
         sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
-        replayed = 0
+        replayed = updates = 0
+        t0 = time.perf_counter()
         try:
             for segment, record in D.iter_records(self.directory, number):
                 try:
@@ -143,14 +169,20 @@ class StateStore:
                         f"from the log: {exc}"
                     ) from exc
                 replayed += 1
+                updates += record.kind == "update"
         finally:
             strategy.event_sink = sink
-        fed.publish()
-        last = max([n for n, _ in D.list_segments(self.directory)], default=number)
+        fed.publish_recovered()
+        segments = D.list_segments(self.directory)
+        last = max([n for n, _ in segments], default=number)
         self._open_log(max(last, number) + 1)
+        # Counted from the checkpoint, not from this start (the next checkpoint is due as if
+        # the server had never stopped).
+        fed.updates_since_checkpoint = updates
+        self._carried = sum(p.stat().st_size for n, p in segments if n >= number)
         log.info(
-            "resumed from checkpoint %d (%s): version %d after replaying %d logged records",
-            number, path.name, fed.version, replayed,
+            "resumed from checkpoint %d (%s): version %d after replaying %d logged records in "
+            "%.2f s", number, path.name, fed.version, replayed, time.perf_counter() - t0,
         )  # fmt: skip
         return replayed
 
@@ -212,8 +244,10 @@ def restore(fed: Federation, payload: dict[str, Any]) -> None:
     for client_id, registered_at, labels in payload["clients"]:
         expires = registered_at + lease
         fed.clients[client_id] = ClientRecord(client_id, registered_at, expires, labels)
-    fed.counters.update(payload["counters"])
-    fed.rejected_by_code.update(payload["rejected_by_code"])
+    # Accepted and applied updates are in the log, so their counts survive any restart. Answers
+    # that changed nothing (DUPLICATE, refusals) are not logged: those counters count since
+    # this start (docs/operations.md), and an older checkpoint's values are not brought back.
+    fed.counters.update({k: v for k, v in payload["counters"].items() if k in DURABLE_COUNTERS})
 
 
 def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int) -> Federation:
@@ -223,10 +257,17 @@ def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int)
     from aggsrv.server.federation import Federation  # a cycle at import time otherwise
 
     fed = Federation(config)
-    restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
-    for _, record in D.iter_records(directory, checkpoint):
-        replay(fed, record)
-    fed.shutdown_threads()
+
+    def run() -> None:
+        restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
+        for _, record in D.iter_records(directory, checkpoint):
+            replay(fed, record)
+        fed.publish_recovered()
+
+    try:
+        fed.on_aggregation_thread(run)  # as live and as recovery: same kernels, same thread
+    finally:
+        fed.shutdown_threads()
     return fed
 
 

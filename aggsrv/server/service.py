@@ -63,6 +63,8 @@ UPLOAD_DTYPES = [P.WIRE_TO_PB[d] for d in WireDtype]
 
 
 LABEL_BYTES = 256  # each label key and value
+# The rate limiter's key suffix for GetJob calls (ids never contain a space).
+JOB_BUCKET = " job"
 JOB_ID = re.compile(r"[1-9][0-9]{0,18}")  # how the server writes job ids (str of an int >= 1)
 SERVICE = pb.DESCRIPTOR.services_by_name["Aggregation"]
 # A client that declares no receive limit has gRPC's default (ClientCapabilities).
@@ -197,14 +199,17 @@ class AggregationService(pb_grpc.AggregationServicer):
                 f"{what} {shown!r} is not 1 to 128 characters of [A-Za-z0-9._:@-]",
             )
 
-    async def _check_rate(self, client_id: str, context: grpc.aio.ServicerContext) -> None:
-        wait = self.rate.allow(client_id)
+    async def _check_rate(
+        self, client_id: str, context: grpc.aio.ServicerContext, bucket: str = ""
+    ) -> None:
+        wait = self.rate.allow(client_id + bucket)
         if wait > 0:
             self.fed.metrics.rate_limited.inc()
+            what = " for GetJob" if bucket == JOB_BUCKET else ""
             await self._abort(
                 context,
                 SC.RESOURCE_EXHAUSTED,
-                f"client {client_id!r} is over its rate limit "
+                f"client {client_id!r} is over its rate limit{what} "
                 f"({self.fed.config.rate_limit_per_second:g} calls/s, burst "
                 f"{self.fed.config.rate_limit_burst}); retry in {wait:.2f} s",
             )
@@ -609,6 +614,9 @@ class AggregationService(pb_grpc.AggregationServicer):
         fed = self.fed
         if not fed.follower:  # a shard waits for rank 0's registration below
             await self._require_client(request.client_id, context)
+        # Each call costs a token, however long it then waits for a job (its own bucket, so
+        # asking for jobs does not eat into the client's budget for pushes).
+        await self._check_rate(request.client_id, context, JOB_BUCKET)
         await self._require_hash(request.layout_hash, context)
         try:
             dtype = P.requested_dtype(request.dtype)
@@ -655,9 +663,10 @@ class AggregationService(pb_grpc.AggregationServicer):
         if job.deadline is not None:
             header.deadline.CopyFrom(P.timestamp(job.deadline))
             header.time_budget.CopyFrom(P.duration(job.deadline - fed.clock()))
+        tensors = await fed.job_on_host(job)  # a device model: its version's one host copy
         yield pb.JobMessage(header=header)
-        fed.metrics.sent_bytes.inc(_payload_bytes(job.tensors, dtype))
-        for msg in P.chunk_stream(job.tensors, dtype, chunk_bytes, pb.JobMessage):
+        fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
+        for msg in P.chunk_stream(tensors, dtype, chunk_bytes, pb.JobMessage):
             yield msg
 
     async def _issued_job(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext):
@@ -879,7 +888,8 @@ class AggregationService(pb_grpc.AggregationServicer):
         )
         # client_id is not checked: naming another client can only make the chunks smaller.
         chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
-        tensors = snap.tensors(request.include_buffers)
+        # A device model: the version's one host copy, made off the event loop.
+        tensors = await fed.on_host(snap, request.include_buffers)
         yield pb.ModelMessage(
             header=pb.ModelHeader(
                 version=snap.version,

@@ -459,14 +459,102 @@ class StrategyConfig:
 
 
 def _clone_tensors(obj: Any) -> Any:
-    """Deep-copy the tensors of a nested state (dicts, lists) so it is a point-in-time record."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_clone_tensors(v) for v in obj)
-    return obj
+    """Deep-copy the tensors of a nested state (dicts, lists) so it is a point-in-time record.
+
+    Tensors that share memory share it in the copy too (each storage is copied once, over the
+    bytes the state refers to): a version's weights held by fifty jobs are saved once, not fifty
+    times, and :class:`SharedCopies` restores the sharing."""
+    spans: dict[tuple[str, int], list[int]] = {}
+    for t in _tensors_in(obj):
+        if t.numel():
+            lo, hi = _byte_extent(t)
+            span = spans.setdefault(_storage_key(t), [lo, hi])
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    copies: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not t.numel():
+            return t.clone()
+        key = _storage_key(t)
+        if key not in copies:
+            lo, hi = spans[key]
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+            raw.set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+            copies[key] = (raw.clone().untyped_storage(), lo)
+        storage, lo = copies[key]
+        start = t.storage_offset() * t.element_size() - lo
+        if start % t.element_size():  # views of one memory in dtypes that do not align
+            return t.clone()
+        return _view(storage, t, start // t.element_size())
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return clone(o)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, list | tuple):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    return walk(obj)
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, list | tuple):
+            stack.extend(o)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a non-empty tensor covers: [first, past the last)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    size = t.element_size()
+    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+
+
+def _view(storage: torch.UntypedStorage, like: torch.Tensor, offset: int) -> torch.Tensor:
+    """A tensor over ``storage`` with ``like``'s dtype, shape and strides at element ``offset``."""
+    out = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return out.set_(storage, offset, like.shape, like.stride())
+
+
+class SharedCopies:
+    """Copies a loaded state's tensors onto a device, each storage once: tensors that shared
+    memory when the state was saved share it again (as they did in the live strategy), so a
+    restored server holds what the live one held. ``copy(t, dtype)`` is the restore's
+    ``t.to(device, dtype, copy=True)``; a tensor converted to another dtype gets its own copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # storage key -> (the source storage, kept so its address is not reused; the copy)
+        self._copies: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.UntypedStorage]]
+        self._copies = {}
+
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = t.detach()
+        if (dtype is not None and t.dtype != dtype) or not t.numel():
+            return t.to(device=self.device, dtype=dtype or t.dtype, copy=True)
+        key = _storage_key(t)
+        if key not in self._copies:
+            source = t.untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+            raw.set_(source, 0, (source.nbytes(),), (1,))
+            copy = raw.to(device=self.device, copy=True).untyped_storage()
+            self._copies[key] = (source, copy)
+        return _view(self._copies[key][1], t, t.storage_offset())
 
 
 class Strategy(ABC):
@@ -868,10 +956,10 @@ class Strategy(ABC):
         """The client's outstanding job if it starts from the current version and its lease
         has not ended, else a new one issued at ``now`` (default: the latest time seen)."""
         now = self._now if now is None else float(now)
-        self._now = now
         old = self.outstanding_job(client_id)
         if old is not None and old.base_version == self.version and not self._expired(old, now):
-            return old
+            return old  # nothing changes (the log need not record this call)
+        self._now = now
         if old is not None:
             self._retire_job(old)  # superseded: the client asked again, so it dropped the job
         job = Job(
@@ -1132,8 +1220,12 @@ class Strategy(ABC):
         if state["config"] != self.config.to_dict():
             logger.warning("%s: resuming with a config that differs from the saved one", self.name)
 
+        # One copy per saved storage, shared by every restore function of this load (the
+        # subclasses' and the float buffers' too): what shared memory live shares it again.
+        self._copy_saved = SharedCopies(self.device)
+
         def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            return self._copy_saved(t, torch.float32)
 
         self.version = int(state["version"])
         self._model = dev(state["model"])
@@ -1165,13 +1257,33 @@ class Strategy(ABC):
         self._now = float(state.get("now", 0.0))
         self._rng.set_state(state["rng"].clone())
         self.ledger.load_state_dict(state["ledger"])
-        self.float_buffers.load_state_dict(state["float_buffers"])
+        self.float_buffers.load_state_dict(state["float_buffers"], self._copy_saved)
         self._load_extra_state(state["extra"])
+        del self._copy_saved
 
     def _extra_state(self) -> dict[str, Any]:
         """Subclass state for :meth:`state_dict` (tensors are cloned by the caller)."""
         return {}
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`_extra_state` returned."""
+        """Restore what :meth:`_extra_state` returned; copy tensors with ``self._copy_saved(t,
+        dtype)`` (a :class:`SharedCopies`), so that what shared memory live shares it again."""
         return None
+
+    # --------------------------------------------------------------------------- changes
+
+    # Side effects of job_for other than issuing a job (a class default: the count starts at 0).
+    _side_effects: int = 0
+
+    def _note_side_effect(self) -> None:
+        """Call when a call that may issue no job changed state anyway (opened a round or an
+        epoch, dispatched a client): the server then logs it, so that replay repeats it."""
+        self._side_effects += 1
+
+    @property
+    def change_count(self) -> int:
+        """A number that moves exactly when :meth:`job_for` changed the strategy's state: a job
+        issued (which also retires the one it supersedes) or a noted side effect. The server
+        logs a GetJob only when it moved; a strategy whose job_for changes anything else must
+        call :meth:`_note_side_effect` (tests/test_strategy_durable_state.py checks all)."""
+        return self._next_job_id + self._side_effects

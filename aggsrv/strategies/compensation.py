@@ -22,7 +22,7 @@ never written again) and updates the group model in place (group models are serv
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,11 +202,18 @@ class GroupCompensation:
 
     @classmethod
     def from_state(
-        cls, state: Mapping[str, Any], device: torch.device, dtype: torch.dtype = torch.float32
+        cls,
+        state: Mapping[str, Any],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
     ) -> GroupCompensation:
-        """Rebuild from :meth:`state_dict` output (tensors copied to ``device``)."""
+        """Rebuild from :meth:`state_dict` output (tensors copied to ``device``, with
+        ``copy(t, dtype)`` when given: the strategy's copier, which keeps shared tensors shared)."""
 
         def dev(t: torch.Tensor) -> torch.Tensor:
+            if copy is not None:
+                return copy(t, dtype)
             return t.detach().to(device=device, dtype=dtype, copy=True)
 
         comp = cls(

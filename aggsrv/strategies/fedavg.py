@@ -329,6 +329,7 @@ class FedAvg(Strategy):
         registered = list(self._clients)
         self._participants = {registered[i]: False for i in picked}
         self._round_open = True
+        self._note_side_effect()  # reachable from job_for: the server must log that call
         timeout = self.config.round_timeout
         self._deadline = None if timeout is None else now + timeout
         logger.debug("%s: round %d opens with %d of %d clients", self.name, self.version, m, n)

@@ -391,6 +391,7 @@ class FedDGIC(Strategy):
             )  # fmt: skip
         self._participants = dict.fromkeys(self._clients, False)
         self._round_open = True
+        self._note_side_effect()  # reachable from job_for: the server must log that call
         timeout = self.config.grouping_round_timeout
         self._deadline = None if timeout is None else now + timeout
 
@@ -598,7 +599,10 @@ class FedDGIC(Strategy):
         b = state["acc_buffers"]
         self._acc_buffers = None if b is None else b.to(self.device, torch.float64, copy=True)
         comp = state["compensation"]
-        self._comp = None if comp is None else GroupCompensation.from_state(comp, self.device)
+        self._comp = (
+            None if comp is None
+            else GroupCompensation.from_state(comp, self.device, copy=self._copy_saved)
+        )  # fmt: skip
         self._group_buffers = [
             t.to(device=self.device, dtype=torch.float32, copy=True) for t in state["group_buffers"]
         ]

@@ -86,6 +86,22 @@ ACTIVE, STRAGGLER = 0, 1
 _ROW_BLOCK = 16  # the cache grows in blocks of this many rows (capped at max_clients)
 
 
+def _grow(rows: int, max_clients: int) -> int:
+    """The cache's next capacity when all ``rows`` are taken (blocks, doubling)."""
+    return min(max(rows + 1, 2 * rows, _ROW_BLOCK), max_clients)
+
+
+def _grown_rows(n: int, max_clients: int) -> int:
+    """The capacity the cache has after ``n`` rows were added one by one."""
+    rows = 0
+    while rows < n:
+        grown = _grow(rows, max_clients)
+        if grown <= rows:  # a smaller max_clients than the saved state's: room for its rows
+            return n
+        rows = grown
+    return rows
+
+
 @dataclass
 class CachedEpochConfig(StrategyConfig):
     """Epoch, group and cache settings shared by Fed-OGD and MIFA (see the module docstring).
@@ -353,6 +369,7 @@ class CachedEpochs(Strategy):
         if self._open or len(self._clients) < self.config.min_available:
             return
         self._open = True
+        self._note_side_effect()  # reachable from job_for: the server must log that call
         # Spec S1: every idle client (no job in flight) is dispatched when the epoch opens, and
         # the epoch waits for the active ones among them, whenever their job requests arrive.
         self._pending = {
@@ -405,7 +422,7 @@ class CachedEpochs(Strategy):
     def _add_row(self, client_id: str) -> None:
         n = len(self._row)
         if n >= self._cache.shape[0]:
-            cap = min(max(n + 1, 2 * self._cache.shape[0], _ROW_BLOCK), self.max_clients)
+            cap = _grow(self._cache.shape[0], self.max_clients)
             grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
             grown[:n].copy_(self._cache[:n])
             self._cache = grown
@@ -447,8 +464,11 @@ class CachedEpochs(Strategy):
         if tuple(cache.shape) != (n, self.dim):
             raise ValueError(f"saved cache has shape {tuple(cache.shape)}, expected ({n}, D)")
         if n:
-            cap = min(max(n, _ROW_BLOCK), self.max_clients)
-            self._cache = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
+            # The capacity the rows grew to live, so a restored server holds what it held.
+            self._cache = torch.zeros(
+                _grown_rows(n, self.max_clients), self.dim, dtype=torch.float32,
+                device=self.device,
+            )  # fmt: skip
             self._cache[:n].copy_(cache)
         self._row = rows
         self._row_absmax = [0.0] * len(rows)
@@ -458,7 +478,8 @@ class CachedEpochs(Strategy):
         self._base_version = [int(v) for v in state["base_version"]]
         self._group = {str(c): int(g) for c, g in state["group"].items()}
         self._streak = {str(c): int(s) for c, s in state["streak"].items()}
-        self._bases = state["bases"].to(device=self.device, dtype=torch.float32, copy=True)
+        # Shared with the saved jobs' "basis" tensors (one copy for all of them).
+        self._bases = self._copy_saved(state["bases"], torch.float32)
         self._open = bool(state["open"])
         self._deadline = state["deadline"]
         self._pending = dict.fromkeys(str(c) for c in state["pending"])

@@ -21,7 +21,7 @@ are ~0.1% of a ResNet's parameters), so sums are kept in float64 and nothing is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -129,8 +129,13 @@ class FloatBuffers:
             "latest": dict(self._latest),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
+        """Restore :meth:`state_dict` output; ``copy(t, dtype)`` puts a saved tensor on the
+        device (the strategy's shared copier, so jobs and the current buffers share again)."""
         if state["rule"] != self.rule:
             raise ValueError(f"saved buffer rule {state['rule']!r} is not {self.rule!r}")
 
@@ -141,6 +146,8 @@ class FloatBuffers:
                 raise ValueError(
                     f"saved float buffers have shape {tuple(t.shape)}, the layout B={self.numel}"
                 )
+            if copy is not None:
+                return copy(t, dtype)
             return t.detach().to(device=self.device, dtype=dtype, copy=True)
 
         current = dev(state["current"], torch.float32)

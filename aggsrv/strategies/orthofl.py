@@ -439,9 +439,10 @@ class OrthoFL(Strategy):
         self._b_chain = dev(state["chain"]) if self.chain_mode else None
 
     def _restored(self, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
-        """A saved [n] snapshot as float32 on the strategy's device (a clear error otherwise)."""
+        """A saved [n] snapshot as float32 on the strategy's device (a clear error otherwise);
+        snapshots that shared a tensor live (clients sent the same version) share it again."""
         _check_snapshot(t, n, what)
-        return t.detach().to(device=self.device, dtype=torch.float32, copy=True)
+        return self._copy_saved(t, torch.float32)
 
 
 def _check_snapshot(t: torch.Tensor, n: int, what: str) -> None:
