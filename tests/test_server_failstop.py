@@ -393,7 +393,10 @@ def test_a_slot_is_not_reused_before_the_device_copy_from_it_completes(
     monkeypatch.setattr(S, "_on_device", device.copy)
     monkeypatch.setattr(transport_decoder, "device_event", device.event, raising=False)
     layout = ModelLayout.from_named_shapes([("w", (64, 17)), ("b", (13,))])
-    srv = RunningServer(strategy="fedasync", max_concurrent_uploads=1, rate_limit_per_second=0.0)
+    # The simulated device is the CPU (on a GPU machine the server would otherwise pick CUDA).
+    srv = RunningServer(
+        strategy="fedasync", max_concurrent_uploads=1, rate_limit_per_second=0.0, device="cpu"
+    )
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     deltas = [torch.randn(layout.numel, generator=gen) for _ in range(6)]
     errors: list[str] = []

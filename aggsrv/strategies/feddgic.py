@@ -442,7 +442,7 @@ class FedDGIC(Strategy):
             self._s_sum, self._s_count = grown, count
         if not members:
             return
-        idx = torch.as_tensor(members, dtype=torch.int64)
+        idx = torch.as_tensor(members, dtype=torch.int64, device=self._rows.device)
         s = self._similarity(self._rows.index_select(0, idx)).to("cpu", torch.float64).numpy()
         ix = np.ix_(members, members)
         self._s_sum[ix] += s

@@ -198,7 +198,9 @@ def aggregate_round(
         assert history_norms is not None
         order = torch.as_tensor(list(recency), dtype=torch.int64)
         cos = kernels.cosine_matrix(local, other=history, reduce=reduce)
-        cos = cos.to(torch.float64)[:, order]
+        # [K, H] cosines on the host, where the indices, norms and weights live (on a GPU the
+        # kernel's result is on the device).
+        cos = cos.to("cpu", torch.float64)[:, order]
         pos = _most_recent_minimum(cos)
         # A zero local gradient is not fused (spec 5 A7): chosen -1.
         chosen = torch.where(norms > 0, order[pos], -1)
