@@ -600,8 +600,8 @@ def mutate(draw, kind: str, chunks: list[list], trailer: list, layout, wd, max_c
             return MODEL
         k = draw(st.integers(1, min(3, n)))
         chunks[i][2] = chunks[i][2][: n - k]
-        if (n - k) % item or later_chunk_of(chunks, i):
-            return "INVALID_ARGUMENT"
+        if n == k or (n - k) % item or later_chunk_of(chunks, i):
+            return "INVALID_ARGUMENT"  # n == k: the chunk is now empty
         return "DATA_LOSS"
     if kind in ("flip", "flip_back"):
         n = len(chunks[i][2])

@@ -358,12 +358,15 @@ def test_only_referenced_base_versions_are_kept(gen: torch.Generator) -> None:
     assert set(s.state_dict()["bases"]) == {1}  # nobody refers to version 0 any more
 
 
+# No job leases: the walk below fires the timer at every deadline, and d's job must stay open.
 REFUSAL_SETUPS = [
-    ("fedasync", {"max_staleness": 1}),
-    ("fedbuff", {"buffer_size": 3, "max_staleness": 1}),
-    ("fedavg", {"mode": "k_async", "k": 2, "max_staleness": 1, "server_opt": "adam"}),
-    ("fedavg", {"min_available": 4, "max_staleness": 1, "late": "next_round"}),
-]
+    ("fedasync", {"max_staleness": 1, "job_lease_seconds": None}),
+    ("fedbuff", {"buffer_size": 3, "max_staleness": 1, "job_lease_seconds": None}),
+    ("fedavg", {"mode": "k_async", "k": 2, "max_staleness": 1, "server_opt": "adam",
+                "job_lease_seconds": None}),
+    ("fedavg", {"min_available": 4, "max_staleness": 1, "late": "next_round",
+                "job_lease_seconds": None}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,config", REFUSAL_SETUPS)
