@@ -406,13 +406,7 @@ def test_a_slot_is_not_reused_before_the_device_copy_from_it_completes(
         longest_gap = [0.0]
 
         def push(cid: str, mine: list[torch.Tensor]) -> None:
-            try:
-                with Client(srv.address, cid, retries=0) as c:
-                    c.register(layout=layout)
-                    for delta in mine:
-                        c.push(c.get_job(), delta, num_samples=2)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(repr(exc))
+            _push_all(srv.address, cid, layout, mine, errors)
 
         async def probe_loop(stop: asyncio.Event) -> None:
             """The longest time the event loop did not run a 10 ms timer's callback."""
@@ -443,6 +437,20 @@ def test_a_slot_is_not_reused_before_the_device_copy_from_it_completes(
 
 
 # ------------------------------------------------------------------ the same on a real GPU
+
+
+def _push_all(
+    address: str, cid: str, layout: ModelLayout, deltas: list[torch.Tensor], errors: list[str]
+) -> None:
+    """Register ``cid`` and push each delta for a new job; errors are collected, not raised."""
+    try:
+        with Client(address, cid, retries=0) as c:
+            c.register(layout=layout)
+            for delta in deltas:
+                c.push(c.get_job(), delta, num_samples=2)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(repr(exc))
+
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # GPU cycles the stream spends in a sleep kernel queued before a copy (about 0.2 s at 2 GHz),
@@ -508,13 +516,7 @@ def test_cuda_server_uploads_reach_the_device_intact_when_copies_run_late(
             c0.register(layout=layout, initial=torch.zeros(layout.numel))
 
         def push(cid: str, mine: list[torch.Tensor]) -> None:
-            try:
-                with Client(srv.address, cid, retries=0) as c:
-                    c.register(layout=layout)
-                    for delta in mine:
-                        c.push(c.get_job(), delta, num_samples=2)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(repr(exc))
+            _push_all(srv.address, cid, layout, mine, errors)
 
         pushers = [threading.Thread(target=push, args=(f"p{i}", deltas[i::2])) for i in range(2)]
         for t in pushers:

@@ -194,15 +194,9 @@ def test_an_empty_chunk_is_invalid_argument(servers) -> None:
 
 # ----------------------------------------------------------------------- 3. unparseable bytes
 
-METHODS = {  # name: (request streams?, response streams?)
-    "Register": (True, False),
-    "GetJob": (False, True),
-    "PushUpdate": (True, False),
-    "GetModel": (False, True),
-    "Heartbeat": (False, False),
-    "GetStatus": (False, False),
-    "Checkpoint": (False, False),
-    "Shutdown": (False, False),
+METHODS = {  # name: (request streams?, response streams?), as the service declares them
+    m.name: (m.client_streaming, m.server_streaming)
+    for m in pb.DESCRIPTOR.services_by_name["Aggregation"].methods
 }
 # Bytes protobuf refuses: a truncated varint, an invalid wire type, a length running past the
 # end; and a string field holding invalid UTF-8.
