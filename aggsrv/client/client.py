@@ -24,7 +24,7 @@ from aggsrv import protocol as P
 from aggsrv.client.channel import open_channel, read_token
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import ShardMap
-from aggsrv.strategies.base import Recipe, Status, UpdateKind
+from aggsrv.values import Recipe, Status, UpdateKind
 from aggsrv.transport import (
     Decoder,
     Encoding,

@@ -27,7 +27,7 @@ vector operations over the whole flat buffer, never a per-parameter Python loop:
 
 With ``recipe.extra["elastic_exclude_biases"] = 1`` the elastic net leaves biases (tensors whose
 name ends in "bias") and normalisation-layer parameters unpenalised (feden.md G14).
-The module depends on ``aggsrv.layout``, ``aggsrv.kernels`` and torch only (DESIGN.md:
+The module depends on ``aggsrv.layout``, ``aggsrv.kernels`` and torch only (the layers:
 ``client`` never imports the strategies); a recipe is read by attribute, so any object with
 :class:`Recipe`'s fields works.
 """
@@ -48,7 +48,7 @@ from aggsrv import kernels
 from aggsrv.layout import ModelLayout
 
 if TYPE_CHECKING:
-    from aggsrv.strategies.base import Recipe
+    from aggsrv.values import Recipe
 
 __all__ = ["ProgressFn", "TrainResult", "train"]
 

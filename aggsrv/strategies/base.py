@@ -1,4 +1,5 @@
-"""The Strategy protocol of DESIGN.md "Strategies" and the types it shares with the server.
+"""The Strategy protocol of DESIGN.md "Strategies" (the value types, errors, ledger and config it
+uses live in aggsrv.values and the modules beside this one, and are re-exported here).
 
 A strategy owns its state (device tensors, jobs it handed out, an RNG, the update ledger) and is
 driven from one aggregation loop only, so it takes no locks. It reads time only from the ``now``
@@ -36,15 +37,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import enum
 import logging
 import math
 import types
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,10 +50,35 @@ from aggsrv.finite import count_non_finite
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import LocalReducer, Reducer
 from aggsrv.strategies.buffers import VersionBuffers
+from aggsrv.strategies.config import (
+    DEFAULT_JOB_LEASE_SECONDS,
+    DEFAULT_MAX_NUM_SAMPLES,
+    StrategyConfig,
+)
+from aggsrv.strategies.errors import (
+    InvalidUpdate,
+    JobSuperseded,
+    NonFiniteResult,
+    NonFiniteUpdate,
+    NotRegistered,
+    ShardsDisagree,
+    StrategyError,
+    TooManyClients,
+    TooManySamples,
+    TooStale,
+    UpdateNormTooLarge,
+)
 from aggsrv.strategies.float_buffers import FloatBuffers
+from aggsrv.strategies.job import Job
+from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
+from aggsrv.strategies.state_copy import SharedCopies, clone_tensors
+from aggsrv.values import Outcome, ProjectionMode, Recipe, Status, Update, UpdateKind
 
 __all__ = [
+    "DEFAULT_JOB_LEASE_SECONDS",
+    "DEFAULT_MAX_NUM_SAMPLES",
     "FLOAT32_SAFE_MAX",
+    "LEDGER_SIZE",
     "InvalidUpdate",
     "Job",
     "JobSuperseded",
@@ -81,480 +104,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LEDGER_SIZE = 1024
-# The largest num_samples an update may declare unless the config says otherwise: more than any
-# one client's local data in the usual benchmarks, small enough that a client cannot claim the
-# weight of a whole federation by writing 2^64 - 1 into its header.
-DEFAULT_MAX_NUM_SAMPLES = 1_000_000
 # Below float32's largest value by a margin for the rounding of the arithmetic that a bound on a
 # step's reach stands for (strategies refuse an update whose step could reach past it).
 FLOAT32_SAFE_MAX = float(torch.finfo(torch.float32).max) * (1.0 - 1e-3)
-# How long an issued job stays open unless the config says otherwise: far longer than local
-# training takes, short enough that clients that went away do not pin model copies for good.
-DEFAULT_JOB_LEASE_SECONDS = 3600.0
-
-
-# ------------------------------------------------------------------------------------- enums
-
-
-class UpdateKind(enum.Enum):
-    """What an update tensor holds: the client's final weights, or final minus start."""
-
-    WEIGHTS = "WEIGHTS"
-    DELTA = "DELTA"
-
-
-class Status(enum.Enum):
-    """How an accepted update was folded in (DESIGN.md "Outcome of an update")."""
-
-    APPLIED = "APPLIED"
-    BUFFERED = "BUFFERED"
-    DUPLICATE = "DUPLICATE"
-
-
-class ProjectionMode(enum.Enum):
-    """Client-side gradient projection against a basis (Fed-OGD); NONE for plain SGD."""
-
-    NONE = "NONE"
-    WHOLE = "WHOLE"
-    LAYERWISE = "LAYERWISE"
-
-
-# ------------------------------------------------------------------------------------- errors
-
-
-class StrategyError(Exception):
-    """An update or request the strategy refuses; ``code`` is the gRPC status name to answer
-    and ``reason`` a short machine-readable name of the refusal (logs, metrics)."""
-
-    code: ClassVar[str] = "FAILED_PRECONDITION"
-    reason: ClassVar[str] = "refused"
-
-
-class TooStale(StrategyError):
-    """The update's staleness exceeds ``max_staleness``."""
-
-    code = "ABORTED"
-    reason = "too_stale"
-
-
-class JobSuperseded(StrategyError):
-    """The update's job is no longer outstanding (done, replaced by a newer job, round closed)."""
-
-    code = "ABORTED"
-    reason = "job_superseded"
-
-
-class NotRegistered(StrategyError):
-    """The client never registered with this strategy."""
-
-    code = "NOT_FOUND"
-    reason = "not_registered"
-
-
-class InvalidUpdate(StrategyError):
-    """The update's header does not match its job (unknown job, other client, base version)."""
-
-    code = "INVALID_ARGUMENT"
-    reason = "invalid_update"
-
-
-class NonFiniteUpdate(InvalidUpdate):
-    """The update (or its float buffers) holds NaN or Inf."""
-
-    reason = "non_finite_update"
-
-
-class NonFiniteResult(InvalidUpdate):
-    """Folding the update in would make the model or the strategy's state non-finite (a float32
-    overflow of finite values): refused, so that no version is ever published with NaN/Inf."""
-
-    reason = "non_finite_result"
-
-
-class UpdateNormTooLarge(InvalidUpdate):
-    """The client's delta has an L2 norm above ``max_update_norm``."""
-
-    reason = "update_norm"
-
-
-class TooManySamples(InvalidUpdate):
-    """``num_samples`` is above ``max_num_samples``."""
-
-    reason = "num_samples"
-
-
-class ShardsDisagree(RuntimeError):
-    """The shards of a sharded server decided the same call differently: not a refusal of the
-    call but a broken federation (the server stops taking writes)."""
-
-
-class TooManyClients(StrategyError):
-    """Registering one more client would exceed ``max_clients``."""
-
-    code = "RESOURCE_EXHAUSTED"
-    reason = "too_many_clients"
-
-
-# ------------------------------------------------------------------------------------- types
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What a client runs for a job: plain local SGD plus the optional per-algorithm terms.
-
-    Exactly one of ``local_epochs`` and ``local_steps`` is set; ``work_target`` is that amount,
-    which ``Update.work_done`` is measured against. ``projection`` and ``only_conflicting`` steer
-    Fed-OGD's projection against the job's ``basis`` tensor; ``elastic_lambda``/``elastic_alpha``
-    add FedEN's elastic-net penalty lambda*(alpha*|w-w0|_1 + (1-alpha)/2*|w-w0|^2); ``proximal_mu``
-    adds FedProx's mu/2*|w-w0|^2. ``extra`` holds named scalars for later algorithms.
-    """
-
-    local_epochs: float | None = 1.0
-    local_steps: int | None = None
-    learning_rate: float = 0.01
-    batch_size: int = 32
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    projection: ProjectionMode = ProjectionMode.NONE
-    only_conflicting: bool = False
-    elastic_lambda: float = 0.0
-    elastic_alpha: float = 0.0
-    proximal_mu: float = 0.0
-    extra: Mapping[str, float] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        """Check the values and freeze ``extra`` so a shared recipe cannot change."""
-        if (self.local_epochs is None) == (self.local_steps is None):
-            raise ValueError("Recipe needs exactly one of local_epochs and local_steps")
-        if self.local_epochs is not None and not self.local_epochs > 0:
-            raise ValueError(f"local_epochs must be > 0, got {self.local_epochs}")
-        if self.local_steps is not None and not self.local_steps >= 1:
-            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        for name in ("momentum", "weight_decay", "elastic_lambda", "proximal_mu"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):  # NaN fails `value < 0` too
-                raise ValueError(f"{name} must be finite and >= 0, got {value}")
-        if not 0.0 <= self.elastic_alpha <= 1.0:
-            raise ValueError(f"elastic_alpha must be in [0, 1], got {self.elastic_alpha}")
-        object.__setattr__(self, "projection", ProjectionMode(self.projection))
-        object.__setattr__(
-            self, "extra", types.MappingProxyType({str(k): float(v) for k, v in self.extra.items()})
-        )
-
-    @property
-    def work_target(self) -> float:
-        """The work a complete job does: epochs, or steps when the recipe counts steps."""
-        return float(self.local_epochs if self.local_epochs is not None else self.local_steps)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (enum by name) for state dicts and the wire."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["projection"] = self.projection.value
-        d["extra"] = dict(self.extra)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
-        """Inverse of :meth:`to_dict`."""
-        return cls(**data)
-
-
-@dataclass(frozen=True, eq=False)
-class Job:
-    """One unit of client work: start from ``tensors["weights"]`` (version ``base_version``).
-
-    ``deadline`` is in seconds on the strategy's clock (None: no deadline). ``tensors`` maps names
-    to flat [D] snapshots (always "weights"; Fed-OGD adds "basis") that are never mutated.
-    """
-
-    job_id: int
-    client_id: str
-    base_version: int
-    deadline: float | None
-    recipe: Recipe
-    tensors: Mapping[str, torch.Tensor]
-    issued_at: float = 0.0  # on the strategy's clock; the job's lease runs from here
-
-    @property
-    def weights(self) -> torch.Tensor:
-        """The weights the client starts from."""
-        return self.tensors["weights"]
-
-
-@dataclass(frozen=True, eq=False)
-class Update:
-    """One validated client update as the server hands it to :meth:`Strategy.on_update`.
-
-    ``tensor`` is the flat [D] float32 staging slot on the strategy's device, reused once
-    ``on_update`` returns. ``work_done`` counts completed epochs or steps (as the recipe does).
-    ``buffers`` is the client's flat [B] float buffers (absolute values, never a delta): required
-    when the layout has float buffers, None otherwise; also a staging view.
-    """
-
-    client_id: str
-    job_id: int
-    base_version: int
-    update_id: str
-    num_samples: int
-    work_done: float
-    kind: UpdateKind
-    tensor: torch.Tensor
-    buffers: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The answer to an update: APPLIED(version), BUFFERED(version) or DUPLICATE(original).
-
-    For DUPLICATE, ``original`` is the status the update got first and ``version`` its version.
-    ``staleness`` is the update's staleness when it was accepted (:meth:`Strategy.on_update`
-    fills it in; a DUPLICATE repeats the original's); it does not take part in comparisons.
-    """
-
-    status: Status
-    version: int
-    original: Status | None = None
-    staleness: int | None = field(default=None, compare=False)
-
-    def to_tuple(self) -> tuple[str, int, str | None, int | None]:
-        """Plain values for state dicts."""
-        original = self.original and self.original.value
-        return (self.status.value, self.version, original, self.staleness)
-
-    @classmethod
-    def from_tuple(cls, t: tuple[Any, ...] | list[Any]) -> Outcome:
-        """Inverse of :meth:`to_tuple` (also reads the 3-tuples of states saved before the
-        staleness was recorded)."""
-        staleness = int(t[3]) if len(t) > 3 and t[3] is not None else None
-        return cls(Status(t[0]), int(t[1]), Status(t[2]) if t[2] is not None else None, staleness)
-
-
-# ------------------------------------------------------------------------------------- ledger
-
-
-class UpdateLedger:
-    """Outcomes of the last ``size`` accepted update ids of each client, for replay detection."""
-
-    def __init__(self, size: int = LEDGER_SIZE) -> None:
-        """Remember ``size`` update ids per client (DESIGN.md: 1,024)."""
-        if size < 1:
-            raise ValueError(f"ledger size must be >= 1, got {size}")
-        self.size = size
-        self._seen: dict[str, OrderedDict[str, Outcome]] = {}
-
-    def lookup(self, client_id: str, update_id: str) -> Outcome | None:
-        """The original outcome of a replayed update id, or None for a new one."""
-        seen = self._seen.get(client_id)
-        return None if seen is None else seen.get(update_id)
-
-    def record(self, client_id: str, update_id: str, outcome: Outcome) -> None:
-        """Remember an accepted update's outcome, forgetting the client's oldest beyond size."""
-        seen = self._seen.setdefault(client_id, OrderedDict())
-        seen[update_id] = outcome
-        while len(seen) > self.size:
-            seen.popitem(last=False)
-
-    def __len__(self) -> int:
-        """Number of remembered update ids over all clients."""
-        return sum(len(s) for s in self._seen.values())
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain values, oldest first per client."""
-        return {
-            "size": self.size,
-            "seen": {c: [[u, *o.to_tuple()] for u, o in s.items()] for c, s in self._seen.items()},
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.size = int(state["size"])
-        self._seen = {
-            c: OrderedDict((str(e[0]), Outcome.from_tuple(e[1:])) for e in entries)
-            for c, entries in state["seen"].items()
-        }
-
-
-# ------------------------------------------------------------------------------------- config
-
-
-@dataclass
-class StrategyConfig:
-    """Settings every strategy shares: the client recipe, staleness bound and sampling seed,
-    and the bounds every update must meet.
-
-    ``local_epochs`` and ``local_steps`` are exclusive; with neither set a job is one epoch.
-    ``max_update_norm`` (None: off) refuses an update whose delta (client weights minus the
-    job's weights) has a larger L2 norm; ``max_num_samples`` refuses a larger ``num_samples``.
-    ``job_lease_seconds`` (None: no lease) retires a job that long after it was issued, freeing
-    the weights it started from; its update is then refused like a superseded job's.
-    """
-
-    seed: int = 0
-    learning_rate: float = 0.01
-    local_epochs: float | None = None
-    local_steps: int | None = None
-    batch_size: int = 32
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    max_staleness: int | None = None
-    max_update_norm: float | None = None
-    max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
-    job_lease_seconds: float | None = DEFAULT_JOB_LEASE_SECONDS
-
-    def __post_init__(self) -> None:
-        """Check the shared values; subclasses extend this."""
-        if self.local_epochs is not None and self.local_steps is not None:
-            raise ValueError("set local_epochs or local_steps, not both")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        bound = self.max_update_norm
-        if bound is not None and not (math.isfinite(bound) and bound > 0):
-            raise ValueError(f"max_update_norm must be a finite number > 0 or None, got {bound}")
-        n = self.max_num_samples
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_num_samples must be an integer >= 1, got {n!r}")
-        lease = self.job_lease_seconds
-        if lease is not None and not (math.isfinite(lease) and lease > 0):
-            raise ValueError(f"job_lease_seconds must be a finite number > 0 or None, got {lease}")
-        self.recipe()  # validates the recipe fields with Recipe's messages
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None = None) -> Self:
-        """Build from a mapping (a TOML table), rejecting keys the config does not have."""
-        data = dict(data or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ValueError(
-                    f"unknown {cls.__name__} key {key!r}; known keys: {', '.join(sorted(known))}"
-                )
-        return cls(**data)
-
-    def recipe(self, **overrides: Any) -> Recipe:
-        """The client recipe these settings describe."""
-        epochs = self.local_epochs
-        if epochs is None and self.local_steps is None:
-            epochs = 1.0
-        return Recipe(
-            local_epochs=epochs,
-            local_steps=self.local_steps,
-            learning_rate=self.learning_rate,
-            batch_size=self.batch_size,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            **overrides,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values."""
-        return dataclasses.asdict(self)
-
-
-# ------------------------------------------------------------------------------------- strategy
-
-
-def _clone_tensors(obj: Any) -> Any:
-    """Deep-copy the tensors of a nested state (dicts, lists) so it is a point-in-time record.
-
-    Tensors that share memory share it in the copy too (each storage is copied once, over the
-    bytes the state refers to): a version's weights held by fifty jobs are saved once, not fifty
-    times, and :class:`SharedCopies` restores the sharing."""
-    spans: dict[tuple[str, int], list[int]] = {}
-    for t in _tensors_in(obj):
-        if t.numel():
-            lo, hi = _byte_extent(t)
-            span = spans.setdefault(_storage_key(t), [lo, hi])
-            span[0], span[1] = min(span[0], lo), max(span[1], hi)
-    copies: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
-
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if not t.numel():
-            return t.clone()
-        key = _storage_key(t)
-        if key not in copies:
-            lo, hi = spans[key]
-            raw = torch.empty(0, dtype=torch.uint8, device=t.device)
-            raw.set_(t.untyped_storage(), lo, (hi - lo,), (1,))
-            copies[key] = (raw.clone().untyped_storage(), lo)
-        storage, lo = copies[key]
-        start = t.storage_offset() * t.element_size() - lo
-        if start % t.element_size():  # views of one memory in dtypes that do not align
-            return t.clone()
-        return _view(storage, t, start // t.element_size())
-
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return clone(o)
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        if isinstance(o, list | tuple):
-            return type(o)(walk(v) for v in o)
-        return o
-
-    return walk(obj)
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, list | tuple):
-            stack.extend(o)
-    return out
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
-
-
-def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a non-empty tensor covers: [first, past the last)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    size = t.element_size()
-    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
-
-
-def _view(storage: torch.UntypedStorage, like: torch.Tensor, offset: int) -> torch.Tensor:
-    """A tensor over ``storage`` with ``like``'s dtype, shape and strides at element ``offset``."""
-    out = torch.empty(0, dtype=like.dtype, device=storage.device)
-    return out.set_(storage, offset, like.shape, like.stride())
-
-
-class SharedCopies:
-    """Copies a loaded state's tensors onto a device, each storage once: tensors that shared
-    memory when the state was saved share it again (as they did in the live strategy), so a
-    restored server holds what the live one held. ``copy(t, dtype)`` is the restore's
-    ``t.to(device, dtype, copy=True)``; a tensor converted to another dtype gets its own copy."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        # storage key -> (the source storage, kept so its address is not reused; the copy)
-        self._copies: dict[tuple[str, int], tuple[torch.UntypedStorage, torch.UntypedStorage]]
-        self._copies = {}
-
-    def __call__(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = t.detach()
-        if (dtype is not None and t.dtype != dtype) or not t.numel():
-            return t.to(device=self.device, dtype=dtype or t.dtype, copy=True)
-        key = _storage_key(t)
-        if key not in self._copies:
-            source = t.untyped_storage()
-            raw = torch.empty(0, dtype=torch.uint8, device=t.device)
-            raw.set_(source, 0, (source.nbytes(),), (1,))
-            copy = raw.to(device=self.device, copy=True).untyped_storage()
-            self._copies[key] = (source, copy)
-        return _view(self._copies[key][1], t, t.storage_offset())
 
 
 class Strategy(ABC):
@@ -1200,7 +752,7 @@ class Strategy(ABC):
             "float_buffers": self.float_buffers.state_dict(),
             "extra": self._extra_state(),
         }
-        return _clone_tensors(state)
+        return clone_tensors(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output (same strategy and layout); a state that is

@@ -34,7 +34,7 @@ from aggsrv.integrations.flower.arrays import (
 )
 from aggsrv.integrations.flower.strategy import BASE_VERSION, JOB_ID, LAYOUT, RECIPE_PREFIX
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Recipe
+from aggsrv.values import Recipe
 
 EXTRA_PREFIX = RECIPE_PREFIX + "extra."
 

@@ -1,0 +1,157 @@
+"""The value types clients, strategies and the server share.
+
+What an update holds (:class:`UpdateKind`), how it was folded in (:class:`Status`,
+:class:`Outcome`), what a client runs (:class:`Recipe`, :class:`ProjectionMode`) and an update as
+a strategy receives it (:class:`Update`). They sit below the strategies in the layers, so a
+client imports them without loading any strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Outcome", "ProjectionMode", "Recipe", "Status", "Update", "UpdateKind"]
+
+
+class UpdateKind(enum.Enum):
+    """What an update tensor holds: the client's final weights, or final minus start."""
+
+    WEIGHTS = "WEIGHTS"
+    DELTA = "DELTA"
+
+
+class Status(enum.Enum):
+    """How an accepted update was folded in (DESIGN.md "Outcome of an update")."""
+
+    APPLIED = "APPLIED"
+    BUFFERED = "BUFFERED"
+    DUPLICATE = "DUPLICATE"
+
+
+class ProjectionMode(enum.Enum):
+    """Client-side gradient projection against a basis (Fed-OGD); NONE for plain SGD."""
+
+    NONE = "NONE"
+    WHOLE = "WHOLE"
+    LAYERWISE = "LAYERWISE"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a client runs for a job: plain local SGD plus the optional per-algorithm terms.
+
+    Exactly one of ``local_epochs`` and ``local_steps`` is set; ``work_target`` is that amount,
+    which ``Update.work_done`` is measured against. ``projection`` and ``only_conflicting`` steer
+    Fed-OGD's projection against the job's ``basis`` tensor; ``elastic_lambda``/``elastic_alpha``
+    add FedEN's elastic-net penalty lambda*(alpha*|w-w0|_1 + (1-alpha)/2*|w-w0|^2); ``proximal_mu``
+    adds FedProx's mu/2*|w-w0|^2. ``extra`` holds named scalars for later algorithms.
+    """
+
+    local_epochs: float | None = 1.0
+    local_steps: int | None = None
+    learning_rate: float = 0.01
+    batch_size: int = 32
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    projection: ProjectionMode = ProjectionMode.NONE
+    only_conflicting: bool = False
+    elastic_lambda: float = 0.0
+    elastic_alpha: float = 0.0
+    proximal_mu: float = 0.0
+    extra: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        """Check the values and freeze ``extra`` so a shared recipe cannot change."""
+        if (self.local_epochs is None) == (self.local_steps is None):
+            raise ValueError("Recipe needs exactly one of local_epochs and local_steps")
+        if self.local_epochs is not None and not self.local_epochs > 0:
+            raise ValueError(f"local_epochs must be > 0, got {self.local_epochs}")
+        if self.local_steps is not None and not self.local_steps >= 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        for name in ("momentum", "weight_decay", "elastic_lambda", "proximal_mu"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):  # NaN fails `value < 0` too
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if not 0.0 <= self.elastic_alpha <= 1.0:
+            raise ValueError(f"elastic_alpha must be in [0, 1], got {self.elastic_alpha}")
+        object.__setattr__(self, "projection", ProjectionMode(self.projection))
+        object.__setattr__(
+            self, "extra", types.MappingProxyType({str(k): float(v) for k, v in self.extra.items()})
+        )
+
+    @property
+    def work_target(self) -> float:
+        """The work a complete job does: epochs, or steps when the recipe counts steps."""
+        return float(self.local_epochs if self.local_epochs is not None else self.local_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enum by name) for state dicts and the wire."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["projection"] = self.projection.value
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Recipe:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**data)
+
+
+@dataclass(frozen=True, eq=False)
+class Update:
+    """One validated client update as the server hands it to :meth:`Strategy.on_update`.
+
+    ``tensor`` is the flat [D] float32 staging slot on the strategy's device, reused once
+    ``on_update`` returns. ``work_done`` counts completed epochs or steps (as the recipe does).
+    ``buffers`` is the client's flat [B] float buffers (absolute values, never a delta): required
+    when the layout has float buffers, None otherwise; also a staging view.
+    """
+
+    client_id: str
+    job_id: int
+    base_version: int
+    update_id: str
+    num_samples: int
+    work_done: float
+    kind: UpdateKind
+    tensor: torch.Tensor
+    buffers: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer to an update: APPLIED(version), BUFFERED(version) or DUPLICATE(original).
+
+    For DUPLICATE, ``original`` is the status the update got first and ``version`` its version.
+    ``staleness`` is the update's staleness when it was accepted (:meth:`Strategy.on_update`
+    fills it in; a DUPLICATE repeats the original's); it does not take part in comparisons.
+    """
+
+    status: Status
+    version: int
+    original: Status | None = None
+    staleness: int | None = field(default=None, compare=False)
+
+    def to_tuple(self) -> tuple[str, int, str | None, int | None]:
+        """Plain values for state dicts."""
+        original = self.original and self.original.value
+        return (self.status.value, self.version, original, self.staleness)
+
+    @classmethod
+    def from_tuple(cls, t: tuple[Any, ...] | list[Any]) -> Outcome:
+        """Inverse of :meth:`to_tuple` (also reads the 3-tuples of states saved before the
+        staleness was recorded)."""
+        staleness = int(t[3]) if len(t) > 3 and t[3] is not None else None
+        return cls(Status(t[0]), int(t[1]), Status(t[2]) if t[2] is not None else None, staleness)
