@@ -9,10 +9,10 @@ import torch
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from aggsrv.layout import ModelLayout
-from aggsrv.values import ProjectionMode, Recipe, Status, UpdateKind
 from aggsrv.transport import Crc32c, Encoder, Encoding, WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import ProjectionMode, Recipe, Status, UpdateKind
 
 WIRE_TO_PB = {
     WireDtype.FLOAT32: tpb.WIRE_DTYPE_FLOAT32,

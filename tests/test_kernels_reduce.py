@@ -325,8 +325,12 @@ def test_orthogonal_calibrate(backend, dtype, with_ma, eps, gen):
 
 
 def _assert_coeffs_close(
-    got: torch.Tensor, want: torch.Tensor, dm: torch.Tensor, dg: torch.Tensor,
-    offs: torch.Tensor, tol: float,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    dm: torch.Tensor,
+    dg: torch.Tensor,
+    offs: torch.Tensor,
+    tol: float,
 ) -> None:
     """c_l = <dg, dm>_l / |dm|_l^2 to ``tol`` of its conditioning: a rounded dot product is
     accurate to tol |dg| |dm|, not to tol |<dg, dm>| (random vectors nearly cancel), so the

@@ -223,8 +223,10 @@ def test_authors_code_preset_by_hand() -> None:
     # A key given beside the preset wins; the paper preset is the defaults.
     assert FedOGDConfig.from_dict({"preset": "authors_code", "server_lr": 0.01}).server_lr == 0.01
     assert FedOGDConfig.from_dict({"preset": "paper"}) == FedOGDConfig()
-    with pytest.raises(ValueError, match="preset must be one of"):
+    with pytest.raises(ValueError, match="unknown FedOGDConfig preset 'authors-code'; presets: "):
         FedOGDConfig.from_dict({"preset": "authors-code"})
+    with pytest.raises(ValueError, match="unknown FedOGDConfig preset"):
+        FedOGDConfig(preset="nope")
 
 
 def test_fixed_tier_schedule_matches_the_paper_timing() -> None:

@@ -24,7 +24,6 @@ from aggsrv import protocol as P
 from aggsrv.client.channel import open_channel, read_token
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import ShardMap
-from aggsrv.values import Recipe, Status, UpdateKind
 from aggsrv.transport import (
     Decoder,
     Encoding,
@@ -38,6 +37,7 @@ from aggsrv.transport import (
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Recipe, Status, UpdateKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

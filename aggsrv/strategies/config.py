@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from aggsrv.values import Recipe
 
@@ -31,6 +31,7 @@ class StrategyConfig:
     job's weights) has a larger L2 norm; ``max_num_samples`` refuses a larger ``num_samples``.
     ``job_lease_seconds`` (None: no lease) retires a job that long after it was issued, freeing
     the weights it started from; its update is then refused like a superseded job's.
+    ``preset`` names one of the class's :attr:`PRESETS` (see :meth:`from_dict`).
     """
 
     seed: int = 0
@@ -44,9 +45,16 @@ class StrategyConfig:
     max_update_norm: float | None = None
     max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
     job_lease_seconds: float | None = DEFAULT_JOB_LEASE_SECONDS
+    preset: str | None = None
+
+    # Named sets of values (e.g. "paper": the paper's experimental settings) that a config
+    # selects with ``preset = "NAME"``; keys set beside the preset override its values.
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __post_init__(self) -> None:
         """Check the shared values; subclasses extend this."""
+        if self.preset is not None:
+            self._check_preset(self.preset)
         if self.local_epochs is not None and self.local_steps is not None:
             raise ValueError("set local_epochs or local_steps, not both")
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -72,7 +80,17 @@ class StrategyConfig:
                 raise ValueError(
                     f"unknown {cls.__name__} key {key!r}; known keys: {', '.join(sorted(known))}"
                 )
+        preset = data.get("preset", cls.__dataclass_fields__["preset"].default)
+        if preset is not None:
+            cls._check_preset(preset)
+            data = {**cls.PRESETS[preset], **data}
         return cls(**data)
+
+    @classmethod
+    def _check_preset(cls, preset: object) -> None:
+        if preset not in cls.PRESETS:
+            names = ", ".join(sorted(cls.PRESETS)) or "none"
+            raise ValueError(f"unknown {cls.__name__} preset {preset!r}; presets: {names}")
 
     def recipe(self, **overrides: Any) -> Recipe:
         """The client recipe these settings describe."""
