@@ -175,7 +175,8 @@ def test_sign_and_scale_one_client_reproduces_its_local_weights() -> None:
 def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> None:
     gen = torch.Generator().manual_seed(5)
     w0 = torch.randn(D, generator=gen)
-    s = FedOGD(LAYOUT, w0, {"projection": "none", "server_lr": 0.3, "epoch_timeout": None})
+    s = FedOGD(LAYOUT, w0, {"projection": "none", "server_lr": 0.3, "epoch_timeout": None,
+                            "learning_rate": 0.01})  # fmt: skip
     drv = Driver(s)
     cids = [f"c{i}" for i in range(4)]
     cache = {}
@@ -220,9 +221,8 @@ def test_authors_code_preset_by_hand() -> None:
         [-da.double() / 0.01, -db.double() / 0.01, torch.zeros(D, dtype=torch.float64)]
     )
     close64(s.global_model(), w0.double() - 0.003 * rows.mean(0))
-    # A key given beside the preset wins; the paper preset is the defaults.
+    # A key given beside the preset wins.
     assert FedOGDConfig.from_dict({"preset": "authors_code", "server_lr": 0.01}).server_lr == 0.01
-    assert FedOGDConfig.from_dict({"preset": "paper"}) == FedOGDConfig()
     with pytest.raises(ValueError, match="unknown FedOGDConfig preset 'authors-code'; presets: "):
         FedOGDConfig.from_dict({"preset": "authors-code"})
     with pytest.raises(ValueError, match="unknown FedOGDConfig preset"):
@@ -730,3 +730,32 @@ def test_short_simulated_run_learns(tmp_path) -> None:
     )
     accs = [m["test_accuracy"] for m in res.metrics]
     assert accs[0] < 0.2 and res.final_accuracy > 0.6
+
+
+def test_paper_preset_is_the_papers_rates_and_the_defaults_learn_faster() -> None:
+    """fedogd.md 2.10 paper preset: plain SGD, group_sum, whole-model conditional projection,
+    eta_l = 0.01, eta_g = 0.0015. The defaults keep the algorithm and set eta_g = eta_l = 0.05
+    (server_lr None); a close with the preset steps eta_g times the sum of the group bases."""
+    paper = FedOGDConfig.from_dict({"preset": "paper"})
+    assert (paper.learning_rate, paper.server_lr, paper.momentum) == (0.01, 0.0015, 0.0)
+    assert (paper.aggregation, paper.projection, paper.only_conflicting) == (
+        "group_sum", "whole", True
+    )  # fmt: skip
+    assert not paper.count_empty_rows and paper.effective_server_lr == 0.0015
+    default = FedOGDConfig()
+    assert default.preset is None and default.server_lr is None
+    assert (default.learning_rate, default.effective_server_lr) == (0.05, 0.05)
+    # Apart from the two rates, the preset and the defaults are the same algorithm.
+    assert dataclasses.replace(paper, learning_rate=0.05, server_lr=None, preset=None) == default
+    assert FedOGDConfig.from_dict({"preset": "paper", "server_lr": 0.01}).server_lr == 0.01
+    assert "paper" in FedOGDConfig.PRESET_NOTES and "authors_code" not in FedOGDConfig.PRESET_NOTES
+    # The preset's step, by hand: one active client, eta_g * (b_A + 0).
+    gen = torch.Generator().manual_seed(12)
+    w0 = torch.randn(D, generator=gen)
+    s = FedOGD(LAYOUT, w0, FedOGDConfig.from_dict({"preset": "paper", "epoch_timeout": None}))
+    s.on_register("a", 0.0)
+    s.job_for("a", 0.0)
+    d = fresh(gen)
+    Driver(s).submit("a", d, 0.5)
+    assert s.version == 1
+    close64(s.global_model(), w0.double() - 0.0015 * (-d.double() / 0.01))

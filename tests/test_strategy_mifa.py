@@ -70,7 +70,8 @@ def test_uniform_mean_of_cached_updates_against_a_hand_trace(
 
 def test_defaults_and_bad_configs() -> None:
     cfg = MIFAConfig()
-    assert cfg.server_lr is None and cfg.count_empty_rows and cfg.effective_server_lr == 0.01
+    assert cfg.server_lr is None and cfg.count_empty_rows and cfg.effective_server_lr == 0.05
+    assert cfg.learning_rate == 0.05 and not MIFAConfig.PRESETS
     with pytest.raises(ValueError, match="server_lr must be > 0"):
         MIFAConfig(server_lr=-1.0)
     with pytest.raises(ValueError, match="unknown MIFAConfig key 'aggregation'"):

@@ -50,6 +50,9 @@ class StrategyConfig:
     # Named sets of values (e.g. "paper": the paper's experimental settings) that a config
     # selects with ``preset = "NAME"``; keys set beside the preset override its values.
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    # One line per preset that needs saying, e.g. why the "paper" preset cannot learn in a short
+    # run (``--print-config`` shows them).
+    PRESET_NOTES: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         """Check the shared values; subclasses extend this."""

@@ -55,8 +55,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FedAvgConfig(StrategyConfig):
-    """FedAvg settings (see the module docstring for the meaning of each)."""
+    """FedAvg settings (see the module docstring for the meaning of each).
 
+    ``learning_rate`` defaults to 0.05, not the shared 0.01: a sync round waits for its slowest
+    client, so a run makes few steps (docs/strategies.md, "Defaults that learn").
+    """
+
+    learning_rate: float = 0.05
     mode: str = "sync"
     participation: float | int = 1.0
     min_clients: int = 1

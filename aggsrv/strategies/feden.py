@@ -57,6 +57,7 @@ class FedENConfig(FedAvgConfig):
     exclude_biases: bool = False
     partial_work: str = "include"
     participation: float | int = 0.1
+    learning_rate: float = 0.01  # Table 2 (FedAvg's default is 0.05)
     batch_size: int = 10
 
     def __post_init__(self) -> None:

@@ -6,9 +6,10 @@ cache row each, overwritten on arrival and reused until the client uploads again
 close of each epoch steps ``w <- w - server_lr * (1/N) * sum_i G_i``: the uniform mean over the
 cached updates of all N registered clients. As in the original paper a client that never
 uploaded counts as a zero row (``count_empty_rows = true``; false averages only the clients
-that uploaded). ``server_lr`` None (default) uses the clients' ``learning_rate``, MIFA's single
-``eta_t``. fedogd.md's related-work formula with ``+ eta/|M| sum g_m`` has the wrong sign and is
-not used (E11). No projection, no bases: jobs carry the weights only.
+that uploaded). ``server_lr`` None (default) uses the clients' ``learning_rate`` (0.05 by
+default, as FedAvg's and Fed-OGD's), MIFA's single ``eta_t``. fedogd.md's related-work formula
+with ``+ eta/|M| sum g_m`` has the wrong sign and is not used (E11). No projection, no bases:
+jobs carry the weights only.
 
 Epochs, deadlines, late updates and groups (which only decide when an epoch closes: it waits
 for the active clients dispatched in it, or for ``epoch_timeout``) are Fed-OGD's, see
@@ -33,7 +34,6 @@ __all__ = ["MIFA", "MIFAConfig"]
 class MIFAConfig(CachedEpochConfig):
     """MIFA settings: Fed-OGD's epoch keys; the mean divides by all N clients by default."""
 
-    server_lr: float | None = None
     count_empty_rows: bool = True
 
 
