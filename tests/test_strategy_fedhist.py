@@ -6,6 +6,7 @@ history, float buffers and the epoch recipe's gradient scale."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from collections import Counter
@@ -353,6 +354,33 @@ def test_twafl_config_refuses_fedhist_mechanisms(bad: dict[str, Any]) -> None:
         TWAFLConfig.from_dict(bad)
     cfg = TWAFLConfig()
     assert (cfg.alpha, cfg.lam, cfg.rescale) == (0.0, 0.0, False)
+
+
+@pytest.mark.parametrize("cls", [FedHistConfig, TWAFLConfig])
+def test_defaults_and_the_paper_preset(cls: type[FedHistConfig]) -> None:
+    """Defaults: K = 5 and eta = 0.1 (the server step, server_lr None), one mini-batch step per
+    job; ``preset = "paper"`` gives the spec's K = 10 and eta = 0.01 and nothing else changes
+    (FedHist's other paper values are its defaults), and keys beside it win."""
+    d = cls()
+    assert (d.buffer_size, d.learning_rate, d.server_lr, d.effective_server_lr) == (
+        5,
+        0.1,
+        None,
+        0.1,
+    )
+    assert (d.local_steps, d.local_epochs, d.preset) == (1, None, None)
+    paper = cls.from_dict({"preset": "paper"})
+    assert (paper.buffer_size, paper.learning_rate, paper.effective_server_lr) == (10, 0.01, 0.01)
+    assert paper.local_steps == 1 and paper.history is None
+    changed = {"buffer_size": 10, "learning_rate": 0.01, "preset": "paper"}
+    assert dataclasses.replace(d, **changed) == paper
+    assert "paper" in cls.PRESET_NOTES
+    assert cls.from_dict({"preset": "paper", "buffer_size": 3}).buffer_size == 3
+    assert cls.from_dict({"preset": "paper", "local_epochs": 1.0}).local_steps is None
+    if cls is FedHistConfig:
+        assert (paper.alpha, paper.lam, paper.gamma, paper.sim_threshold, paper.rescale) == (
+            0.1, 0.1, 0.2, 0.3, True
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", [UpdateKind.DELTA, UpdateKind.WEIGHTS])
