@@ -748,7 +748,7 @@ def test_paper_preset_is_the_papers_rates_and_the_defaults_learn_faster() -> Non
     # Apart from the two rates, the preset and the defaults are the same algorithm.
     assert dataclasses.replace(paper, learning_rate=0.05, server_lr=None, preset=None) == default
     assert FedOGDConfig.from_dict({"preset": "paper", "server_lr": 0.01}).server_lr == 0.01
-    assert "paper" in FedOGDConfig.PRESET_NOTES and "authors_code" not in FedOGDConfig.PRESET_NOTES
+    assert set(FedOGDConfig.PRESET_NOTES) == {"paper", "authors_code"} == set(FedOGDConfig.PRESETS)
     # The preset's step, by hand: one active client, eta_g * (b_A + 0).
     gen = torch.Generator().manual_seed(12)
     w0 = torch.randn(D, generator=gen)
