@@ -4,9 +4,10 @@ accuracy in the default scenario of `aggsrv simulate --strategy NAME --transport
 
 The runs go through `aggsrv.sim.run` with the `SimConfig` the command line builds from
 ``--strategy NAME --transport inproc``: nothing else set, except ``threads = 1``, which does not
-change the scenario (only how many threads torch uses in this process; on a 2-core machine it
-is about ten times faster than torch's default). Once with the command's default seed, once with
-a fresh seed (``AGGSRV_TEST_SEED`` replays one), because the defaults must learn in general.
+change the scenario (only how many threads torch uses in this process: the same numbers, and
+on a loaded 2-core machine several times faster than torch's default). Once with the command's
+default seed, once with a fresh seed (``AGGSRV_TEST_SEED`` replays one), because the defaults
+must learn in general, not only for seed 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import secrets
 
 import pytest
+import torch
 
 from aggsrv.sim import run
 from aggsrv.sim.config import SimConfig
@@ -25,10 +27,19 @@ TARGET = 0.8
 FRESH_SEED = int(os.environ.get("AGGSRV_TEST_SEED") or secrets.randbits(31))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """``threads = 1`` sets torch's thread count for the process: give the later tests theirs."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def cli_config(strategy: str, **keys) -> SimConfig:
-    """The config of `aggsrv simulate --strategy NAME --transport inproc` (as cli._simulate
-    builds it: the options given, every other key at its default)."""
-    return SimConfig.from_mapping({"strategy": strategy, "transport": "inproc", **keys})
+    """The config of `aggsrv simulate --strategy NAME --transport inproc`, built as
+    cli._simulate builds it: no file, the options given, every other key at its default."""
+    config = SimConfig.load(None, {"strategy": strategy, "transport": "inproc", **keys})
+    return SimConfig.from_mapping(config.to_dict())
 
 
 def test_the_scenario_is_the_command_lines_default() -> None:
