@@ -79,7 +79,7 @@ import logging
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -114,6 +114,16 @@ class OrthoFLConfig(StrategyConfig):
     ``|dm|^2 <= eps`` (spec G3). ``first_update_alpha_one`` and ``zero_sum_skip``: the released
     code's quirks (spec G2, G4), default off.
     """
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "beta": "moving-average weight: beta_t = beta * (t - tau)^(-a), in (0, 1]",
+        "a": "staleness exponent of beta_t (>= 0)",
+        "shift_source": "ma_global (variant P, the paper) or client_chain (variant C, the code)",
+        "calibrate_norm": "also calibrate normalisation-layer segments",
+        "eps": "a segment's coefficient is 0 where |dm|^2 <= eps",
+        "first_update_alpha_one": "the released code's quirk: alpha = 1 for the first update",
+        "zero_sum_skip": "the released code's quirk: skip a segment whose shift sums to 0",
+    }
 
     beta: float = 0.6
     a: float = 0.5
