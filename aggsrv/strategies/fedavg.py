@@ -386,10 +386,8 @@ class FedAvg(Strategy):
         self._acc_weight = float(state["acc_weight"])
         self._acc_count = int(state["acc_count"])
 
-        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=self.device, dtype=torch.float32, copy=True)
-
-        self._m, self._v = dev(state["m"]), dev(state["v"])
+        self._m = self._restore(state["m"], shared=False)
+        self._v = self._restore(state["v"], shared=False)
         self._round_open = bool(state["round_open"])
         self._participants = {str(c): bool(r) for c, r in state["participants"].items()}
         self._deadline = state["deadline"]

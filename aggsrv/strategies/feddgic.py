@@ -74,13 +74,13 @@ from aggsrv.strategies.base import (
 )
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
+from aggsrv.strategies.row_cache import with_room
 
 __all__ = ["FedDGIC", "FedDGICConfig", "FedFG", "FedFGConfig"]
 
 logger = logging.getLogger(__name__)
 
 LAYER_NORMS = ("per_layer_mean", "none", "param_weighted")
-_ROW_BLOCK = 16
 
 
 @dataclass
@@ -279,11 +279,8 @@ class FedDGIC(Strategy):
         self._ids.append(client_id)
         self._index[client_id] = i
         self._has_row.append(False)
-        if self._keeps_rows() and i >= self._rows.shape[0]:
-            cap = min(max(i + 1, 2 * self._rows.shape[0], _ROW_BLOCK), self.max_clients)
-            grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-            grown[:i].copy_(self._rows[:i])
-            self._rows = grown
+        if self._keeps_rows():
+            self._rows = with_room(self._rows, i, i + 1, self.max_clients)
         return i
 
     def _prepare_row(self, update: Update, job: Job) -> torch.Tensor:

@@ -426,9 +426,6 @@ class FedHist(Strategy):
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         k = self.config.buffer_size
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=torch.float32, copy=True)
-
         meta = [(str(c), int(v)) for c, v in state["cur_meta"]]
         if len(meta) >= k:
             raise ValueError(f"saved round holds {len(meta)} updates; buffer_size={k} would "

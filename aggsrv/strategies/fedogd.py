@@ -78,29 +78,13 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.row_cache import capacity_after, with_room
 
 __all__ = ["CachedEpochConfig", "CachedEpochs", "FedOGD", "FedOGDConfig"]
 
 logger = logging.getLogger(__name__)
 
 ACTIVE, STRAGGLER = 0, 1
-_ROW_BLOCK = 16  # the cache grows in blocks of this many rows (capped at max_clients)
-
-
-def _grow(rows: int, max_clients: int) -> int:
-    """The cache's next capacity when all ``rows`` are taken (blocks, doubling)."""
-    return min(max(rows + 1, 2 * rows, _ROW_BLOCK), max_clients)
-
-
-def _grown_rows(n: int, max_clients: int) -> int:
-    """The capacity the cache has after ``n`` rows were added one by one."""
-    rows = 0
-    while rows < n:
-        grown = _grow(rows, max_clients)
-        if grown <= rows:  # a smaller max_clients than the saved state's: room for its rows
-            return n
-        rows = grown
-    return rows
 
 
 @dataclass
@@ -425,11 +409,7 @@ class CachedEpochs(Strategy):
 
     def _add_row(self, client_id: str) -> None:
         n = len(self._row)
-        if n >= self._cache.shape[0]:
-            cap = _grow(self._cache.shape[0], self.max_clients)
-            grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-            grown[:n].copy_(self._cache[:n])
-            self._cache = grown
+        self._cache = with_room(self._cache, n, n + 1, self.max_clients)
         self._row[client_id] = n
         self._valid.append(False)
         self._base_version.append(-1)
@@ -470,7 +450,7 @@ class CachedEpochs(Strategy):
         if n:
             # The capacity the rows grew to live, so a restored server holds what it held.
             self._cache = torch.zeros(
-                _grown_rows(n, self.max_clients), self.dim, dtype=torch.float32,
+                capacity_after(n, self.max_clients), self.dim, dtype=torch.float32,
                 device=self.device,
             )  # fmt: skip
             self._cache[:n].copy_(cache)
@@ -483,7 +463,7 @@ class CachedEpochs(Strategy):
         self._group = {str(c): int(g) for c, g in state["group"].items()}
         self._streak = {str(c): int(s) for c, s in state["streak"].items()}
         # Shared with the saved jobs' "basis" tensors (one copy for all of them).
-        self._bases = self._copy_saved(state["bases"], torch.float32)
+        self._bases = self._restore(state["bases"])
         self._open = bool(state["open"])
         self._deadline = state["deadline"]
         self._pending = dict.fromkeys(str(c) for c in state["pending"])
