@@ -155,7 +155,7 @@ class FedOGDConfig(CachedEpochConfig):
     preset: str | None = "paper"
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = FEDOGD_PRESETS
     PRESET_NOTES: ClassVar[Mapping[str, str]] = {
-        "paper": "the paper's settings (the defaults)",
+        "paper": "the paper's experimental settings",
         "authors_code": "the released code: momentum 0.1, uniform mean with empty rows, "
         "eta_g 0.003",
     }
