@@ -27,9 +27,15 @@ def _commands(block: str) -> list[str]:
 
 def _make_dry_run(target: str, cwd: Path = ROOT, *flags: str) -> list[str]:
     """The commands ``make TARGET`` would run (``make -n``), one per logical line."""
+    import os
+
+    # Not the settings of a make that runs these tests (`make test PYTEST_ARGS=...`): its flags,
+    # and the knobs it exports, which the defaults given here override.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    knobs = ["PYTHON=python3", "TORCH_INDEX=", "PYTEST_ARGS="]
     proc = subprocess.run(
-        ["make", "--no-print-directory", "-n", *flags, target],
-        capture_output=True, text=True, check=True, cwd=cwd,
+        ["make", "--no-print-directory", "-n", *flags, *knobs, target],
+        capture_output=True, text=True, check=True, cwd=cwd, env=env,
     )  # fmt: skip
     return [" ".join(c.split()) for c in proc.stdout.replace("\\\n", " ").splitlines()]
 
