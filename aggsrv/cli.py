@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"aggsrv serve: {exc}\n")
         return 2
     if args.print_config:
-        sys.stdout.write(config.to_toml())
+        sys.stdout.write(_printed_config(config, config.strategy_settings()))
         return 0
     from aggsrv.logs import configure
 
@@ -56,6 +56,19 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("aggsrv").error("%s", exc)
         sys.stderr.write(f"aggsrv serve: {exc}\n")
         return 2
+
+
+def _printed_config(config, settings) -> str:
+    """--print-config: the config's keys, then every key of the strategy with the value it
+    runs with and a description, so the output documents the strategy and loads back."""
+    from aggsrv.config_file import described_table
+
+    cls = type(settings)
+    presets = ", ".join(sorted(cls.PRESETS)) or "none"
+    header = [f"{config.strategy} presets: {presets}"]
+    header += [f"  {name}: {note}" for name, note in cls.PRESET_NOTES.items()]
+    table = described_table("strategy_config", settings.to_dict(), cls.field_help(), header)
+    return config.to_toml(exclude=["strategy_config"]) + "\n" + table
 
 
 def _torchrun_shard(overrides: dict) -> None:
@@ -305,7 +318,11 @@ def _simulate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"aggsrv simulate: {exc}\n")
         return 2
     if args.print_config:
-        sys.stdout.write(config.to_toml())
+        from aggsrv.strategies import strategy_class
+
+        settings_class = strategy_class(config.strategy).config_class
+        settings = settings_class.from_dict(config.effective_strategy_config())
+        sys.stdout.write(_printed_config(config, settings))
         return 0
     from aggsrv.data import DatasetUnavailable
     from aggsrv.sim import run

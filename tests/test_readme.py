@@ -20,20 +20,82 @@ def test_readme_kernel_example_runs() -> None:
     assert namespace["global_update"].shape == (namespace["D"],)
 
 
+def _commands(block: str) -> list[str]:
+    """The commands of a shell block: comments and blank lines dropped."""
+    return [c for c in (line.split("#")[0].strip() for line in block.splitlines()) if c]
+
+
+def _make_dry_run(target: str, cwd: Path = ROOT, *flags: str) -> list[str]:
+    """The commands ``make TARGET`` would run (``make -n``), one per logical line."""
+    import os
+
+    # Not the settings of a make that runs these tests (`make test PYTEST_ARGS=...`): its flags,
+    # and the knobs it exports, which the defaults given here override.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    knobs = ["PYTHON=python3", "TORCH_INDEX=", "PYTEST_ARGS="]
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", *flags, *knobs, target],
+        capture_output=True, text=True, check=True, cwd=cwd, env=env,
+    )  # fmt: skip
+    return [" ".join(c.split()) for c in proc.stdout.replace("\\\n", " ").splitlines()]
+
+
 def test_readme_commands_match_ci() -> None:
+    """README's two commands are `make demo` and `make test`; .ci/run runs exactly the second;
+    the Makefile runs the steps README's "Set up by hand" lists."""
     readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
-    setup, tests = blocks[0], blocks[1]
-    commands = [line.split("#")[0].strip() for line in setup.splitlines()]
-    # The first command block sets up and runs the main job; CI installs the same way.
-    for command in ("pip install torch==2.13.0", 'pip install -e ".[dev,sim,flower]"'):
-        assert command in commands
-        assert command in ci
-    assert commands[-1] == "aggsrv simulate"
-    test_commands = [line.split("#")[0].strip() for line in tests.splitlines()]
-    assert test_commands[-1] == "pytest" and "python -m pytest" in ci
-    assert "dataset-fashion-mnist" in tests and "dataset-fashion-mnist" in ci
+    demo, test, by_hand = blocks[0], blocks[1], blocks[2]
+    assert _commands(demo) == ["make demo"]
+    assert _commands(test) == ["make test"]
+    ci = _commands((ROOT / ".ci" / "run").read_text())
+    assert ci[0] == "set -euo pipefail" and ci[1].startswith("cd ")
+    assert ci[2:] == _commands(test)
+    # -B: every step, as in a fresh clone.
+    for target, last in (
+        ("demo", ".venv/bin/aggsrv simulate"),
+        ("test", ".venv/bin/python -m pytest"),
+    ):
+        steps = _make_dry_run(target, ROOT, "-B")
+        assert steps[-1] == last
+        text = "\n".join(steps)
+        assert "python3 -m venv .venv" in text
+        assert ".venv/bin/python -m pip install --upgrade pip" in text
+        assert "command -v nvidia-smi" in text
+        assert re.search(r'pip install +"torch==2\.13\.0"', text)
+        assert '.venv/bin/python -m pip install -e ".[dev,sim,flower]"' in text
+        assert ("apt-get install -y -q dataset-fashion-mnist" in text) == (target == "test")
+    manual = _commands(by_hand)
+    for command in (
+        "python3 -m venv .venv && . .venv/bin/activate",
+        "python -m pip install --upgrade pip",
+        "pip install torch==2.13.0",
+        'pip install -e ".[dev,sim,flower]"',
+        "apt-get install dataset-fashion-mnist",
+        "python -m pytest",
+    ):
+        assert command in manual, command
+
+
+def test_make_sets_up_once(tmp_path) -> None:
+    """A second `make test` runs the tests alone; a changed pyproject.toml installs again."""
+    import os
+    import shutil
+
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").touch()
+    stamp = tmp_path / ".venv" / ".aggsrv-installed"
+    stamp.touch()
+    os.utime(tmp_path / "pyproject.toml", (1_000_000, 1_000_000))
+    steps = _make_dry_run("test", tmp_path)
+    assert not any("pip install" in s or "-m venv" in s for s in steps), steps
+    assert steps[-1] == ".venv/bin/python -m pytest"
+    os.utime(stamp, (999_999, 999_999))  # pyproject.toml is newer than the install
+    steps = _make_dry_run("test", tmp_path)
+    assert any('pip install -e ".[dev,sim,flower]"' in s for s in steps), steps
+    assert not any("-m venv" in s for s in steps)
 
 
 def test_readme_main_command(tmp_path) -> None:

@@ -63,7 +63,7 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path) -> None:
         SimConfig(strategy="fedavgg")
     with pytest.raises(ValueError, match="alphaa"):
         SimConfig(strategy_config={"alphaa": 1})
-    with pytest.raises(ValueError, match="buffer_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="fedhist: buffer_size must be an integer >= 1, got 0"):
         SimConfig(strategy="fedhist", strategy_config={"buffer_size": 0})
     cfg = _config(tmp_path, "x")
     again = SimConfig.from_mapping(
@@ -224,7 +224,8 @@ def test_cli_print_config_and_errors(tmp_path) -> None:
              "--print-config")  # fmt: skip
     assert p.returncode == 0, p.stderr
     cfg = __import__("tomllib").loads(p.stdout)
-    assert cfg["clients"] == 7 and cfg["strategy_config"] == {"alpha": 0.3}
+    assert cfg["clients"] == 7 and cfg["strategy_config"]["alpha"] == 0.3
+    assert cfg["strategy_config"]["staleness"] == "polynomial"  # every key, with its default
     assert cfg["budget"] == "5v" and cfg["transport"] == "grpc" and cfg["dataset"] == "digits"
     bad = _cli("--set", "clientz=3", "--print-config")
     assert bad.returncode == 2 and "clientz" in bad.stderr

@@ -65,6 +65,52 @@ def test_delay_distribution_moments_and_shape(spec: str, oracle) -> None:
     assert stats.kstest(x, oracle.cdf).pvalue > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("spec", "oracle"),
+    [
+        ("exponential:rate=4", stats.expon(scale=0.25)),
+        (
+            "lognormal:mean=3,std=2",
+            stats.lognorm(s=math.sqrt(math.log(13 / 9)), scale=3 / math.sqrt(13 / 9)),
+        ),
+        ("halfnormal:mean=2", stats.halfnorm(scale=2 * math.sqrt(math.pi / 2))),
+        ("uniform:low=2,high=7", stats.uniform(loc=2, scale=5)),
+        ("pareto:shape=3,mean=1", stats.pareto(b=3, scale=2 / 3)),
+        ("pareto:shape=1.5,scale=1", stats.pareto(b=1.5, scale=1)),  # no std: inf, shown as None
+    ],
+)
+def test_described_mean_and_std_are_the_distributions(spec: str, oracle) -> None:
+    (component,) = make_profile(spec, 1, SEED).describe()["components"]
+    mean, std = float(oracle.mean()), float(oracle.std())
+    assert component["mean"] == pytest.approx(mean, rel=1e-12)
+    assert component["std"] == (None if math.isinf(std) else pytest.approx(std, rel=1e-12))
+
+
+def test_zero_spread_is_a_point_mass() -> None:
+    for spec, value in (("uniform:low=2,high=2", 2.0), ("lognormal:mean=2,std=0", 2.0)):
+        profile = make_profile(spec, 5, SEED, base_time=3)
+        assert (durations(profile, 5, 5) == 3 * value).all(), spec
+        (component,) = profile.describe()["components"]
+        assert (component["mean"], component["std"]) == (pytest.approx(value), 0.0)
+
+
+def test_shifted_halfnormal_and_speed_follow_their_cdfs() -> None:
+    scale = 0.3 / math.sqrt(1 - 2 / math.pi)
+    oracle = stats.halfnorm(loc=1 - scale * math.sqrt(2 / math.pi), scale=scale)
+    x = durations(make_profile("halfnormal:mean=1,std=0.3", 100, SEED), 100, 150).ravel()
+    assert stats.kstest(x, oracle.cdf).pvalue > 1e-3
+    speeds = durations(make_profile("speed:dist=pareto,shape=4", 5000, SEED), 5000, 1).ravel()
+    assert stats.kstest(speeds, stats.pareto(b=4, scale=0.75).cdf).pvalue > 1e-3
+
+
+def test_same_seed_same_trace_for_every_preset() -> None:
+    for name in PROFILES:
+        a, b = make_profile(name, 6, SEED), make_profile(name, 6, SEED)
+        assert [a.plan(c, r) for c in range(6) for r in range(6)] == [
+            b.plan(c, r) for c in range(6) for r in range(6)
+        ], name
+
+
 def test_lognormal_mean_std_mapping_reproduces_the_moments() -> None:
     profile = make_profile("lognormal:mean=3,std=2", 100, SEED)
     (component,) = profile.describe()["components"]

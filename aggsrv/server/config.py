@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
 from aggsrv.strategies import StrategyConfig, strategy_class
 
@@ -26,15 +27,15 @@ class ServerConfig(TomlConfig):
     strategy_config: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"  # auto | cpu | cuda
     model_init: str | None = None  # a torch.save'd state dict; None: adopt the first client's
-    max_clients: int = 1024
-    max_concurrent_uploads: int = 4
+    max_clients: Count = 1024
+    max_concurrent_uploads: Count = 4
     chunk_bytes: int = MIB
     max_receive_message_bytes: int = 4 * MIB
     # HTTP/2 flow-control window per stream: what gRPC may buffer for an upload that waits for a
     # staging slot (memory <= waiting uploads x this); smaller windows slow single uploads.
     stream_window_bytes: int = 256 * 1024
     lease_seconds: float = 60.0
-    retained_versions: int = 8
+    retained_versions: Count = 8
     # A waiting job stream sends a "pending" message at least this often (keeps proxies happy).
     pending_interval_seconds: float = 30.0
     # Append the strategy's events (FedDGIC's groupings and dropout flags) as JSON lines here.
@@ -54,9 +55,9 @@ class ServerConfig(TomlConfig):
     tls_client_ca: str | None = None
 
     # --- limits (each refusal is RESOURCE_EXHAUSTED, except the idle upload: DEADLINE_EXCEEDED)
-    max_concurrent_rpcs: int = 256  # calls being served at once, all clients together
+    max_concurrent_rpcs: Count = 256  # calls being served at once, all clients together
     # HTTP/2 concurrent streams on one connection (many in-process clients share one).
-    max_streams_per_connection: int = 128
+    max_streams_per_connection: Count = 128
     # Token bucket per client over PushUpdate and Register (updates/s, burst); 0 turns it off.
     rate_limit_per_second: float = 20.0
     rate_limit_burst: int = 40
@@ -64,7 +65,7 @@ class ServerConfig(TomlConfig):
     upload_idle_timeout_seconds: float = 30.0
     # A registration offering a model larger than this is refused before anything is allocated.
     max_model_bytes: int = 16 << 30
-    max_labels: int = 32  # per client, each key and value <= 256 bytes
+    max_labels: Count = 32  # per client, each key and value <= 256 bytes
 
     # --- durability (docs/operations.md "Durability")
     # Checkpoints and the write-ahead log live here; None or "": nothing is written.
@@ -80,7 +81,7 @@ class ServerConfig(TomlConfig):
     # None: the larger of 4x the model's bytes and twice the newest checkpoint's, at least
     # 16 MiB; 0: not by size.
     checkpoint_every_bytes: int | None = None
-    checkpoint_keep: int = 2  # newest checkpoints kept, with the log segments after the oldest
+    checkpoint_keep: Count = 2  # newest checkpoints kept, with the log segments after the oldest
 
     # --- operations
     metrics_port: int | None = None  # Prometheus /metrics on metrics_host:metrics_port
@@ -88,12 +89,12 @@ class ServerConfig(TomlConfig):
     # "module:function" called with the global model's state dict every eval_every_versions
     # versions, on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
     eval: str | None = None
-    eval_every_versions: int = 50
+    eval_every_versions: Count = 50
     log_format: str = "text"  # text | json (one JSON object per line)
     log_level: str = "info"
 
     # --- sharding (docs/sharding.md): N processes that serve one federation, each a slice
-    shards: int = 1
+    shards: Count = 1
     rank: int = 0
     # Rank 0's rendezvous for torch.distributed, tcp://HOST:PORT; None: torchrun's env://.
     dist_url: str | None = None
@@ -109,13 +110,11 @@ class ServerConfig(TomlConfig):
     shard_heartbeat_seconds: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        for name in ("max_clients", "max_concurrent_uploads", "retained_versions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes < 64 or self.chunk_bytes % 4:
             raise ValueError(
                 f"chunk_bytes must be a multiple of 4 and >= 64, got {self.chunk_bytes}"
@@ -139,8 +138,6 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.eval is not None and ":" not in self.eval:
             raise ValueError(f"eval must be 'module:function', got {self.eval!r}")
-        if self.eval_every_versions < 1:
-            raise ValueError(f"eval_every_versions must be >= 1, got {self.eval_every_versions}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -166,9 +163,6 @@ class ServerConfig(TomlConfig):
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
 
     def _check_limits(self) -> None:
-        for name in ("max_concurrent_rpcs", "max_streams_per_connection", "max_labels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rate_limit_per_second < 0:
             raise ValueError("rate_limit_per_second must be >= 0 (0: no limit)")
         if self.rate_limit_per_second > 0 and self.rate_limit_burst < 1:
@@ -198,13 +192,10 @@ class ServerConfig(TomlConfig):
             raise ValueError(
                 "checkpoint_every_bytes must be >= 0 (0: not by size), or unset for 4x the model"
             )
-        if self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
 
     def _check_sharding(self) -> None:
-        if self.shards < 1 or not 0 <= self.rank < self.shards:
-            raise ValueError(f"need shards >= 1 and 0 <= rank < shards, got {self.rank} of "
-                             f"{self.shards}")  # fmt: skip
+        if not 0 <= self.rank < self.shards:
+            raise ValueError(f"need 0 <= rank < shards, got {self.rank} of {self.shards}")
         if self.shards == 1:
             return
         if self.state_dir:

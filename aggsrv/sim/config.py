@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
 
 __all__ = ["Budget", "SimConfig", "parse_budget"]
@@ -68,7 +69,7 @@ class SimConfig(TomlConfig):
     dataset: str = "digits"  # digits | fashion_mnist | mnist_subset | module:callable
     data_dir: str | None = None
     partition: str = "iid"  # e.g. "dirichlet_per_client:alpha=0.5", "shards:shards_per_client=2"
-    clients: int = 8
+    clients: Count = 8
     model: str = "mlp"  # see aggsrv.sim.models.MODELS, or module:callable
     model_config: dict[str, Any] = field(default_factory=dict)
     # Straggler/dropout profile: a preset name ("tiers"), "name:key=value,..." or a table.
@@ -83,18 +84,17 @@ class SimConfig(TomlConfig):
     out: str | None = None  # run directory; None: runs/<strategy>-<dataset>-<transport>-s<seed>
     scenario: str | None = None  # label for `aggsrv report`; None: profile + partition
     label: str | None = None  # the run's name in `aggsrv report` tables/plots; None: strategy
-    eval_batch_size: int = 2048
+    eval_batch_size: Count = 2048
     threads: int = 0  # torch threads for training and evaluation; 0: torch's default
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.clients < 1:
-            raise ValueError(f"clients must be >= 1, got {self.clients}")
         if not self.base_time > 0 or not self.time_scale > 0:
             raise ValueError("base_time and time_scale must be > 0")
-        if self.eval_batch_size < 1 or self.threads < 0:
-            raise ValueError("eval_batch_size must be >= 1 and threads >= 0")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
         self.budget_spec()
         if self.eval_every != "auto":
             parse_budget(self.eval_every)

@@ -71,7 +71,7 @@ from aggsrv.strategies.errors import (
 from aggsrv.strategies.float_buffers import FloatBuffers
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
-from aggsrv.strategies.state_copy import SharedCopies, clone_tensors
+from aggsrv.strategies.state_copy import SharedCopies, clone_tensors, restore_tensor
 from aggsrv.values import Outcome, ProjectionMode, Recipe, Status, Update, UpdateKind
 
 __all__ = [
@@ -775,23 +775,19 @@ class Strategy(ABC):
         # One copy per saved storage, shared by every restore function of this load (the
         # subclasses' and the float buffers' too): what shared memory live shares it again.
         self._copy_saved = SharedCopies(self.device)
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return self._copy_saved(t, torch.float32)
-
         self.version = int(state["version"])
-        self._model = dev(state["model"])
+        self._model = self._restore(state["model"])
         self._absmax = None
         self._versions.clear()
         # One tensor per version, shared by every job that started from it (and the model).
-        bases = {int(v): dev(t) for v, t in state["bases"].items()}
+        bases = {int(v): self._restore(t) for v, t in state["bases"].items()}
         if self.version in bases:
             bases[self.version] = self._model
         self._clients = {str(c): float(t) for c, t in state["clients"].items()}
         self._jobs = {}
         for j in state["jobs"]:
             tensors = {"weights": bases[int(j["base_version"])]}
-            tensors.update({k: dev(v) for k, v in j["tensors"].items()})
+            tensors.update({k: self._restore(v) for k, v in j["tensors"].items()})
             recipe = Recipe.from_dict(j["recipe"])
             job = Job(
                 job_id=int(j["job_id"]),
@@ -818,9 +814,17 @@ class Strategy(ABC):
         return {}
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`_extra_state` returned; copy tensors with ``self._copy_saved(t,
-        dtype)`` (a :class:`SharedCopies`), so that what shared memory live shares it again."""
+        """Restore what :meth:`_extra_state` returned; copy tensors with :meth:`_restore`."""
         return None
+
+    def _restore(
+        self, t: torch.Tensor | None, dtype: torch.dtype = torch.float32, shared: bool = True
+    ) -> Any:
+        """A saved tensor (None stays None) as a fresh ``dtype`` tensor on the strategy's
+        device, during :meth:`load_state_dict`. ``shared``: through the load's
+        :class:`SharedCopies`, so that what shared memory live shares it again; otherwise a
+        copy of its own."""
+        return restore_tensor(t, self.device, dtype, self._copy_saved if shared else None)
 
     # --------------------------------------------------------------------------- changes
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
     Outcome,
@@ -59,7 +60,7 @@ class CA2FLConfig(BufferedConfig):
     ``buffer_size = 5`` (10 for 100 clients), ``server_lr = 1.0``.
     """
 
-    buffer_size: int = 5
+    buffer_size: Count = 5
 
 
 class CA2FL(Strategy):

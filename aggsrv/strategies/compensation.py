@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from aggsrv.strategies.state_copy import restore_tensor
+
 __all__ = [
     "CompensationPlan",
     "CompensationStep",
@@ -211,14 +213,9 @@ class GroupCompensation:
         """Rebuild from :meth:`state_dict` output (tensors copied to ``device``, with
         ``copy(t, dtype)`` when given: the strategy's copier, which keeps shared tensors shared)."""
 
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            if copy is not None:
-                return copy(t, dtype)
-            return t.detach().to(device=device, dtype=dtype, copy=True)
-
         comp = cls(
             [int(g) for g in state["labels"]],
-            dev(state["global_model"]),
+            restore_tensor(state["global_model"], device, dtype, copy),
             alpha_global=float(state["alpha_global"]),
             alpha_max=float(state["alpha_max"]),
             beta=float(state["beta"]),
@@ -229,7 +226,7 @@ class GroupCompensation:
         models = state["group_models"]
         if len(models) != len(comp.members):
             raise ValueError(f"saved {len(models)} group models for {len(comp.members)} groups")
-        comp.group_models = [dev(t) for t in models]
+        comp.group_models = [restore_tensor(t, device, dtype, copy) for t in models]
         comp.group_version = [int(v) for v in state["group_version"]]
         comp.client_version = [int(v) for v in state["client_version"]]
         comp.dropped = [bool(d) for d in state["dropped"]]

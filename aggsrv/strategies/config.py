@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+from aggsrv.config_check import Count, check_fields
 from aggsrv.values import Recipe
 
 __all__ = ["DEFAULT_JOB_LEASE_SECONDS", "DEFAULT_MAX_NUM_SAMPLES", "StrategyConfig"]
@@ -43,19 +44,45 @@ class StrategyConfig:
     weight_decay: float = 0.0
     max_staleness: int | None = None
     max_update_norm: float | None = None
-    max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
+    max_num_samples: Count = DEFAULT_MAX_NUM_SAMPLES
     job_lease_seconds: float | None = DEFAULT_JOB_LEASE_SECONDS
     preset: str | None = None
 
     # Named sets of values (e.g. "paper": the paper's experimental settings) that a config
     # selects with ``preset = "NAME"``; keys set beside the preset override its values.
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
-    # One line per preset that needs saying, e.g. why the "paper" preset cannot learn in a short
-    # run (``--print-config`` shows them).
+    # A one-line note per preset, printed beside its name by --print-config.
     PRESET_NOTES: ClassVar[Mapping[str, str]] = {}
+    # The strategy's name in error messages: by default the class name without "Config",
+    # lowercased, which is the strategy's name for every built-in strategy.
+    KIND: ClassVar[str] = "strategy"
+    # One line per key for --print-config, merged along the class hierarchy (field_help), so a
+    # subclass that only changes a default keeps its parent's description. A key whose value
+    # may be None says what "unset" means.
+    HELP: ClassVar[Mapping[str, str]] = {
+        "seed": "seed of the strategy's random choices (e.g. client sampling)",
+        "learning_rate": "client learning rate",
+        "local_epochs": "local epochs per job (fractions allowed); unset = local_steps, or 1 epoch",
+        "local_steps": "local mini-batch steps per job; unset = local_epochs",
+        "batch_size": "client mini-batch size",
+        "momentum": "client SGD momentum",
+        "weight_decay": "client weight decay",
+        "max_staleness": "refuse updates more versions behind than this; unset = no bound",
+        "max_update_norm": "refuse updates whose delta has a larger L2 norm; unset = no bound",
+        "max_num_samples": "refuse updates that declare more samples than this",
+        "job_lease_seconds": "retire a job this long after it was issued; unset = never",
+        "preset": "a named set of values (listed above); keys given beside it win; unset = none",
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "KIND" not in vars(cls):
+            cls.KIND = cls.__name__.removesuffix("Config").lower()
 
     def __post_init__(self) -> None:
         """Check the shared values; subclasses extend this."""
+        # Types first (every field, the subclass's too), so the range checks compare numbers.
+        check_fields(self, self.KIND)
         if self.preset is not None:
             self._check_preset(self.preset)
         if self.local_epochs is not None and self.local_steps is not None:
@@ -65,9 +92,6 @@ class StrategyConfig:
         bound = self.max_update_norm
         if bound is not None and not (math.isfinite(bound) and bound > 0):
             raise ValueError(f"max_update_norm must be a finite number > 0 or None, got {bound}")
-        n = self.max_num_samples
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_num_samples must be an integer >= 1, got {n!r}")
         lease = self.job_lease_seconds
         if lease is not None and not (math.isfinite(lease) and lease > 0):
             raise ValueError(f"job_lease_seconds must be a finite number > 0 or None, got {lease}")
@@ -84,10 +108,18 @@ class StrategyConfig:
                     f"unknown {cls.__name__} key {key!r}; known keys: {', '.join(sorted(known))}"
                 )
         preset = data.get("preset", cls.__dataclass_fields__["preset"].default)
-        if preset is not None:
+        if isinstance(preset, str):  # another type is refused by the type check, naming it
             cls._check_preset(preset)
             data = {**cls.PRESETS[preset], **data}
         return cls(**data)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """The one-line description of each key (empty where none is written)."""
+        merged: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(vars(klass).get("HELP", {}))
+        return {f.name: merged.get(f.name, "") for f in dataclasses.fields(cls)}
 
     @classmethod
     def _check_preset(cls, preset: object) -> None:

@@ -14,7 +14,9 @@ from. Every accepted update makes a new version: APPLIED(version).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -51,6 +53,14 @@ def staleness_weight(
 @dataclass
 class FedAsyncConfig(StrategyConfig):
     """FedAsync settings: mixing weight ``alpha`` and the staleness function with its knobs."""
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "alpha": "mixing weight of an update with no staleness, in (0, 1]",
+        "staleness": f"staleness function: {', '.join(STALENESS_FUNCTIONS)}",
+        "a": "exponent of the polynomial and hinge decays",
+        "hinge_a": "slope of the hinge decay past hinge_b",
+        "hinge_b": "staleness up to which the hinge weight is 1",
+    }
 
     alpha: float = 0.6
     staleness: str = "polynomial"

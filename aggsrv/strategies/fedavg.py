@@ -42,10 +42,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import Job, Outcome, Status, Strategy, StrategyConfig, Update
 
 __all__ = ["FedAvg", "FedAvgConfig"]
@@ -61,15 +62,31 @@ class FedAvgConfig(StrategyConfig):
     client, so a run makes few steps (docs/strategies.md, "Defaults that learn").
     """
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "mode": "sync (rounds) or k_async (aggregate every k updates)",
+        "participation": "clients sampled per round: a fraction in (0, 1] or a count",
+        "min_clients": "a round samples and closes with at least this many clients",
+        "min_available": "registered clients needed before the first round opens",
+        "round_timeout": "seconds before a round closes without its stragglers; unset = never",
+        "partial_work": "an update with less work than its recipe: drop or include",
+        "late": "updates of clients that missed their round: drop or next_round",
+        "k": "k_async: accepted updates per aggregation",
+        "server_opt": "server step: sgd or adam (FedAdam)",
+        "server_lr": "server learning rate; unset = 1.0 for sgd, 0.01 for adam",
+        "beta1": "FedAdam first-moment decay",
+        "beta2": "FedAdam second-moment decay",
+        "tau": "FedAdam adaptivity (added to sqrt(v); v starts at tau^2)",
+    }
+
     learning_rate: float = 0.05
     mode: str = "sync"
     participation: float | int = 1.0
-    min_clients: int = 1
-    min_available: int = 1
+    min_clients: Count = 1
+    min_available: Count = 1
     round_timeout: float | None = 60.0
     partial_work: str = "drop"
     late: str = "drop"
-    k: int = 10
+    k: Count = 10
     server_opt: str = "sgd"
     server_lr: float | None = None  # None: 1.0 for sgd (plain FedAvg), 0.01 for adam
     beta1: float = 0.9
@@ -94,12 +111,8 @@ class FedAvgConfig(StrategyConfig):
             raise ValueError(f"participation as a count must be >= 1, got {p}")
         if isinstance(p, float) and not 0.0 < p <= 1.0:
             raise ValueError(f"participation as a fraction must be in (0, 1], got {p}")
-        if self.min_clients < 1 or self.min_available < 1:
-            raise ValueError("min_clients and min_available must be >= 1")
         if self.round_timeout is not None and not self.round_timeout > 0:
             raise ValueError(f"round_timeout must be > 0 or None, got {self.round_timeout}")
-        if self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
         if self.server_lr is not None and not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0 and self.tau > 0):
@@ -378,10 +391,8 @@ class FedAvg(Strategy):
         self._acc_weight = float(state["acc_weight"])
         self._acc_count = int(state["acc_count"])
 
-        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=self.device, dtype=torch.float32, copy=True)
-
-        self._m, self._v = dev(state["m"]), dev(state["v"])
+        self._m = self._restore(state["m"], shared=False)
+        self._v = self._restore(state["v"], shared=False)
         self._round_open = bool(state["round_open"])
         self._participants = {str(c): bool(r) for c, r in state["participants"].items()}
         self._deadline = state["deadline"]

@@ -18,10 +18,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
     Outcome,
@@ -41,14 +42,17 @@ logger = logging.getLogger(__name__)
 class BufferedConfig(StrategyConfig):
     """A buffer of M updates and a server learning rate (FedBuff, CA2FL)."""
 
-    buffer_size: int = 10
+    HELP: ClassVar[Mapping[str, str]] = {
+        "buffer_size": "updates buffered per server step (M)",
+        "server_lr": "server learning rate",
+    }
+
+    buffer_size: Count = 10
     server_lr: float = 1.0
 
     def __post_init__(self) -> None:
         """Check ranges."""
         super().__post_init__()
-        if self.buffer_size < 1:
-            raise ValueError(f"buffer_size must be >= 1, got {self.buffer_size}")
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
 
@@ -56,6 +60,10 @@ class BufferedConfig(StrategyConfig):
 @dataclass
 class FedBuffConfig(BufferedConfig):
     """FedBuff settings: buffer size M, server learning rate, optional staleness weighting."""
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "staleness_weighting": "weight each buffered update by 1 / sqrt(1 + staleness)",
+    }
 
     staleness_weighting: bool = False
 

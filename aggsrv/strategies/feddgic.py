@@ -55,12 +55,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from aggsrv import kernels
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
     JobSuperseded,
@@ -73,35 +74,55 @@ from aggsrv.strategies.base import (
 )
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
+from aggsrv.strategies.row_cache import with_room
 
 __all__ = ["FedDGIC", "FedDGICConfig", "FedFG", "FedFGConfig"]
 
 logger = logging.getLogger(__name__)
 
 LAYER_NORMS = ("per_layer_mean", "none", "param_weighted")
-_ROW_BLOCK = 16
 
 
 @dataclass
 class FedDGICConfig(StrategyConfig):
     """FedDGIC settings; defaults are shared/specs/feddgic.md section 2.1 (module docstring)."""
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "alpha_global": "Eq. 9: weight of the group model in the global model, in [0, 1)",
+        "alpha_max": "Eq. 8: largest weight of a client in its group model, in (0, 1]",
+        "beta": "Eq. 8: staleness decay of a client's weight (>= 0)",
+        "p": "Eq. 5: the dendrogram cut's ratio threshold (> 0)",
+        "t_mode": "dropout timeout T: per_group_multiple (t_factor x group size) or constant",
+        "t_factor": "T = t_factor x the group's size (at least 2) in per_group_multiple",
+        "t_constant": "T in versions for t_mode = constant; unset = not constant",
+        "compensate": "compensate groups for their dropped members (Eq. 9)",
+        "fixed_groups": "cut the dendrogram at this many groups (FedFG); unset = Eq. 5's cut",
+        "similarity_rounds": "grouping rounds (n_cal); unset = Eq. 6 from the first round",
+        "layer_norm": "layer scale removal: per_layer_mean, none or param_weighted",
+        "layer_unit": "a layer for layer_norm: module or tensor",
+        "sim_input": "similarity of the updates or of the weights",
+        "min_available": "registered clients needed before the first grouping round",
+        "grouping_round_timeout": "seconds a grouping round waits for all; unset = forever",
+        "regroup_every": "regroup every this many versions; unset = never",
+        "regroup_on_join": "regroup when a late client's first update arrives",
+    }
+
     alpha_global: float = 0.5
     alpha_max: float = 0.8
     beta: float = 1.0
     p: float = 0.8
     t_mode: str = "per_group_multiple"
-    t_factor: int = 2
-    t_constant: int | None = None
+    t_factor: Count = 2
+    t_constant: Count | None = None
     compensate: bool = True
-    fixed_groups: int | None = None
-    similarity_rounds: int | None = None
+    fixed_groups: Count | None = None
+    similarity_rounds: Count | None = None
     layer_norm: str = "per_layer_mean"
     layer_unit: str = "module"
     sim_input: str = "update"
-    min_available: int = 1
+    min_available: Count = 1
     grouping_round_timeout: float | None = 60.0
-    regroup_every: int | None = None
+    regroup_every: Count | None = None
     regroup_on_join: bool = False
 
     def __post_init__(self) -> None:
@@ -121,11 +142,6 @@ class FedDGICConfig(StrategyConfig):
             raise ValueError(f"alpha_max must be in (0, 1], got {self.alpha_max}")
         if self.beta < 0 or not self.p > 0:
             raise ValueError(f"need beta >= 0 and p > 0, got {self.beta} and {self.p}")
-        for key in ("t_factor", "t_constant", "fixed_groups", "similarity_rounds",
-                    "min_available", "regroup_every"):  # fmt: skip
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
         if self.t_mode == "constant" and self.t_constant is None:
             raise ValueError("t_mode = 'constant' needs t_constant (the timeout in versions)")
         if self.grouping_round_timeout is not None and not self.grouping_round_timeout > 0:
@@ -263,11 +279,8 @@ class FedDGIC(Strategy):
         self._ids.append(client_id)
         self._index[client_id] = i
         self._has_row.append(False)
-        if self._keeps_rows() and i >= self._rows.shape[0]:
-            cap = min(max(i + 1, 2 * self._rows.shape[0], _ROW_BLOCK), self.max_clients)
-            grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-            grown[:i].copy_(self._rows[:i])
-            self._rows = grown
+        if self._keeps_rows():
+            self._rows = with_room(self._rows, i, i + 1, self.max_clients)
         return i
 
     def _prepare_row(self, update: Update, job: Job) -> torch.Tensor:
@@ -614,7 +627,7 @@ class FedFGConfig(FedDGICConfig):
     """FedFG ("federated fixed grouping", FedDGIC's baseline, spec 2.3): the same grouping phase
     cut at a fixed number of groups, Eq. 8 group updates, and no compensation (r_c = 1)."""
 
-    fixed_groups: int | None = 5
+    fixed_groups: Count | None = 5
     compensate: bool = False
 
     def __post_init__(self) -> None:

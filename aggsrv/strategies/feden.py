@@ -25,8 +25,9 @@ The recipe carries the centre and solver as ``Recipe.extra["elastic_centre"]`` (
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from aggsrv.strategies.base import Recipe, Update
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
@@ -47,6 +48,16 @@ DEFAULT_EPOCHS = 10.0  # Table 2's E, used when neither local_epochs nor local_s
 @dataclass
 class FedENConfig(FedAvgConfig):
     """FedAvg's settings plus the elastic net (see the module docstring for each key)."""
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "local_epochs": "local epochs per job; unset = local_steps, or 10 epochs (Table 2)",
+        "lam": "elastic-net strength (>= 0)",
+        "alpha": "elastic-net mix in [0, 1]: 0 all L2, 1 all L1",
+        "centre": "what the penalty pulls towards: zero or global (the job's start weights)",
+        "solver": "client solver: subgradient (SGD on loss + penalty) or prox",
+        "weighting": "mean over updates: uniform or samples (FedAvg's weighting)",
+        "exclude_biases": "leave biases and normalisation parameters unpenalised",
+    }
 
     lam: float = 1e-3
     alpha: float = 0.5

@@ -58,6 +58,7 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv import kernels
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     FLOAT32_SAFE_MAX,
     InvalidUpdate,
@@ -102,9 +103,23 @@ class FedHistConfig(StrategyConfig):
         "of rounds): a 60 virtual s run of 8 clients makes 12 rounds and stays near 0.35",
     }
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "local_steps": "local mini-batch steps per job; unset = 1 step unless local_epochs is set",
+        "buffer_size": "updates per round (K)",
+        "history": "rounds of global gradients kept (h); unset = ceil(N / (2K))",
+        "alpha": "EGS: weight of the least similar cached global gradient (0: off)",
+        "lam": "HAA: weight of the hindsight utility (0: staleness only)",
+        "gamma": "EMA factor of the hindsight utility, in (0, 1]",
+        "sim_threshold": "hindsight similarity threshold in [-1, 1]",
+        "server_lr": "server learning rate; unset = learning_rate",
+        "rescale": "INA: rescale the aggregate to the mean norm of the updates",
+        "ina_norms": "INA's mean norm over the fused or the raw gradients",
+        "include_current_round": "the hindsight set includes the current round's gradients",
+    }
+
     learning_rate: float = 0.1
-    buffer_size: int = 5
-    history: int | None = None
+    buffer_size: Count = 5
+    history: Count | None = None
     alpha: float = 0.1
     lam: float = 0.1
     gamma: float = 0.2
@@ -119,10 +134,6 @@ class FedHistConfig(StrategyConfig):
         if self.local_epochs is None and self.local_steps is None:
             self.local_steps = 1
         super().__post_init__()
-        for key in ("buffer_size", "history"):
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
         if self.alpha < 0 or self.lam < 0:
             raise ValueError(f"alpha and lam must be >= 0, got {self.alpha} and {self.lam}")
         if not 0.0 < self.gamma <= 1.0:
@@ -438,9 +449,6 @@ class FedHist(Strategy):
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         k = self.config.buffer_size
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=torch.float32, copy=True)
 
         meta = [(str(c), int(v)) for c, v in state["cur_meta"]]
         if len(meta) >= k:

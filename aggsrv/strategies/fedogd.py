@@ -65,6 +65,7 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv import kernels
+from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     InvalidUpdate,
     Job,
@@ -77,29 +78,13 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.row_cache import capacity_after, with_room
 
 __all__ = ["CachedEpochConfig", "CachedEpochs", "FedOGD", "FedOGDConfig"]
 
 logger = logging.getLogger(__name__)
 
 ACTIVE, STRAGGLER = 0, 1
-_ROW_BLOCK = 16  # the cache grows in blocks of this many rows (capped at max_clients)
-
-
-def _grow(rows: int, max_clients: int) -> int:
-    """The cache's next capacity when all ``rows`` are taken (blocks, doubling)."""
-    return min(max(rows + 1, 2 * rows, _ROW_BLOCK), max_clients)
-
-
-def _grown_rows(n: int, max_clients: int) -> int:
-    """The capacity the cache has after ``n`` rows were added one by one."""
-    rows = 0
-    while rows < n:
-        grown = _grow(rows, max_clients)
-        if grown <= rows:  # a smaller max_clients than the saved state's: room for its rows
-            return n
-        rows = grown
-    return rows
 
 
 @dataclass
@@ -112,15 +97,26 @@ class CachedEpochConfig(StrategyConfig):
     slowest active job (docs/strategies.md, "Defaults that learn").
     """
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "server_lr": "server learning rate; unset = learning_rate",
+        "count_empty_rows": "never-uploaded cache rows count as zero rows in the means",
+        "epoch_timeout": "seconds before an epoch closes without late clients; unset = never",
+        "min_updates": "updates an epoch needs before it may close",
+        "min_available": "registered clients needed before the first epoch opens",
+        "tiers": "client id -> fixed reporting period (1 = active); others are detected",
+        "detect": "classify clients missing from tiers as stragglers by deadline",
+        "hysteresis": "consecutive on-time updates that move a straggler back to active",
+    }
+
     learning_rate: float = 0.05
     server_lr: float | None = None
     count_empty_rows: bool = False
     epoch_timeout: float | None = 60.0
-    min_updates: int = 1
-    min_available: int = 1
-    tiers: dict[str, int] = field(default_factory=dict)
+    min_updates: Count = 1
+    min_available: Count = 1
+    tiers: dict[str, Count] = field(default_factory=dict)
     detect: bool = True
-    hysteresis: int = 1
+    hysteresis: Count = 1
 
     def __post_init__(self) -> None:
         """Check ranges and the tier table."""
@@ -129,18 +125,7 @@ class CachedEpochConfig(StrategyConfig):
             raise ValueError(f"server_lr must be > 0 or None, got {self.server_lr}")
         if self.epoch_timeout is not None and not self.epoch_timeout > 0:
             raise ValueError(f"epoch_timeout must be > 0 or None, got {self.epoch_timeout}")
-        for key in ("min_updates", "min_available", "hysteresis"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key} must be an int >= 1, got {v!r}")
-        if not isinstance(self.tiers, Mapping):
-            raise ValueError(f"tiers must map client ids to periods, got {self.tiers!r}")
-        for cid, p in self.tiers.items():
-            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-                raise ValueError(
-                    f"tiers[{cid!r}] must be a reporting period (int >= 1, 1 = active), got {p!r}"
-                )
-        self.tiers = {str(c): int(p) for c, p in self.tiers.items()}
+        self.tiers = dict(self.tiers)  # a copy: the config owns its table
 
     @property
     def effective_server_lr(self) -> float:
@@ -185,10 +170,16 @@ class FedOGDConfig(CachedEpochConfig):
 
     PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = FEDOGD_PRESETS
     PRESET_NOTES: ClassVar[Mapping[str, str]] = {
-        "paper": "eta_g = 0.0015 steps 0.15 of a FedAvg step per epoch: in a short run (60 "
-        "virtual s, 12 epochs) it stays near chance (0.18-0.28 on digits); use the defaults",
-        "authors_code": "eta_g = 0.003 times a uniform mean is tuned for 300 epochs: a short run "
-        "(60 virtual s, 12 epochs) stays low (0.32-0.47 on digits); use the defaults",
+        "paper": "the paper's rates, eta_l 0.01 and eta_g 0.0015 (0.15 of a FedAvg step): a "
+        "short run (60 virtual s, 12 epochs) stays near chance (0.18-0.28 on digits)",
+        "authors_code": "the released code: momentum 0.1, uniform mean with empty rows, "
+        "eta_g 0.003; tuned for 300 epochs, a short run stays low (0.32-0.47 on digits)",
+    }
+    HELP: ClassVar[Mapping[str, str]] = {
+        "aggregation": "group_sum (w -= server_lr (b_A + b_S)) or uniform_mean over valid rows",
+        "projection": "whole (one inner product), layerwise (per tensor) or none",
+        "only_conflicting": "remove the basis component only when <g, b> < 0 (Eq. 4)",
+        "send_differences": "clients upload delta differences (privacy variant; fixed groups)",
     }
     aggregation: str = "group_sum"
     projection: str = "whole"
@@ -434,11 +425,7 @@ class CachedEpochs(Strategy):
 
     def _add_row(self, client_id: str) -> None:
         n = len(self._row)
-        if n >= self._cache.shape[0]:
-            cap = _grow(self._cache.shape[0], self.max_clients)
-            grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-            grown[:n].copy_(self._cache[:n])
-            self._cache = grown
+        self._cache = with_room(self._cache, n, n + 1, self.max_clients)
         self._row[client_id] = n
         self._valid.append(False)
         self._base_version.append(-1)
@@ -479,7 +466,7 @@ class CachedEpochs(Strategy):
         if n:
             # The capacity the rows grew to live, so a restored server holds what it held.
             self._cache = torch.zeros(
-                _grown_rows(n, self.max_clients), self.dim, dtype=torch.float32,
+                capacity_after(n, self.max_clients), self.dim, dtype=torch.float32,
                 device=self.device,
             )  # fmt: skip
             self._cache[:n].copy_(cache)
@@ -492,7 +479,7 @@ class CachedEpochs(Strategy):
         self._group = {str(c): int(g) for c, g in state["group"].items()}
         self._streak = {str(c): int(s) for c, s in state["streak"].items()}
         # Shared with the saved jobs' "basis" tensors (one copy for all of them).
-        self._bases = self._copy_saved(state["bases"], torch.float32)
+        self._bases = self._restore(state["bases"])
         self._open = bool(state["open"])
         self._deadline = state["deadline"]
         self._pending = dict.fromkeys(str(c) for c in state["pending"])

@@ -6,7 +6,9 @@ work useful, so FedProx includes partial work by default (FedAvg drops it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from aggsrv.strategies.base import Recipe
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
@@ -17,6 +19,8 @@ __all__ = ["FedProx", "FedProxConfig"]
 @dataclass
 class FedProxConfig(FedAvgConfig):
     """FedAvg's settings plus the proximal coefficient ``mu``."""
+
+    HELP: ClassVar[Mapping[str, str]] = {"mu": "proximal coefficient of the client objective"}
 
     mu: float = 0.01
     partial_work: str = "include"

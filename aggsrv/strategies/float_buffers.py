@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from aggsrv.strategies.state_copy import restore_tensor
+
 __all__ = ["BUFFER_RULES", "FloatBuffers"]
 
 BUFFER_RULES = ("mean", "latest", "own")
@@ -140,15 +142,11 @@ class FloatBuffers:
             raise ValueError(f"saved buffer rule {state['rule']!r} is not {self.rule!r}")
 
         def dev(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if tuple(t.shape) != (self.numel,):
+            if t is not None and tuple(t.shape) != (self.numel,):  # the one check beyond a copy
                 raise ValueError(
                     f"saved float buffers have shape {tuple(t.shape)}, the layout B={self.numel}"
                 )
-            if copy is not None:
-                return copy(t, dtype)
-            return t.detach().to(device=self.device, dtype=dtype, copy=True)
+            return restore_tensor(t, self.device, dtype, copy)
 
         current = dev(state["current"], torch.float32)
         if self.enabled and current is None:

@@ -79,7 +79,7 @@ import logging
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -114,6 +114,16 @@ class OrthoFLConfig(StrategyConfig):
     ``|dm|^2 <= eps`` (spec G3). ``first_update_alpha_one`` and ``zero_sum_skip``: the released
     code's quirks (spec G2, G4), default off.
     """
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "beta": "moving-average weight: beta_t = beta * (t - tau)^(-a), in (0, 1]",
+        "a": "staleness exponent of beta_t (>= 0)",
+        "shift_source": "ma_global (variant P, the paper) or client_chain (variant C, the code)",
+        "calibrate_norm": "also calibrate normalisation-layer segments",
+        "eps": "a segment's coefficient is 0 where |dm|^2 <= eps",
+        "first_update_alpha_one": "the released code's quirk: alpha = 1 for the first update",
+        "zero_sum_skip": "the released code's quirk: skip a segment whose shift sums to 0",
+    }
 
     beta: float = 0.6
     a: float = 0.5
@@ -385,17 +395,14 @@ class OrthoFL(Strategy):
         return state
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return self._restored(t, self.dim, "D")
-
         def host(t: torch.Tensor) -> torch.Tensor:
             if not self._host_snapshots:
-                return dev(t)
+                return self._restored(t, self.dim, "D")
             _check_snapshot(t, self.dim, "D")
             return self._host_copy(t.detach().to(torch.float32), None)
 
         self._tau = {str(c): int(v) for c, v in state["tau"].items()}
-        self._sent = {str(c): dev(t) for c, t in state["sent"].items()}
+        self._sent = {str(c): self._restored(t, self.dim, "D") for c, t in state["sent"].items()}
         self._snap = {str(c): host(t) for c, t in state["snap"].items()}
         if set(self._sent) != set(self._tau) or (
             not self.chain_mode and set(self._snap) != set(self._tau)
@@ -404,7 +411,7 @@ class OrthoFL(Strategy):
         if self.chain_mode:
             if "chain" not in state:
                 raise ValueError("saved orthofl state has no client chain (variant C)")
-            self._chain = dev(state["chain"])
+            self._chain = self._restored(state["chain"], self.dim, "D")
         else:
             self._chain = None
         self._load_buffer_snapshots(state.get("buffers"))
@@ -426,23 +433,19 @@ class OrthoFL(Strategy):
         if state is None:
             raise ValueError("saved orthofl state has no float-buffer snapshots")
         nb = self.float_buffers.numel
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return self._restored(t, nb, "B")
-
-        self._b_sent = {str(c): dev(t) for c, t in state["sent"].items()}
-        self._b_snap = {str(c): dev(t) for c, t in state["snap"].items()}
+        self._b_sent = {str(c): self._restored(t, nb, "B") for c, t in state["sent"].items()}
+        self._b_snap = {str(c): self._restored(t, nb, "B") for c, t in state["snap"].items()}
         if set(self._b_sent) != set(self._tau) or (
             not self.chain_mode and set(self._b_snap) != set(self._tau)
         ):
             raise ValueError("saved orthofl state has inconsistent float-buffer snapshots")
-        self._b_chain = dev(state["chain"]) if self.chain_mode else None
+        self._b_chain = self._restored(state["chain"], nb, "B") if self.chain_mode else None
 
     def _restored(self, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
         """A saved [n] snapshot as float32 on the strategy's device (a clear error otherwise);
         snapshots that shared a tensor live (clients sent the same version) share it again."""
         _check_snapshot(t, n, what)
-        return self._copy_saved(t, torch.float32)
+        return self._restore(t)
 
 
 def _check_snapshot(t: torch.Tensor, n: int, what: str) -> None:

@@ -3,11 +3,28 @@ by fifty jobs are copied (and checkpointed) once, and shared again on restore.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["SharedCopies", "clone_tensors"]
+__all__ = ["SharedCopies", "clone_tensors", "restore_tensor"]
+
+
+def restore_tensor(
+    t: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    copy: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """A saved tensor as a fresh ``dtype`` tensor on ``device`` (None stays None); through
+    ``copy(t, dtype)`` when given (a load's :class:`SharedCopies`, so that tensors that shared
+    memory when saved share it again)."""
+    if t is None:
+        return None
+    if copy is not None:
+        return copy(t, dtype)
+    return t.detach().to(device=device, dtype=dtype, copy=True)
 
 
 def clone_tensors(obj: Any) -> Any:

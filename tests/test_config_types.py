@@ -1,0 +1,250 @@
+"""Every configuration checks the type of each value and names the key and the type it wants;
+printed configurations (``--print-config``) describe every strategy key and load back."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from typing import Any
+
+import pytest
+
+from aggsrv.cli import main
+from aggsrv.config_file import TomlConfig
+from aggsrv.server.config import ServerConfig
+from aggsrv.sim.config import SimConfig
+from aggsrv.strategies import STRATEGIES, StrategyConfig
+from aggsrv.strategies.fedbuff import BufferedConfig
+from aggsrv.strategies.fedogd import CachedEpochConfig
+
+# class, its name in messages, an int key with a good value, a float key with a good float
+# and a good int.
+CASES = [
+    (StrategyConfig, "strategy", ("batch_size", 16), ("learning_rate", 0.5, 1)),
+    (BufferedConfig, "buffered", ("buffer_size", 4), ("server_lr", 0.5, 1)),
+    (CachedEpochConfig, "cachedepoch", ("min_updates", 2), ("epoch_timeout", 5.0, 5)),
+    *[
+        (cls.config_class, name, ints, floats)
+        for name, cls in STRATEGIES.items()
+        for n, ints, floats in [
+            ("fedavg", ("k", 3), ("beta1", 0.5, 0)),
+            ("fedasync", ("hinge_b", 2), ("alpha", 0.5, 1)),
+            ("fedbuff", ("buffer_size", 4), ("server_lr", 0.5, 1)),
+            ("fedprox", ("min_clients", 2), ("mu", 0.5, 0)),
+            ("fedogd", ("hysteresis", 2), ("server_lr", 0.5, 1)),
+            ("feden", ("min_available", 2), ("lam", 0.5, 0)),
+            ("mifa", ("min_updates", 2), ("epoch_timeout", 5.0, 5)),
+            ("orthofl", ("batch_size", 16), ("beta", 0.5, 1)),
+            ("ca2fl", ("buffer_size", 4), ("server_lr", 0.5, 1)),
+            ("fedhist", ("buffer_size", 4), ("gamma", 0.5, 1)),
+            ("twafl", ("history", 4), ("sim_threshold", 0.5, 0)),
+            ("feddgic", ("t_factor", 3), ("alpha_max", 0.5, 1)),
+            ("fedfg", ("fixed_groups", 3), ("beta", 0.5, 1)),
+        ]
+        if n == name
+    ],
+    (ServerConfig, "server", ("retained_versions", 4), ("lease_seconds", 5.0, 5)),
+    (SimConfig, "simulate", ("clients", 4), ("base_time", 0.5, 2)),
+]
+IDS = [c[0].__name__ for c in CASES]
+
+
+def _build(cls: type, **values: Any) -> Any:
+    if issubclass(cls, TomlConfig):
+        return cls.from_mapping(values)
+    return cls.from_dict(values)
+
+
+def test_every_strategy_config_is_covered() -> None:
+    assert {c[1] for c in CASES} >= set(STRATEGIES)
+
+
+@pytest.mark.parametrize(("cls", "kind", "ints", "floats"), CASES, ids=IDS)
+def test_a_wrong_type_names_the_key_and_the_type(cls, kind, ints, floats) -> None:
+    ikey, floatkey = ints[0], floats[0]
+    integer = r"an integer( >= 1)?( or None)?"
+    wrong = [
+        (ikey, 2.5, rf"{kind}: {ikey} must be {integer}, got 2\.5 \(float\)"),
+        (ikey, True, rf"{kind}: {ikey} must be {integer}, got True \(bool\)"),
+        (ikey, "3", rf"{kind}: {ikey} must be {integer}, got '3' \(str\)"),
+        (floatkey, "0.5", rf"{kind}: {floatkey} must be a number( or None)?, got '0\.5' \(str\)"),
+        (floatkey, False, rf"{kind}: {floatkey} must be a number( or None)?, got False \(bool\)"),
+    ]
+    for key, value, message in wrong:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            _build(cls, **{key: value})
+        with pytest.raises(ValueError, match=message):  # constructed by keyword too
+            cls(**{key: value})
+
+
+@pytest.mark.parametrize(("cls", "kind", "ints", "floats"), CASES, ids=IDS)
+def test_none_is_refused_where_a_key_is_not_optional(cls, kind, ints, floats) -> None:
+    for key in (ints[0], floats[0]):
+        field = next(f for f in dataclasses.fields(cls) if f.name == key)
+        if "None" in str(field.type):
+            continue  # optional: None is a value it takes
+        with pytest.raises(ValueError, match=rf"^{kind}: {key} must be .*, got None$"):
+            _build(cls, **{key: None})
+
+
+@pytest.mark.parametrize(("cls", "kind", "ints", "floats"), CASES, ids=IDS)
+def test_good_values_are_kept_and_an_int_is_a_number(cls, kind, ints, floats) -> None:
+    (ikey, ivalue), (fkey, fvalue, whole) = ints, floats
+    config = _build(cls, **{ikey: ivalue, fkey: fvalue})
+    assert (getattr(config, ikey), getattr(config, fkey)) == (ivalue, fvalue)
+    assert getattr(_build(cls, **{fkey: whole}), fkey) == whole
+
+
+def test_the_bound_of_a_count_is_checked_once_with_the_same_message() -> None:
+    cases = [
+        (BufferedConfig, "buffer_size"),
+        (StrategyConfig, "max_num_samples"),
+        (STRATEGIES["fedavg"].config_class, "min_clients"),
+        (STRATEGIES["fedavg"].config_class, "k"),
+        (STRATEGIES["fedogd"].config_class, "hysteresis"),
+        (STRATEGIES["fedhist"].config_class, "history"),
+        (STRATEGIES["feddgic"].config_class, "regroup_every"),
+    ]
+    for cls, key in cases:
+        with pytest.raises(ValueError, match=rf": {key} must be an integer >= 1.*, got 0$"):
+            cls.from_dict({key: 0})
+    with pytest.raises(ValueError, match=r"^fedogd: tiers\['c1'\] must be an integer >= 1, got 0$"):
+        STRATEGIES["fedogd"].config_class.from_dict({"tiers": {"c1": 0}})
+    with pytest.raises(ValueError, match=r"tiers\['c1'\] must be an integer >= 1, got 2.5 \(float"):
+        STRATEGIES["fedogd"].config_class.from_dict({"tiers": {"c1": 2.5}})
+    with pytest.raises(ValueError, match=r"^server: retained_versions must be an integer >= 1"):
+        ServerConfig(retained_versions=0)
+
+
+def test_tables_and_unions_name_what_they_take() -> None:
+    with pytest.raises(ValueError, match=r"^simulate: strategy_config must be a table, got 3"):
+        SimConfig(strategy_config=3)
+    with pytest.raises(ValueError, match=r"profile must be a string or a table, got 3 \(int\)"):
+        SimConfig(profile=3)
+    fedavg = STRATEGIES["fedavg"].config_class
+    with pytest.raises(ValueError, match=r"participation must be a number, got '1' \(str\)"):
+        fedavg(participation="1")
+    assert fedavg(participation=3).participation == 3  # a count stays an int
+
+
+def test_strategy_keys_in_a_server_or_simulate_config_are_checked_too(tmp_path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text('strategy = "fedbuff"\nretained_versions = 2.5\n')
+    message = r"server: retained_versions must be an integer >= 1, got 2\.5 \(float\)"
+    with pytest.raises(ValueError, match=message):
+        ServerConfig.load(path)
+    path.write_text('strategy = "fedbuff"\n[strategy_config]\nbuffer_size = 2.5\n')
+    message = r"fedbuff: buffer_size must be an integer >= 1, got 2\.5 \(float\)"
+    with pytest.raises(ValueError, match=message):
+        ServerConfig.load(path)
+    with pytest.raises(ValueError, match=r"fedasync: alpha must be a number, got 'x' \(str\)"):
+        SimConfig(strategy_config={"alpha": "x"})
+
+
+def test_unknown_keys_are_still_refused_with_the_known_ones() -> None:
+    message = r"unknown FedBuffConfig key 'bufer_size'; known keys: .*buffer_size"
+    with pytest.raises(ValueError, match=message):
+        STRATEGIES["fedbuff"].config_class.from_dict({"bufer_size": 3})
+    message = r"unknown server config key\(s\): prot; known keys: host, port"
+    with pytest.raises(ValueError, match=message):
+        ServerConfig.from_mapping({"prot": 1})
+
+
+# ----------------------------------------------------------------------------- writing TOML
+
+
+def test_strings_with_newlines_quotes_backslashes_and_unicode_round_trip() -> None:
+    nasty = 'line one\nline "two"\\ \t é ∑ \U0001f600 \'single\' """triple"""'
+    config = SimConfig(scenario=nasty, label="tab\there", model_config={"note": nasty, "n": 2})
+    again = SimConfig.from_mapping(tomllib.loads(config.to_toml()))
+    assert again == config
+    assert again.scenario == nasty and again.model_config == {"note": nasty, "n": 2}
+    server = ServerConfig(host="::1", events_file='a\nb\\c"d.jsonl', state_dir="ü")
+    assert ServerConfig.from_mapping(tomllib.loads(server.to_toml())) == server
+
+
+# ----------------------------------------------------------------------------- --print-config
+
+
+def test_every_strategy_key_has_a_one_line_description() -> None:
+    for name, cls in STRATEGIES.items():
+        config_class = cls.config_class
+        described = config_class.field_help()
+        for f in dataclasses.fields(config_class):
+            text = described.get(f.name)
+            assert text, f"{name}: {f.name} has no description"
+            assert "\n" not in text and len(text) < 120, (name, f.name, text)
+            if f.default is None or config_class.__dataclass_fields__[f.name].default is None:
+                assert "unset" in text, f"{name}: {f.name} does not say what unset means"
+        assert isinstance(config_class.PRESET_NOTES, dict | type(StrategyConfig.PRESET_NOTES))
+        assert set(config_class.PRESET_NOTES) <= set(config_class.PRESETS), name
+    assert StrategyConfig.PRESET_NOTES == {}
+
+
+def _printed(capsys, *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _section(text: str) -> str:
+    return text.split("[strategy_config]\n", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["simulate", "serve"])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_printed_config_lists_the_strategy_keys_and_loads_back(
+    capsys, tmp_path, command: str, strategy: str
+) -> None:
+    text = _printed(capsys, command, "--strategy", strategy, "--print-config")
+    config_class = STRATEGIES[strategy].config_class
+    section = _section(text)
+    help_ = config_class.field_help()
+    defaults = config_class.from_dict({})
+    presets = ", ".join(sorted(config_class.PRESETS)) or "none"
+    assert f"# {strategy} presets: {presets}\n" in section
+    for f in dataclasses.fields(config_class):
+        if f.default_factory is not dataclasses.MISSING:  # a table: [strategy_config.KEY]
+            assert f"# {f.name}: {help_[f.name]}\n[strategy_config.{f.name}]\n" in section
+            continue
+        line = next(x for x in section.splitlines() if re.match(rf"^(# )?{f.name} = ", x))
+        assert line.endswith(f"  # {help_[f.name]}"), line
+        assert line.startswith("# ") == (getattr(defaults, f.name) is None), line
+    loaded = tomllib.loads(text)
+    settings = loaded["strategy_config"]
+    path = tmp_path / "printed.toml"
+    path.write_text(text)
+    again = _printed(capsys, command, "--config", str(path), "--print-config")
+    assert again == text  # a fixed point
+    cls = ServerConfig if command == "serve" else SimConfig
+    before = cls.from_mapping({"strategy": strategy})
+    after = cls.load(path)
+    assert config_class.from_dict(settings) == config_class.from_dict(
+        before.effective_strategy_config() if command == "simulate" else {}
+    )
+    for f in dataclasses.fields(cls):
+        if f.name != "strategy_config":
+            assert getattr(after, f.name) == getattr(before, f.name), f.name
+
+
+def test_printed_presets_carry_their_notes(capsys) -> None:
+    fedogd = STRATEGIES["fedogd"].config_class
+    assert set(fedogd.PRESET_NOTES) == set(fedogd.PRESETS)
+    section = _section(_printed(capsys, "serve", "--strategy", "fedogd", "--print-config"))
+    for name, note in fedogd.PRESET_NOTES.items():
+        assert f"#   {name}: {note}\n" in section
+
+
+def test_printed_values_are_the_configured_ones(capsys, tmp_path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(
+        'strategy = "fedavg"\n[strategy_config]\nround_timeout = 5.0\nserver_opt = "adam"\n'
+    )
+    text = _printed(capsys, "serve", "--config", str(path), "--print-config")
+    section = _section(text)
+    assert re.search(r"^round_timeout = 5\.0  # ", section, re.M)
+    assert re.search(r'^server_opt = "adam"  # ', section, re.M)
+    assert re.search(r"^# server_lr = \.\.\.  # .*unset", section, re.M)
+    sim = _section(_printed(capsys, "simulate", "--strategy", "fedavg", "--clients", "5",
+                            "--print-config"))  # fmt: skip
+    assert re.search(r"^min_available = 5  # ", sim, re.M)  # what the run uses
