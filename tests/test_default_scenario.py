@@ -52,7 +52,7 @@ def test_the_scenario_is_the_command_lines_default() -> None:
         "digits", 8, "tiers", "60s"
     )  # fmt: skip
     assert default.strategy_config == {}
-    assert len(STRATEGIES) == 13
+    assert len(STRATEGIES) >= 13  # the parametrisation below covers every registered one
 
 
 @pytest.mark.parametrize("seed", [None, FRESH_SEED], ids=["default_seed", "fresh_seed"])
