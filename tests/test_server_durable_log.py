@@ -25,7 +25,6 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
 from aggsrv.server import federation as F
-from aggsrv.server import persistence
 from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
@@ -231,13 +230,13 @@ def test_resume_replays_the_log_on_the_aggregation_thread(tmp_path, monkeypatch)
     state = Path(srv.config.state_dir)
     D.list_checkpoints(state)[-1][1].unlink()  # the final one: recovery must replay the log
     threads: list[str] = []
-    replay = persistence.replay
+    replay = F.Federation.replay
 
     def recording(fed, record) -> None:
         threads.append(threading.current_thread().name)
         replay(fed, record)
 
-    monkeypatch.setattr(persistence, "replay", recording)
+    monkeypatch.setattr(F.Federation, "replay", recording)
     resumed = durable(tmp_path, strategy="fedbuff", strategy_config={"buffer_size": 2}, resume=True)
     try:
         assert torch.equal(resumed.state()["model"], live["model"])

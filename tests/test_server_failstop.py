@@ -35,7 +35,6 @@ from aggsrv import protocol as P
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import federation as F
-from aggsrv.server import persistence
 from aggsrv.server import service as S
 from aggsrv.server.config import ServerConfig
 from aggsrv.sharding import ShardLayout, ShardMap
@@ -143,7 +142,7 @@ def test_serve_exits_nonzero_on_an_unexpected_exception_and_resumes_to_the_log_r
         proc.close()
 
     config = dict(strategy="fault_strategies:HalfApplies", state_dir=str(state), durability="on")
-    oracle = persistence.rebuild(ServerConfig(auth="none", **config), state, 1)
+    oracle = F.rebuild(ServerConfig(auth="none", **config), state, 1)
     resumed = RunningServer(resume=True, **config)
     try:
         assert_same_state(resumed.state(), oracle.strategy.state_dict())

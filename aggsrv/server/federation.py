@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 import types
@@ -48,11 +49,12 @@ from typing import Any, TypeVar
 import torch
 
 from aggsrv.layout import ModelLayout
+from aggsrv.server import durability as D
 from aggsrv.server import shards as S
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.metrics import ServerMetrics
-from aggsrv.server.persistence import replay
+from aggsrv.server.persistence import RecoveryError, StateStore, restore
 from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import (
     InvalidUpdate,
@@ -63,6 +65,7 @@ from aggsrv.strategies import (
     Strategy,
     StrategyError,
     Update,
+    UpdateKind,
     make_strategy,
 )
 from aggsrv.transport import StagingSlot
@@ -593,7 +596,7 @@ class Federation:
         if kind == "update":  # its data is this shard's own slice, and the shards vote
             return self._follow_update(meta, float(meta["now"]))
         try:  # the same records a restarted server replays from its log
-            replay(self, WalRecord(kind, meta))
+            self.replay(WalRecord(kind, meta))
         except StrategyError:
             return True
         return False
@@ -714,6 +717,87 @@ class Federation:
         self.counters["accepted"] += 1
         if outcome.status is Status.APPLIED:
             self.counters["applied"] += 1
+
+    # ------------------------------------------------------------------ replaying the log
+
+    def replay(self, record: WalRecord) -> None:
+        """Repeat one logged call with its logged inputs: recovery replays the log with it, and a
+        shard of rank >= 1 follows rank 0's calls with it. Called on the aggregation thread,
+        before the server serves or in the follower's order, never beside another call."""
+        strategy = self.strategy
+        assert strategy is not None
+        m = record.meta
+        if record.kind == "register":
+            strategy.on_register(m["client"], m["now"])
+            self.record_registration(m["client"], m["labels"], m["now"])
+        elif record.kind == "job":
+            strategy.job_for(m["client"], m["now"])
+        elif record.kind == "timer":
+            strategy.on_timer(m["now"])
+        elif record.kind == "update":
+            tensors = record.tensors
+            update = Update(
+                client_id=m["client"],
+                job_id=int(m["job_id"]),
+                base_version=int(m["base_version"]),
+                update_id=m["update_id"],
+                num_samples=int(m["num_samples"]),
+                work_done=float(m["work_done"]),
+                kind=UpdateKind[m["kind"]],
+                tensor=_on(tensors["update"], strategy.device),
+                buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
+            )
+            outcome = strategy.on_update(update, m["now"])
+            logged = Outcome.from_tuple(m["outcome"])
+            if outcome != logged:
+                raise RecoveryError(
+                    f"update {m['update_id']!r} of {m['client']!r} gave {outcome} on replay, "
+                    f"{logged} when it was acknowledged"
+                )
+            self.count_accepted(outcome)
+        else:
+            raise RecoveryError(f"unknown record kind {record.kind!r}")
+
+    def recover(self, store: StateStore) -> int:
+        """Load the newest checkpoint of ``store`` and replay the log after it; the number of
+        records replayed. The next records go to a new segment. Run it on the aggregation thread
+        (before the server serves): replay makes the calls the live server made there."""
+        number, path, payload = store.load_latest()
+        restore(self, payload)
+        self.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
+        strategy = self.strategy
+        assert strategy is not None
+        sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
+        replayed = updates = 0
+        t0 = time.perf_counter()
+        try:
+            for segment, record in store.records(number):
+                try:
+                    self.replay(record)
+                except Exception as exc:
+                    raise RecoveryError(
+                        f"replaying segment {segment} record {replayed} ({record.kind}) diverged "
+                        f"from the log: {exc}"
+                    ) from exc
+                replayed += 1
+                updates += record.kind == "update"
+        finally:
+            strategy.event_sink = sink
+        self.publish_recovered()
+        store.reopen(number)
+        # Counted from the checkpoint, not from this start (the next checkpoint is due as if
+        # the server had never stopped).
+        self.updates_since_checkpoint = updates
+        log.info(
+            "resumed from checkpoint %d (%s): version %d after replaying %d logged records in "
+            "%.2f s", number, path.name, self.version, replayed, time.perf_counter() - t0,
+        )  # fmt: skip
+        return replayed
+
+    def restore_client(self, client_id: str, registered_at: float, labels: dict[str, str]) -> None:
+        """A client of a checkpoint back in the registry (its lease counted from registration)."""
+        expires = registered_at + self.config.lease_seconds
+        self.clients[client_id] = ClientRecord(client_id, registered_at, expires, labels)
 
     def record_registration(
         self, client_id: str, labels: dict[str, str], now: float
@@ -1185,3 +1269,26 @@ def _resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int) -> Federation:
+    """A fresh federation from checkpoint ``checkpoint`` of ``directory`` plus every record
+    logged after it, as recovery does it (from the first checkpoint when nothing was pruned:
+    an audit of the whole log, and the oracle of the crash tests). Needs no event loop."""
+    fed = Federation(config)
+
+    def run() -> None:
+        restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
+        for _, record in D.iter_records(directory, checkpoint):
+            fed.replay(record)
+        fed.publish_recovered()
+
+    try:
+        fed.on_aggregation_thread(run)  # as live and as recovery: same kernels, same thread
+    finally:
+        fed.shutdown_threads()
+    return fed
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
