@@ -25,6 +25,7 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
 from aggsrv.server import federation as F
+from aggsrv.server import versions as V
 from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
@@ -334,8 +335,8 @@ def test_device_models_are_copied_to_the_host_once_per_version_off_the_loop(monk
         time.sleep(0.4)
         return t.detach().clone()
 
-    monkeypatch.setattr(F, "needs_host_copy", lambda t: True)
-    monkeypatch.setattr(F, "to_host", slow_copy)
+    monkeypatch.setattr(V, "needs_host_copy", lambda t: True)
+    monkeypatch.setattr(V, "to_host", slow_copy)
     layout = odd_layout(57)
     srv = RunningServer(strategy="fedasync", rate_limit_per_second=0.0)
     try:
