@@ -200,7 +200,7 @@ def test_fedogd_checkpoint_holds_a_basis_shared_by_fifty_jobs_once(tmp_path: Pat
             srv.run(fed.register(f"c{i}", {}))
         without_jobs = srv.run(fed.checkpoint()).bytes
         for i in range(50):
-            assert srv.run(fed.next_job(f"c{i}")) is not None
+            assert srv.run(fed.next_job(f"c{i}"))[0] is not None
         with_jobs = srv.run(fed.checkpoint()).bytes
         live_bytes = srv.run(fed.call(fed.cache_bytes))
     finally:

@@ -196,7 +196,7 @@ def test_heartbeat_and_status_never_see_a_call_half_made_while_updates_retire_jo
     async def updater(cid: str) -> None:
         n = 0
         while not stop.is_set():
-            job = await fed.next_job(cid)
+            job, _ = await fed.next_job(cid)
             current[cid] = job.job_id
             await asyncio.sleep(0)
             pushing[cid] = job.job_id

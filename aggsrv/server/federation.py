@@ -48,6 +48,7 @@ from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import (
     Job,
     Outcome,
+    PendingReason,
     Status,
     Strategy,
     Update,
@@ -237,9 +238,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         await self.logged(lsn)
         return known, record
 
-    async def next_job(self, client_id: str) -> Job | None:
-        """Ask the strategy for the client's next job (None: not yet). A job goes out only once
-        its record is durable, so an update for it is never refused as unknown after a crash.
+    async def next_job(self, client_id: str) -> tuple[Job | None, PendingReason]:
+        """Ask the strategy for the client's next job: (the job, UNSPECIFIED), or (None, why
+        not yet). A job goes out only once its record is durable, so an update for it is never
+        refused as unknown after a crash.
 
         Only a call that changed the strategy's state (a new job, a round opened) is logged: the
         same job again, or none yet, adds nothing to the log, and needs no fsync once the log
@@ -247,21 +249,23 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         strategy = self.strategy
         assert strategy is not None
 
-        def run() -> tuple[Job | None, int | None]:
+        def run() -> tuple[Job | None, PendingReason, int | None]:
             now = self.clock()
             meta = {"client": client_id, "now": now}
             self._replicate("job", meta)
             before = strategy.change_count
+            strategy.pending_reason = PendingReason.UNSPECIFIED
             job = strategy.job_for(client_id, now)
+            why = PendingReason.UNSPECIFIED if job is not None else strategy.pending_reason
             if strategy.change_count != before:
-                return job, self._log("job", meta)
+                return job, why, self._log("job", meta)
             # Unchanged: a job handed out again was logged when it was made, perhaps by a call
             # whose fsync is still running (no wait, and no fsync, once that record is durable).
-            return job, (self._issue_lsn if job is not None else None)
+            return job, why, (self._issue_lsn if job is not None else None)
 
-        job, lsn = await self.call(run)
+        job, why, lsn = await self.call(run)
         await self.logged(lsn)
-        return job
+        return job, why
 
     async def apply_update(
         self, update: Update, wire: dict[str, torch.Tensor]

@@ -240,7 +240,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         while job is None:
             fed.touch(request.client_id)
             try:
-                job = await fed.next_job(request.client_id)
+                job, why = await fed.next_job(request.client_id)
             except StrategyError as exc:
                 await self._abort(context, strategy_code(exc), str(exc))
             except DurabilityError as exc:
@@ -252,7 +252,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             # Nothing yet: keep the stream open, tell the client why, wait for a change.
             yield pb.JobMessage(
                 pending=pb.JobPending(
-                    reason="waiting for the strategy", model_version=fed.published_version
+                    reason=why.text, model_version=fed.published_version, code=int(why)
                 )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)

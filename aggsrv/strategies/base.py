@@ -72,7 +72,15 @@ from aggsrv.strategies.float_buffers import FloatBuffers
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
 from aggsrv.strategies.state_copy import SharedCopies, clone_tensors
-from aggsrv.values import Outcome, ProjectionMode, Recipe, Status, Update, UpdateKind
+from aggsrv.values import (
+    Outcome,
+    PendingReason,
+    ProjectionMode,
+    Recipe,
+    Status,
+    Update,
+    UpdateKind,
+)
 
 __all__ = [
     "DEFAULT_JOB_LEASE_SECONDS",
@@ -87,6 +95,7 @@ __all__ = [
     "NotRegistered",
     "Outcome",
     "ProjectionMode",
+    "PendingReason",
     "Recipe",
     "ShardsDisagree",
     "Status",
@@ -184,6 +193,9 @@ class Strategy(ABC):
         self._completed_job: dict[str, int] = {}
         self._next_job_id = 1
         self._now = 0.0  # the latest time a call brought (jobs issued without one take it)
+        # Why the last job_for returned None (read right after it, on the same thread: the
+        # server tells the client; not part of the state).
+        self.pending_reason = PendingReason.UNSPECIFIED
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(int(self.config.seed))
         self._recipe = self.make_recipe()
@@ -497,6 +509,10 @@ class Strategy(ABC):
             record = {"event": event, "strategy": self.name, "version": self.version}
             record.update(time=float(now), **fields)
             self.event_sink(record)
+
+    def _no_job(self, reason: PendingReason) -> None:
+        """``job_for``'s None, saying why (:attr:`pending_reason`)."""
+        self.pending_reason = reason
 
     def _require_registered(self, client_id: str) -> None:
         if client_id not in self._clients:
