@@ -123,7 +123,7 @@ try:
         srv.run(fed.register(f"c{i}", {}))
     before = srv.run(fed.checkpoint()).bytes
     for i in range(50):
-        srv.run(fed.next_job(f"c{i}"))
+        srv.run(fed.next_job(f"c{i}"))[2].release()
     after = srv.run(fed.checkpoint()).bytes
     live = srv.run(fed.call(fed.cache_bytes))
     live_state = srv.state()

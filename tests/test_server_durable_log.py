@@ -200,7 +200,9 @@ def test_fedogd_checkpoint_holds_a_basis_shared_by_fifty_jobs_once(tmp_path: Pat
             srv.run(fed.register(f"c{i}", {}))
         without_jobs = srv.run(fed.checkpoint()).bytes
         for i in range(50):
-            assert srv.run(fed.next_job(f"c{i}"))[0] is not None
+            job, _, lease = srv.run(fed.next_job(f"c{i}"))
+            assert job is not None
+            lease.release()
         with_jobs = srv.run(fed.checkpoint()).bytes
         live_bytes = srv.run(fed.call(fed.cache_bytes))
     finally:

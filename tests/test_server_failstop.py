@@ -196,7 +196,8 @@ def test_heartbeat_and_status_never_see_a_call_half_made_while_updates_retire_jo
     async def updater(cid: str) -> None:
         n = 0
         while not stop.is_set():
-            job, _ = await fed.next_job(cid)
+            job, _, lease = await fed.next_job(cid)
+            lease.release()  # no stream reads it
             current[cid] = job.job_id
             await asyncio.sleep(0)
             pushing[cid] = job.job_id

@@ -38,16 +38,14 @@ def _step(client: Client, gen: torch.Generator) -> int:
     return client.push(job, delta, kind=UpdateKind.DELTA, num_samples=1).version
 
 
-def _held(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
-    """Hold the first call of RetainedVersions.<name> until ``release`` is set; ``entered``
-    is set once it is being held."""
+def _held(monkeypatch, name: str, hold=lambda *args: True) -> tuple[threading.Event, ...]:
+    """Hold the first call of RetainedVersions.<name> whose arguments ``hold`` picks until
+    ``release`` is set; ``entered`` is set once it is being held."""
     entered, release = threading.Event(), threading.Event()
     original = getattr(V.RetainedVersions, name)
-    calls = []
 
     async def holding(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
+        if hold(*args) and not entered.is_set():
             entered.set()
             while not release.is_set():
                 await asyncio.sleep(0.005)
@@ -117,7 +115,7 @@ def test_a_held_model_stream_keeps_its_buffer_until_released(monkeypatch) -> Non
 
 
 def test_a_held_job_stream_keeps_its_buffer_after_the_job_is_superseded(monkeypatch) -> None:
-    entered, release = _held(monkeypatch, "job_on_host")
+    entered, release = _held(monkeypatch, "job_on_host", lambda job: job.client_id == "slow")
     srv = _server()
     gen = torch.Generator().manual_seed(3)
     try:

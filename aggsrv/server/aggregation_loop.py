@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 import torch
 
 from aggsrv.server import shards as S
-from aggsrv.server.versions import Snapshot
 from aggsrv.strategies import ShardsDisagree, Strategy, StrategyError
 
 log = logging.getLogger("aggsrv.server.federation")
@@ -61,18 +60,11 @@ class _Settled:
     is done: the loop never reads the strategy while the next call may be half made."""
 
     version: int
-    weights: torch.Tensor
-    buffers: torch.Tensor | None
     deadline: float | None
 
     @classmethod
     def of(cls, strategy: Strategy) -> _Settled:
-        return cls(
-            strategy.version,
-            strategy.global_model(),
-            strategy.global_buffers(),
-            strategy.next_deadline(),
-        )
+        return cls(strategy.version, strategy.next_deadline())
 
 
 class AggregationLoop:
@@ -155,8 +147,12 @@ class AggregationLoop:
         return AggregationFailed(self.failure)
 
     def _settle(self) -> None:
-        """(aggregation thread, after a call) What :meth:`publish` will publish."""
+        """(aggregation thread, after a call) What :meth:`publish` will publish. Without a log
+        (a shard following rank 0, a server without durability), a version a call made without
+        ``_log`` is captured here: snapshots are made, and leased, on this thread only."""
         if self.strategy is not None:
+            if self._wal() is None:
+                self._capture(None)
             self._settled = _Settled.of(self.strategy)
 
     def on_aggregation_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -174,11 +170,6 @@ class AggregationLoop:
         # when no call ran yet (a resumed or restored server, before it serves).
         state = self._settled or _Settled.of(strategy)
         wal = self._wal()
-        if wal is None and not self._unpublished and state.version != self.published_version:
-            # Calls made without _log (a shard following rank 0): the version the call left.
-            self._captured = state.version
-            snap = Snapshot(state.version, state.weights, self.clock(), state.buffers)
-            self._unpublished.append((snap, None))
         durable = wal.durable_lsn if wal is not None else 0
         published = False
         while self._unpublished:
@@ -201,25 +192,17 @@ class AggregationLoop:
         if strategy is None or strategy.version == self._captured:
             return
         self._captured = strategy.version
-        snap = Snapshot(
-            strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
-        )
-        self._unpublished.append((snap, lsn))
+        self._unpublished.append((self._snapshot_of(strategy), lsn))
 
     def publish_recovered(self) -> None:
         """After recovery replayed the log (all of it durable): publish the state reached."""
         strategy = self.strategy
         assert strategy is not None
-        self._unpublished.clear()
+        self._drop_unpublished()
         self._captured = strategy.version
         self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # replayed: on disk
         if strategy.version != self.published_version:
-            self._retain(
-                Snapshot(
-                    strategy.version, strategy.global_model(), self.clock(),
-                    strategy.global_buffers(),
-                )
-            )  # fmt: skip
+            self._retain(self._snapshot_of(strategy))
 
     def _wal(self) -> Any:
         return self.store.wal if self.store is not None else None

@@ -55,6 +55,7 @@ from aggsrv.strategies import (
     UpdateKind,
     make_strategy,
 )
+from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -238,10 +239,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         await self.logged(lsn)
         return known, record
 
-    async def next_job(self, client_id: str) -> tuple[Job | None, PendingReason]:
-        """Ask the strategy for the client's next job: (the job, UNSPECIFIED), or (None, why
-        not yet). A job goes out only once its record is durable, so an update for it is never
-        refused as unknown after a crash.
+    async def next_job(self, client_id: str) -> tuple[Job | None, PendingReason, Lease]:
+        """Ask the strategy for the client's next job: (the job, UNSPECIFIED, a lease on its
+        tensors that the caller releases once it streamed them), or (None, why not yet, an
+        empty lease). A job goes out only once its record is durable, so an update for it is
+        never refused as unknown after a crash.
 
         Only a call that changed the strategy's state (a new job, a round opened) is logged: the
         same job again, or none yet, adds nothing to the log, and needs no fsync once the log
@@ -249,7 +251,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         strategy = self.strategy
         assert strategy is not None
 
-        def run() -> tuple[Job | None, PendingReason, int | None]:
+        def run() -> tuple[Job | None, PendingReason, int | None, Lease]:
             now = self.clock()
             meta = {"client": client_id, "now": now}
             self._replicate("job", meta)
@@ -258,14 +260,24 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             job = strategy.job_for(client_id, now)
             why = PendingReason.UNSPECIFIED if job is not None else strategy.pending_reason
             if strategy.change_count != before:
-                return job, why, self._log("job", meta)
-            # Unchanged: a job handed out again was logged when it was made, perhaps by a call
-            # whose fsync is still running (no wait, and no fsync, once that record is durable).
-            return job, why, (self._issue_lsn if job is not None else None)
+                lsn = self._log("job", meta)
+            else:
+                # Unchanged: a job handed out again was logged when it was made, perhaps by a
+                # call whose fsync is still running (no wait, and no fsync, once that record is
+                # durable).
+                lsn = self._issue_lsn if job is not None else None
+            # Here, while the job holds its tensors: once this call returns, another may
+            # supersede the job before its stream starts.
+            lease = strategy.lease(*job.tensors.values()) if job is not None else NO_LEASE
+            return job, why, lsn, lease
 
-        job, why, lsn = await self.call(run)
-        await self.logged(lsn)
-        return job, why
+        job, why, lsn, lease = await self.call(run)
+        try:
+            await self.logged(lsn)
+        except BaseException:
+            lease.release()
+            raise
+        return job, why, lease
 
     async def apply_update(
         self, update: Update, wire: dict[str, torch.Tensor]
@@ -358,15 +370,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         for _ in range(cfg.max_concurrent_uploads):
             slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
         self._slots = slots
-        self.snapshots.clear()
-        self._unpublished.clear()
+        self._drop_snapshots()
+        self._drop_unpublished()
         self._captured = strategy.version
         self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # on disk already
-        self._retain(
-            Snapshot(
-                strategy.version, strategy.global_model(), self.clock(), strategy.global_buffers()
-            )
-        )
+        self._retain(self._snapshot_of(strategy))
         self.strategy = strategy
 
     # ------------------------------------------------------------------ clients and slots

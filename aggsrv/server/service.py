@@ -37,12 +37,14 @@ from aggsrv.server.requests import (
     strategy_code,
     tolerant_parser,
 )
+from aggsrv.server.versions import Snapshot
 from aggsrv.strategies import (
     Job,
     Strategy,
     StrategyError,
     Update,
 )
+from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
@@ -234,13 +236,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             request.max_receive_message_bytes, "max_receive_message_bytes", context
         )
         chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
-        job = None
+        job = lease = None
         if request.job_id or fed.follower:
-            job = await self._issued_job(request, context)
+            job, lease = await self._issued_job(request, context)
         while job is None:
             fed.touch(request.client_id)
             try:
-                job, why = await fed.next_job(request.client_id)
+                job, why, lease = await fed.next_job(request.client_id)
             except StrategyError as exc:
                 await self._abort(context, strategy_code(exc), str(exc))
             except DurabilityError as exc:
@@ -256,6 +258,16 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)
+        # The job's tensors stay leased until the stream ends: its buffers are not reused while
+        # it reads them, even if the job is superseded or ends meanwhile.
+        try:
+            async for msg in self._job_stream(job, dtype, chunk_bytes):
+                yield msg
+        finally:
+            lease.release()
+
+    async def _job_stream(self, job: Job, dtype: WireDtype, chunk_bytes: int):
+        fed = self.fed
         header = pb.JobHeader(
             job_id=str(job.job_id),
             client_id=job.client_id,
@@ -299,11 +311,14 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + shards.order_wait
         while True:
-            job, issued, state = await fed.read(_issued, fed.strategy, request.client_id, job_id)
+            job, issued, state, lease = await fed.read(
+                _issued, fed.strategy, request.client_id, job_id
+            )
             if fed.failure is not None:
+                lease.release()
                 await self._check_open(context)
             if job is not None:
-                return job
+                return job, lease
             if job_id <= issued:
                 if state == "unknown":
                     await self._abort(
@@ -496,12 +511,25 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         )
         # client_id is not checked: naming another client can only make the chunks smaller.
         chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
+        # Taken with no suspension since the snapshot was found retained (its own lease held),
+        # and held until the stream ends: the version's buffer is not reused while it is read.
+        lease = fed.lease_snapshot(snap)
+        try:
+            async for msg in self._model_stream(snap, latest.version, request, dtype, chunk_bytes):
+                yield msg
+        finally:
+            lease.release()
+
+    async def _model_stream(
+        self, snap: Snapshot, latest: int, request, dtype: WireDtype, chunk_bytes: int
+    ):
+        fed = self.fed
         # A device model: the version's one host copy, made off the event loop.
         tensors = await fed.on_host(snap, request.include_buffers)
         yield pb.ModelMessage(
             header=pb.ModelHeader(
                 version=snap.version,
-                latest_version=latest.version,
+                latest_version=latest,
                 layout_hash=fed.layout.hash,
                 layout=P.layout_to_pb(fed.layout.whole),
                 dtype=P.WIRE_TO_PB[dtype],
@@ -645,11 +673,13 @@ def _job_status(strategy: Strategy, client_id: str, job_id: int) -> tuple[str, f
     return state, job.deadline if job is not None else None
 
 
-def _issued(strategy: Strategy, client_id: str, job_id: int) -> tuple[Job | None, int, str]:
+def _issued(strategy: Strategy, client_id: str, job_id: int) -> tuple[Job | None, int, str, Lease]:
     """(aggregation thread) A shard's view of a job rank 0 issued: the open job (None if not
-    open here), how many jobs this shard has issued, and the job's state."""
+    open here), how many jobs this shard has issued, the job's state, and a lease on the job's
+    tensors for its stream."""
     job = strategy.open_job(client_id, job_id)
-    return job, strategy.jobs_issued, strategy.job_state(client_id, job_id)
+    lease = strategy.lease(*job.tensors.values()) if job is not None else NO_LEASE
+    return job, strategy.jobs_issued, strategy.job_state(client_id, job_id), lease
 
 
 def _work_done(work: pb.WorkDone, counts_steps: bool) -> float:

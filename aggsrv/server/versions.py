@@ -2,6 +2,12 @@
 GetJob, GetStatus, evaluation) stream without locks, the newest ``retained_versions`` of them,
 and the host copy of a device version, made once and shared by its readers.
 
+Leases (aggsrv.strategies.buffers): the strategy reuses a retired version's buffer once no lease
+on it is held. A snapshot holds one from its capture (on the aggregation thread, while the
+version is the strategy's current one) until it leaves the retained versions; a reader takes
+its own (:meth:`RetainedVersions.lease_snapshot`, on the event loop while the snapshot is
+retained) for as long as it reads, and so does each host copy while it copies.
+
 A mixin of :class:`~aggsrv.server.federation.Federation`.
 """
 
@@ -12,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aggsrv.strategies import Job
+from aggsrv.strategies import Job, Strategy
+from aggsrv.strategies.buffers import Lease
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,8 @@ class Snapshot:
     # The host copy of a device version, made once off the event loop and shared by every
     # reader (Federation.on_host): {"copy": the future of {"weights": ..., "buffers": ...}}.
     host: dict[str, asyncio.Future] = field(default_factory=dict, compare=False, repr=False)
+    # The snapshot's own lease on its weights, released when it leaves the retained versions.
+    lease: Lease | None = field(default=None, compare=False, repr=False)
 
     def tensors(self, include_buffers: bool) -> dict[str, torch.Tensor]:
         """The named flat tensors GetModel streams."""
@@ -53,11 +62,34 @@ def _all_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class RetainedVersions:
     """The published versions readers see, and their shared host copies."""
 
+    def _snapshot_of(self, strategy: Strategy) -> Snapshot:
+        """(aggregation thread) The strategy's current version as a snapshot holding a lease."""
+        weights = strategy.global_model()
+        return Snapshot(
+            strategy.version, weights, self.clock(), strategy.global_buffers(),
+            lease=strategy.lease(weights),
+        )  # fmt: skip
+
     def _retain(self, snap: Snapshot) -> None:
         self.snapshots[snap.version] = snap
         self._version = snap.version  # one int: readable from any thread
         while len(self.snapshots) > self.config.retained_versions:
-            self.snapshots.popitem(last=False)
+            _release(self.snapshots.popitem(last=False)[1])
+
+    def _drop_snapshots(self) -> None:
+        while self.snapshots:
+            _release(self.snapshots.popitem(last=False)[1])
+
+    def _drop_unpublished(self) -> None:
+        while self._unpublished:
+            _release(self._unpublished.popleft()[0])
+
+    def lease_snapshot(self, snap: Snapshot) -> Lease:
+        """A reader's lease on a retained snapshot's weights: take it on the event loop while
+        ``snap`` is retained (no await between finding it and leasing it), release it when done
+        reading (a stream, an evaluation)."""
+        assert self.strategy is not None
+        return self.strategy.lease(snap.weights)
 
     @property
     def version(self) -> int:
@@ -107,7 +139,11 @@ class RetainedVersions:
                 out[name] = t
         if rest:
             loop = asyncio.get_running_loop()
-            out.update(await loop.run_in_executor(None, _all_to_host, rest))
+            # Held until the copy is done, even if the reader goes away meanwhile.
+            lease = self.strategy.lease(*rest.values())
+            copy = loop.run_in_executor(None, _all_to_host, rest)
+            copy.add_done_callback(lambda _: lease.release())
+            out.update(await copy)
         return {name: out[name] for name in tensors}
 
     async def _host_copy(self, snap: Snapshot) -> dict[str, torch.Tensor]:
@@ -118,7 +154,10 @@ class RetainedVersions:
             tensors = {"weights": snap.weights}
             if snap.buffers is not None:
                 tensors["buffers"] = snap.buffers
+            # Held until the copy is done: the readers waiting for it may all go away.
+            lease = self.strategy.lease(snap.weights)
             future = asyncio.get_running_loop().run_in_executor(None, _all_to_host, tensors)
+            future.add_done_callback(lambda _: lease.release())
             snap.host["copy"] = future
 
             def forget_failure(f: asyncio.Future) -> None:
@@ -128,3 +167,8 @@ class RetainedVersions:
             future.add_done_callback(forget_failure)
         # Shielded: a reader that goes away does not cancel the copy the others wait for.
         return await asyncio.shield(future)
+
+
+def _release(snap: Snapshot) -> None:
+    if snap.lease is not None:
+        snap.lease.release()
