@@ -102,7 +102,7 @@ def test_a_held_model_stream_keeps_its_buffer_until_released(monkeypatch) -> Non
             release.set()
             stream.join(30)
             version, weights = got[0]
-            assert version == held_version and torch.equal(weights, want)
+            assert version == held_version and torch.equal(weights, want.cpu())
             # Released: its buffer is reused for one of the next versions.
             after = []
             for _ in range(RETAINED + 3):
@@ -145,7 +145,7 @@ def test_a_held_job_stream_keeps_its_buffer_after_the_job_is_superseded(monkeypa
             assert torch.equal(held, want)
             release.set()
             stream.join(30)
-            assert got[0].base_version == base and torch.equal(got[0].weights, want)
+            assert got[0].base_version == base and torch.equal(got[0].weights, want.cpu())
             after = []
             for _ in range(RETAINED + 3):
                 _step(a, gen)
@@ -154,3 +154,22 @@ def test_a_held_job_stream_keeps_its_buffer_after_the_job_is_superseded(monkeypa
     finally:
         release.set()
         srv.stop()
+
+
+def test_a_lease_handed_to_a_reader_that_went_away_is_given_back() -> None:
+    # A GetJob cancelled while its call runs on the aggregation thread: whichever comes first,
+    # no lease is left behind.
+    from aggsrv.server.versions import LeaseHandoff
+    from aggsrv.strategies import FedAsync
+
+    s = FedAsync(LAYOUT, torch.zeros(LAYOUT.numel))
+    model = s.global_model()
+    late = LeaseHandoff()
+    late.abandon()  # the reader went away before the call took the lease
+    assert not late.take(s, model).held and s._versions.leased(model) == 0
+    early = LeaseHandoff()
+    assert early.take(s, model).held and s._versions.leased(model) == 1
+    early.abandon()  # ... or after
+    assert s._versions.leased(model) == 0
+    early.abandon()
+    assert s._versions.leased(model) == 0

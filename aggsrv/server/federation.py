@@ -43,7 +43,13 @@ from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.persistence import RecoveryError, restore
 from aggsrv.server.replication import Replication, _staleness, update_meta
 from aggsrv.server.shard_follower import ShardFollower, _Reply
-from aggsrv.server.versions import RetainedVersions, Snapshot, needs_host_copy, to_host
+from aggsrv.server.versions import (
+    LeaseHandoff,
+    RetainedVersions,
+    Snapshot,
+    needs_host_copy,
+    to_host,
+)
 from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import (
     Job,
@@ -250,6 +256,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         holds the job already."""
         strategy = self.strategy
         assert strategy is not None
+        handoff = LeaseHandoff()
 
         def run() -> tuple[Job | None, PendingReason, int | None, Lease]:
             now = self.clock()
@@ -268,14 +275,14 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 lsn = self._issue_lsn if job is not None else None
             # Here, while the job holds its tensors: once this call returns, another may
             # supersede the job before its stream starts.
-            lease = strategy.lease(*job.tensors.values()) if job is not None else NO_LEASE
+            lease = handoff.take(strategy, *job.tensors.values()) if job is not None else NO_LEASE
             return job, why, lsn, lease
 
-        job, why, lsn, lease = await self.call(run)
         try:
+            job, why, lsn, lease = await self.call(run)
             await self.logged(lsn)
-        except BaseException:
-            lease.release()
+        except BaseException:  # cancelled, or the log failed: no stream will read the job
+            handoff.abandon()
             raise
         return job, why, lease
 

@@ -37,7 +37,7 @@ from aggsrv.server.requests import (
     strategy_code,
     tolerant_parser,
 )
-from aggsrv.server.versions import Snapshot
+from aggsrv.server.versions import LeaseHandoff, Snapshot
 from aggsrv.strategies import (
     Job,
     Strategy,
@@ -311,9 +311,14 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + shards.order_wait
         while True:
-            job, issued, state, lease = await fed.read(
-                _issued, fed.strategy, request.client_id, job_id
-            )
+            handoff = LeaseHandoff()
+            try:
+                job, issued, state, lease = await fed.read(
+                    _issued, fed.strategy, request.client_id, job_id, handoff
+                )
+            except BaseException:  # cancelled: nothing will stream the job
+                handoff.abandon()
+                raise
             if fed.failure is not None:
                 lease.release()
                 await self._check_open(context)
@@ -673,12 +678,14 @@ def _job_status(strategy: Strategy, client_id: str, job_id: int) -> tuple[str, f
     return state, job.deadline if job is not None else None
 
 
-def _issued(strategy: Strategy, client_id: str, job_id: int) -> tuple[Job | None, int, str, Lease]:
+def _issued(
+    strategy: Strategy, client_id: str, job_id: int, handoff: LeaseHandoff
+) -> tuple[Job | None, int, str, Lease]:
     """(aggregation thread) A shard's view of a job rank 0 issued: the open job (None if not
     open here), how many jobs this shard has issued, the job's state, and a lease on the job's
     tensors for its stream."""
     job = strategy.open_job(client_id, job_id)
-    lease = strategy.lease(*job.tensors.values()) if job is not None else NO_LEASE
+    lease = handoff.take(strategy, *job.tensors.values()) if job is not None else NO_LEASE
     return job, strategy.jobs_issued, strategy.job_state(client_id, job_id), lease
 
 

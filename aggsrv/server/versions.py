@@ -14,12 +14,13 @@ A mixin of :class:`~aggsrv.server.federation.Federation`.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from aggsrv.strategies import Job, Strategy
-from aggsrv.strategies.buffers import Lease
+from aggsrv.strategies.buffers import NO_LEASE, Lease
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,31 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _all_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: to_host(t) if needs_host_copy(t) else t for name, t in tensors.items()}
+
+
+class LeaseHandoff:
+    """A lease a call on the aggregation thread takes for a reader on the event loop that may
+    go away before the call's result reaches it (a cancelled GetJob): either the call finds the
+    reader gone and takes none, or the reader gives back what the call took."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lease = NO_LEASE
+        self._gone = False
+
+    def take(self, strategy: Strategy, *tensors: torch.Tensor) -> Lease:
+        """(aggregation thread) The lease, unless the reader went away already."""
+        with self._lock:
+            if not self._gone:
+                self._lease = strategy.lease(*tensors)
+            return self._lease
+
+    def abandon(self) -> None:
+        """(event loop) The reader will not read: give back whatever was or will be taken."""
+        with self._lock:
+            self._gone = True
+            lease, self._lease = self._lease, NO_LEASE
+        lease.release()
 
 
 class RetainedVersions:
