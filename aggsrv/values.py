@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Outcome", "ProjectionMode", "Recipe", "Status", "Update", "UpdateKind"]
+__all__ = [
+    "Outcome", "PendingReason", "ProjectionMode", "Recipe", "Status", "Update", "UpdateKind",
+]  # fmt: skip
 
 
 class UpdateKind(enum.Enum):
@@ -128,6 +130,31 @@ class Update:
     kind: UpdateKind
     tensor: torch.Tensor
     buffers: torch.Tensor | None = None
+
+
+class PendingReason(enum.IntEnum):
+    """Why a strategy has no job for a client yet (``Strategy.job_for`` returned None). The
+    numbers are the wire's (aggregation.proto ``PendingReason``; docs/wire.md "Pending reasons")."""
+
+    UNSPECIFIED = 0
+    NO_ROUND_OPEN = 1  # no round or epoch is open: waiting for clients, or for the next one
+    NOT_SELECTED = 2  # a round is open, but the client was not sampled into it
+    ALREADY_REPORTED = 3  # the client reported in the open round or epoch
+    UPDATE_BUFFERED = 4  # the client's update waits in the strategy's buffer
+
+    @property
+    def text(self) -> str:
+        """The reason in words (JobPending.reason)."""
+        return _PENDING_TEXT[self]
+
+
+_PENDING_TEXT = {
+    PendingReason.UNSPECIFIED: "waiting for the strategy",
+    PendingReason.NO_ROUND_OPEN: "no round is open: waiting for the next one to open",
+    PendingReason.NOT_SELECTED: "not selected for the open round: waiting for the next round",
+    PendingReason.ALREADY_REPORTED: "already reported in the open round: waiting for the next",
+    PendingReason.UPDATE_BUFFERED: "the last update waits in the buffer: waiting for it to fold in",
+}
 
 
 @dataclass(frozen=True)

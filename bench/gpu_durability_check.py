@@ -24,7 +24,7 @@ from server_helpers import RunningServer  # noqa: E402
 
 from aggsrv.client.client import Client  # noqa: E402
 from aggsrv.layout import ModelLayout  # noqa: E402
-from aggsrv.server import federation as F  # noqa: E402
+from aggsrv.server import versions as V  # noqa: E402
 from aggsrv.strategies.base import Status, UpdateKind  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
@@ -34,7 +34,7 @@ out = {
     "torch": torch.__version__,
 }
 copies: list[tuple[str, int, float]] = []
-real = F.to_host
+real = V.to_host
 
 
 def counting(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def counting(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-F.to_host = counting
+V.to_host = counting  # where the host copies are made
 D = (16 * 2**20 if DEVICE == "cuda" else 2**16) + 3
 layout = ModelLayout.from_named_shapes([("a.weight", (D // 3, 3)), ("a.bias", (D - D // 3 * 3,))])
 READERS = 16
@@ -123,7 +123,7 @@ try:
         srv.run(fed.register(f"c{i}", {}))
     before = srv.run(fed.checkpoint()).bytes
     for i in range(50):
-        srv.run(fed.next_job(f"c{i}"))
+        srv.run(fed.next_job(f"c{i}"))[2].release()
     after = srv.run(fed.checkpoint()).bytes
     live = srv.run(fed.call(fed.cache_bytes))
     live_state = srv.state()

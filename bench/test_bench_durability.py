@@ -283,7 +283,7 @@ _REPLAY = r"""
 import sys, time
 from aggsrv.server import durability as D, persistence
 from aggsrv.server.config import ServerConfig
-from aggsrv.server.federation import Federation
+from aggsrv.server.federation import Federation, rebuild
 state, config, where = sys.argv[1:4]
 cfg = ServerConfig.load(config)
 t0 = time.perf_counter()
@@ -291,10 +291,10 @@ if where == "main":
     fed = Federation(cfg)
     persistence.restore(fed, D.load_checkpoint(D.checkpoint_path(state, 1)))
     for _, record in D.iter_records(state, 1):
-        persistence.replay(fed, record)
+        fed.replay(record)
     fed.shutdown_threads()
 else:
-    persistence.rebuild(cfg, state, 1)
+    rebuild(cfg, state, 1)
 print(time.perf_counter() - t0)
 """
 

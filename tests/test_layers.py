@@ -6,9 +6,11 @@ import anywhere in the chain (not just in the module itself) fails it.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,8 @@ HIGHER = {
     "aggsrv.protocol": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim"),
     "aggsrv.strategies": ("aggsrv.server", "aggsrv.sim", "aggsrv.cli", "grpc", "flwr"),
     "aggsrv.server.app": ("aggsrv.sim", "aggsrv.cli", "flwr"),
+    # Persistence stores and loads; the federation above it replays the log.
+    "aggsrv.server.persistence": ("aggsrv.server.federation", "aggsrv.server.service"),
 }
 
 
@@ -43,3 +47,26 @@ def test_the_client_loads_no_strategy_module_at_all() -> None:
     loaded = _loaded_after_import("aggsrv.client")
     assert "aggsrv.values" in loaded
     assert not [m for m in loaded if m.startswith("aggsrv.strategies")]
+
+
+def _imported_anywhere(path: Path) -> set[str]:
+    """Every module a source file imports: at the top, inside functions, under TYPE_CHECKING."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_persistence_never_imports_the_federation() -> None:
+    # Loading the module is not enough: an import inside a function (how the two modules
+    # dispatched each other's calls) loads nothing until it runs.
+    source = Path(__file__).resolve().parents[1] / "aggsrv" / "server" / "persistence.py"
+    above = sorted(
+        n for n in _imported_anywhere(source)
+        if n.startswith(("aggsrv.server.federation", "aggsrv.server.service"))
+    )  # fmt: skip
+    assert not above, f"aggsrv/server/persistence.py imports {above}"

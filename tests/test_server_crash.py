@@ -35,10 +35,11 @@ ACKED = (Status.APPLIED, Status.BUFFERED)
 # Replays the log in a fresh interpreter: checkpoint 1 (version 0) plus every segment.
 ORACLE = r"""
 import json, sys, torch
-from aggsrv.server import durability as D, persistence
+from aggsrv.server import durability as D
+from aggsrv.server.federation import rebuild
 from aggsrv.server.config import ServerConfig
 state_dir, config_path, out = sys.argv[1:4]
-fed = persistence.rebuild(ServerConfig.load(config_path), state_dir, 1)
+fed = rebuild(ServerConfig.load(config_path), state_dir, 1)
 kinds = {}
 for _, record in D.iter_records(state_dir, 1):
     kinds[record.kind] = kinds.get(record.kind, 0) + 1

@@ -25,7 +25,7 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
 from aggsrv.server import federation as F
-from aggsrv.server import persistence
+from aggsrv.server import versions as V
 from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
@@ -200,7 +200,9 @@ def test_fedogd_checkpoint_holds_a_basis_shared_by_fifty_jobs_once(tmp_path: Pat
             srv.run(fed.register(f"c{i}", {}))
         without_jobs = srv.run(fed.checkpoint()).bytes
         for i in range(50):
-            assert srv.run(fed.next_job(f"c{i}")) is not None
+            job, _, lease = srv.run(fed.next_job(f"c{i}"))
+            assert job is not None
+            lease.release()
         with_jobs = srv.run(fed.checkpoint()).bytes
         live_bytes = srv.run(fed.call(fed.cache_bytes))
     finally:
@@ -231,13 +233,13 @@ def test_resume_replays_the_log_on_the_aggregation_thread(tmp_path, monkeypatch)
     state = Path(srv.config.state_dir)
     D.list_checkpoints(state)[-1][1].unlink()  # the final one: recovery must replay the log
     threads: list[str] = []
-    replay = persistence.replay
+    replay = F.Federation.replay
 
     def recording(fed, record) -> None:
         threads.append(threading.current_thread().name)
         replay(fed, record)
 
-    monkeypatch.setattr(persistence, "replay", recording)
+    monkeypatch.setattr(F.Federation, "replay", recording)
     resumed = durable(tmp_path, strategy="fedbuff", strategy_config={"buffer_size": 2}, resume=True)
     try:
         assert torch.equal(resumed.state()["model"], live["model"])
@@ -335,8 +337,8 @@ def test_device_models_are_copied_to_the_host_once_per_version_off_the_loop(monk
         time.sleep(0.4)
         return t.detach().clone()
 
-    monkeypatch.setattr(F, "needs_host_copy", lambda t: True)
-    monkeypatch.setattr(F, "to_host", slow_copy)
+    monkeypatch.setattr(V, "needs_host_copy", lambda t: True)
+    monkeypatch.setattr(V, "to_host", slow_copy)
     layout = odd_layout(57)
     srv = RunningServer(strategy="fedasync", rate_limit_per_second=0.0)
     try:

@@ -35,7 +35,6 @@ from aggsrv import protocol as P
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import federation as F
-from aggsrv.server import persistence
 from aggsrv.server import service as S
 from aggsrv.server.config import ServerConfig
 from aggsrv.sharding import ShardLayout, ShardMap
@@ -143,7 +142,7 @@ def test_serve_exits_nonzero_on_an_unexpected_exception_and_resumes_to_the_log_r
         proc.close()
 
     config = dict(strategy="fault_strategies:HalfApplies", state_dir=str(state), durability="on")
-    oracle = persistence.rebuild(ServerConfig(auth="none", **config), state, 1)
+    oracle = F.rebuild(ServerConfig(auth="none", **config), state, 1)
     resumed = RunningServer(resume=True, **config)
     try:
         assert_same_state(resumed.state(), oracle.strategy.state_dict())
@@ -197,7 +196,8 @@ def test_heartbeat_and_status_never_see_a_call_half_made_while_updates_retire_jo
     async def updater(cid: str) -> None:
         n = 0
         while not stop.is_set():
-            job = await fed.next_job(cid)
+            job, _, lease = await fed.next_job(cid)
+            lease.release()  # no stream reads it
             current[cid] = job.job_id
             await asyncio.sleep(0)
             pushing[cid] = job.job_id

@@ -36,8 +36,9 @@ from server_helpers import (
 from state_helpers import assert_same_state
 
 from aggsrv.client.client import Client
-from aggsrv.server import durability, persistence
+from aggsrv.server import durability
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.federation import rebuild
 from aggsrv.strategies import Strategy
 from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
@@ -70,7 +71,7 @@ def wait_until(cond: Callable[[], bool], limit: float = 10.0) -> bool:
 def replay_log(config: ServerConfig, state_dir: Path) -> Strategy:
     """The strategy a fresh federation reaches from checkpoint 1 plus every logged record."""
     assert durability.list_checkpoints(state_dir)[0][0] == 1, "checkpoint 1 was pruned"
-    strategy = persistence.rebuild(config, state_dir, 1).strategy
+    strategy = rebuild(config, state_dir, 1).strategy
     assert strategy is not None
     return strategy
 

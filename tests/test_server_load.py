@@ -46,8 +46,9 @@ from state_helpers import assert_same_state
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.server import durability, persistence
+from aggsrv.server import durability
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.federation import rebuild
 from aggsrv.strategies import Strategy
 from aggsrv.strategies.base import Status
 
@@ -109,7 +110,7 @@ class RssSampler:
 def replay_log(config: ServerConfig, state_dir: Path) -> Strategy:
     """The strategy a fresh federation reaches from checkpoint 1 plus every logged record."""
     assert durability.list_checkpoints(state_dir)[0][0] == 1, "checkpoint 1 was pruned"
-    strategy = persistence.rebuild(config, state_dir, 1).strategy
+    strategy = rebuild(config, state_dir, 1).strategy
     assert strategy is not None
     return strategy
 

@@ -25,7 +25,8 @@ from strategy_cases import strategy_cases
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.server import durability, persistence
+from aggsrv.server import durability
+from aggsrv.server.federation import rebuild
 from aggsrv.strategies.base import UpdateKind
 
 CLIENTS = 5
@@ -106,7 +107,7 @@ def test_every_strategy_resumes_bit_exactly(tmp_path: Path, strategy: str) -> No
 
     # 1. A fresh federation replays the whole log onto the first checkpoint.
     cfg = srv.config
-    rebuilt = persistence.rebuild(cfg, state_dir, 1)
+    rebuilt = rebuild(cfg, state_dir, 1)
     assert_same_state(live, rebuilt.strategy.state_dict(), f"{strategy} replayed")
 
     # 2. Resume without the newest checkpoint: an older one plus the log after it.

@@ -32,6 +32,7 @@ from aggsrv.strategies import (
     UpdateLedger,
     make_strategy,
 )
+from aggsrv.strategies.buffers import Lease
 from aggsrv.strategies.fedasync import staleness_weight
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("out.w", (5,))])
@@ -429,7 +430,14 @@ class Driver:
         self.clients = clients
         self.seed = seed
         self.held: dict[str, Job] = {}
+        # A client reads its job's weights ticks later: it holds a lease on them meanwhile,
+        # as a job stream does (the strategy lets go of a job a round closes or supersedes).
+        self.leases: dict[str, Lease] = {}
         self.outcomes: list[Outcome | str] = []
+
+    def hold(self, s: Strategy, c: str, job: Job) -> None:
+        self.held[c] = job
+        self.leases[c] = s.lease(*job.tensors.values())
 
     def submit(self, s: Strategy, upd: Update, t: float) -> None:
         try:
@@ -446,7 +454,7 @@ class Driver:
             if job is None:
                 job = s.job_for(c, t)
                 if job is not None:
-                    self.held[c] = job
+                    self.hold(s, c, job)
                 continue
             if (int(t) + i) % 5 == 4:
                 continue  # a straggler: returns next tick
@@ -456,6 +464,7 @@ class Driver:
             kind = UpdateKind.DELTA if job.job_id % 2 else UpdateKind.WEIGHTS
             work = job.recipe.work_target * (0.5 if job.job_id % 3 == 0 else 1.0)
             upd = make_update(job, w, kind, num_samples=5 + job.job_id % 7, work_done=work)
+            self.leases.pop(c).release()
             self.submit(s, upd, t)
             if (int(t) + i) % 4 == 0:
                 self.submit(s, upd, t)  # a replay
@@ -510,7 +519,8 @@ def test_state_dict_round_trip_continues_bit_identically(
     r.load_state_dict(torch.load(buf, weights_only=True))
     assert_same_state(r.state_dict(), s.state_dict())
     drv2 = Driver(clients, seed)
-    drv2.held = dict(drv.held)
+    for c, job in drv.held.items():  # the same jobs, as the resumed strategy holds them
+        drv2.hold(r, c, r.open_job(c, job.job_id))
     n0 = len(drv.outcomes)
     for t2 in range(t, t + 20):
         drv.tick(s, float(t2))
@@ -535,9 +545,11 @@ def test_global_model_snapshots_are_never_mutated(
     for t in range(30):
         drv.tick(s, float(t))
         snap = s.global_model()
-        kept.setdefault(s.version, (snap, snap.clone()))
+        if s.version not in kept:  # a reader keeps this version: it holds a lease
+            kept[s.version] = (snap, snap.clone(), s.lease(snap))
         for job in drv.held.values():
-            kept.setdefault(-job.job_id, (job.weights, job.weights.clone()))
+            if -job.job_id not in kept:
+                kept[-job.job_id] = (job.weights, job.weights.clone(), s.lease(job.weights))
     assert s.version >= 3
-    for ref, copy_ in kept.values():
+    for ref, copy_, _ in kept.values():
         assert torch.equal(ref, copy_)

@@ -1,6 +1,8 @@
-"""Recycled version buffers: reused only when nothing refers to them, never under a reader."""
+"""Recycled version buffers: reused only once retired and unleased, never under a reader."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -11,53 +13,82 @@ from aggsrv.strategies.buffers import VersionBuffers
 CPU = torch.device("cpu")
 
 
-def test_take_recycles_only_unreferenced_buffers() -> None:
+def test_a_retired_buffer_is_reused_only_once_no_lease_is_held() -> None:
     pool = VersionBuffers(37, CPU)
     a = pool.take()
+    lease = pool.lease(a)
     pool.retire(a)
     b = pool.take()
-    assert b is not a and (pool.allocated, pool.recycled) == (2, 0)  # `a` is still held here
-    a_ptr = a.data_ptr()
-    del a
-    c = pool.take()
-    assert c.data_ptr() == a_ptr and pool.recycled == 1
+    assert b is not a and (pool.allocated, pool.recycled) == (2, 0)  # `a` is leased
+    lease.release()
+    lease.release()  # twice: a no-op
+    assert pool.take() is a and pool.recycled == 1
+    assert pool.leased(a) == 0
 
 
-def test_views_and_numpy_arrays_keep_a_buffer_out_of_reuse() -> None:
+def test_an_unretired_buffer_is_never_reused_even_unleased() -> None:
+    pool = VersionBuffers(8, CPU)
+    current = pool.take()
+    pool.lease(current).release()
+    assert pool.take() is not current and len(pool) == 0
+
+
+def test_a_lease_on_a_view_holds_the_whole_buffer() -> None:
     pool = VersionBuffers(37, CPU)
     b = pool.take()
+    with pool.lease(b[3:9], b[10:12]):
+        pool.retire(b)
+        assert pool.leased(b) == 2
+        assert pool.take().data_ptr() != b.data_ptr()
+    assert pool.take() is b  # the spare is the whole buffer, not a view
+
+
+def test_a_late_lease_takes_a_spare_out_of_reuse() -> None:
+    pool = VersionBuffers(8, CPU)
+    b = pool.take()
     pool.retire(b)
-    ptr = b.data_ptr()
-    view = b[3:9]
-    del b
-    assert pool.take().data_ptr() != ptr  # a slice of its memory is alive
-    del view
-    assert pool.take().data_ptr() == ptr
-    n = pool.take()
-    pool.retire(n)
-    ptr = n.data_ptr()
-    arr = n.numpy()
-    del n
-    assert pool.take().data_ptr() != ptr  # a numpy array over its memory is alive
-    del arr
-    assert pool.take().data_ptr() == ptr
+    assert len(pool) == 1
+    lease = pool.lease(b)
+    assert len(pool) == 0 and pool.take() is not b
+    lease.release()
+    assert pool.take() is b
 
 
 def test_foreign_shapes_and_views_are_not_adopted() -> None:
     pool = VersionBuffers(8, CPU)
     for t in (torch.zeros(9), torch.zeros(16)[:8], torch.zeros(8, dtype=torch.float64)):
         pool.retire(t)
+        assert not pool.lease(t).held
     assert len(pool) == 0
     pool.retire(torch.zeros(8))
     assert len(pool) == 1
 
 
-def test_candidates_are_bounded() -> None:
-    pool = VersionBuffers(4, CPU, max_candidates=3)
-    held = [torch.zeros(4) for _ in range(5)]
-    for t in held:
-        pool.retire(t)
+def test_spares_are_bounded() -> None:
+    pool = VersionBuffers(4, CPU, max_spares=3)
+    for _ in range(5):
+        pool.retire(torch.zeros(4))
     assert len(pool) == 3
+
+
+def test_leases_from_many_threads_balance() -> None:
+    pool = VersionBuffers(16, CPU)
+    b = pool.take()
+    pool.retire(pool.take())  # a spare that must not be b
+
+    def reader() -> None:
+        for _ in range(500):
+            pool.lease(b).release()
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    with pool.lease(b):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pool.retire(b)
+        assert pool.take() is not b and pool.take() is not b
+    assert pool.leased(b) == 0 and pool.take() is b
 
 
 def _update(strategy, job, delta, n: int) -> Update:
@@ -74,8 +105,8 @@ def _update(strategy, job, delta, n: int) -> Update:
 
 
 def test_fedasync_snapshots_stay_intact_while_buffers_are_recycled() -> None:
-    """Readers hold some versions (as retained snapshots and streams do) while many updates
-    arrive: every held version keeps its values, and released ones are reused."""
+    """Readers lease some versions (as retained snapshots and streams do) while many updates
+    arrive: every leased version keeps its values, and the others are reused."""
     gen = torch.Generator().manual_seed(11)
     D = 1031
     layout = ModelLayout.from_named_shapes([("w", (D - 5,)), ("b", (5,))])
@@ -85,7 +116,8 @@ def test_fedasync_snapshots_stay_intact_while_buffers_are_recycled() -> None:
     s.on_register("b", 0.0)
     expected = x0.double()
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (s.global_model(), x0.clone())}
-    stale_job = s.job_for("b", 0.0)  # keeps version 0 referenced as its base
+    leases = [s.lease(s.global_model())]
+    stale_job = s.job_for("b", 0.0)  # its lease keeps version 0 as its base
     for n in range(1, 41):
         job = s.job_for("a", float(n))
         delta = torch.randn(D, generator=gen)
@@ -95,7 +127,9 @@ def test_fedasync_snapshots_stay_intact_while_buffers_are_recycled() -> None:
         torch.testing.assert_close(model.double(), expected, rtol=0, atol=1e-5)
         if n % 7 == 0:
             held[n] = (model, model.clone())  # a reader keeps this version
-    assert s._versions.recycled > 20  # versions nobody held were reused
+            leases.append(s.lease(model))
+    assert s._versions.recycled > 20  # versions nobody leased were reused
+    assert s._versions.allocated <= 2 + len(held)
     for version, (tensor, values) in held.items():
         assert torch.equal(tensor, values), version
     assert torch.equal(stale_job.weights, x0)

@@ -1,6 +1,10 @@
 """aggsrv.client: what a federated client runs: local training for a job, and the Client."""
 
-from .client import Client, ClientJob, PushResult
+from aggsrv.values import PendingReason
+
+from .client import Client, ClientJob, Pending, PushResult
 from .train import TrainResult, train
 
-__all__ = ["Client", "ClientJob", "PushResult", "TrainResult", "train"]
+__all__ = [
+    "Client", "ClientJob", "Pending", "PendingReason", "PushResult", "TrainResult", "train",
+]  # fmt: skip

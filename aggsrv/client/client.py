@@ -37,7 +37,7 @@ from aggsrv.transport import (
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
-from aggsrv.values import Recipe, Status, UpdateKind
+from aggsrv.values import PendingReason, Recipe, Status, UpdateKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +65,15 @@ class ClientJob:
     def buffers(self) -> torch.Tensor | None:
         """The float buffers (BatchNorm statistics) to train from, None without any."""
         return self.tensors.get("buffers")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A GetJob stream's word that there is no job yet (the stream stays open)."""
+
+    reason: PendingReason  # why, for programs (UNSPECIFIED from a server older than the field)
+    text: str  # why, for people
+    model_version: int
 
 
 @dataclass(frozen=True)
@@ -254,13 +263,20 @@ class Client:
             raise RuntimeError("call register() first")
         return self.layout
 
-    def _receive(self, stream: Iterator, header_field: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    def _receive(
+        self,
+        stream: Iterator,
+        header_field: str,
+        on_pending: Callable[[Pending], None] | None = None,
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         """Read a header, chunks and a trailer into fresh float32 tensors (CRC checked)."""
         header = None
         decoder = None
         for msg in stream:
             kind = msg.WhichOneof("kind")
             if kind == "pending":
+                if on_pending is not None:
+                    on_pending(pending_of(msg.pending))
                 continue
             if kind == "header":
                 header = getattr(msg, header_field)
@@ -360,8 +376,11 @@ class Client:
         self._use_shards(resp.shard_map)
         return resp
 
-    def get_job(self, timeout: float | None = None) -> ClientJob:
-        """Wait for the next job (the server keeps the stream open while it has none)."""
+    def get_job(
+        self, timeout: float | None = None, on_pending: Callable[[Pending], None] | None = None
+    ) -> ClientJob:
+        """Wait for the next job (the server keeps the stream open while it has none, and says
+        why now and then: ``on_pending`` gets each :class:`Pending`)."""
         layout = self._require_layout()
         request = pb.GetJobRequest(
             client_id=self.client_id,
@@ -372,7 +391,7 @@ class Client:
 
         def call() -> tuple[Any, dict[str, torch.Tensor]]:
             stream = self._stub.GetJob(request, timeout=timeout or self.timeout)
-            return self._receive(stream, "header")
+            return self._receive(stream, "header", on_pending)
 
         header, tensors = self._retry("get_job", call)
         if self.shard_map is not None:
@@ -558,3 +577,13 @@ class Client:
     def heartbeat(self, job_id: str = "") -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(client_id=self.client_id, job_id=job_id)
         return self._retry("heartbeat", lambda: self._stub.Heartbeat(request, timeout=self.timeout))
+
+
+def pending_of(msg: pb.JobPending) -> Pending:
+    """A JobPending message as a :class:`Pending` (a reason this client does not know, from a
+    newer server, reads as UNSPECIFIED)."""
+    try:
+        reason = PendingReason(msg.code)
+    except ValueError:
+        reason = PendingReason.UNSPECIFIED
+    return Pending(reason, msg.reason, int(msg.model_version))

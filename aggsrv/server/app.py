@@ -249,7 +249,7 @@ class Server:
                     "--resume to continue it, or choose an empty state_dir"
                 )
             # Replayed where live aggregation runs (its thread, its kernels, its speed).
-            await fed.call(store.resume, fed)
+            await fed.call(fed.recover, store)
         elif cfg.resume:
             log.warning("--resume: %s holds no checkpoint yet; starting fresh", cfg.state_dir)
         fed.store = store

@@ -55,7 +55,9 @@ class Evaluator:
             return
         self._next = (snap.version // self.every + 1) * self.every
         loop = asyncio.get_running_loop()
+        lease = fed.lease_snapshot(snap)  # held while the evaluation reads the weights
         self._running = loop.run_in_executor(self._pool, self._evaluate, snap)
+        self._running.add_done_callback(lambda _: lease.release())
         self._running.add_done_callback(lambda f: self._done(snap.version, f))
 
     def _evaluate(self, snap: Snapshot) -> dict[str, float]:

@@ -10,7 +10,8 @@ each later checkpoint rotates the log to a new segment and takes that segment's 
 resumed server opens the segment after the last one it found, so a torn tail (a record a crash
 cut short: never acknowledged) is never appended to.
 
-Recovery replays on the federation's aggregation thread, where the live calls ran (the same
+This module stores and loads; the federation replays (``Federation.recover``). Recovery replays
+on the federation's aggregation thread, where the live calls ran (the same
 kernels with the same thread settings, so the same bits), at thousands of updates a second
 (bench/README.md "Resume time"); what it replays counts toward the next checkpoint, so a server
 killed again and again before each threshold still checkpoints.
@@ -21,22 +22,21 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aggsrv import protocol as P
 from aggsrv.server import durability as D
-from aggsrv.strategies import Outcome, Update, UpdateKind, make_strategy
+from aggsrv.strategies import make_strategy
 from aggsrv.v1 import tensor_pb2 as tpb
 
-if TYPE_CHECKING:
-    from aggsrv.server.config import ServerConfig
-    from aggsrv.server.federation import Federation
-
 log = logging.getLogger(__name__)
+# ``fed`` below is an aggsrv.server.federation.Federation, typed Any: the federation is above
+# this module (it replays the log), and this module never imports it.
 
 FORMAT = "aggsrv-checkpoint/1"
 # Federation.counters restored from a checkpoint (and kept up by replaying the log).
@@ -91,7 +91,7 @@ class StateStore:
 
     # ------------------------------------------------------------------ writing
 
-    def begin(self, fed: Federation) -> CheckpointInfo:
+    def begin(self, fed: Any) -> CheckpointInfo:
         """The first checkpoint of a fresh federation (its model just adopted), then the log."""
         self.directory.mkdir(parents=True, exist_ok=True)
         number = max([n for n, _ in D.list_segments(self.directory)], default=0) + 1
@@ -105,7 +105,7 @@ class StateStore:
             self.wal = D.WriteAheadLog(self.directory, number)
             self._cut_lsn = 0
 
-    def cut(self, fed: Federation) -> tuple[int, dict[str, Any]]:
+    def cut(self, fed: Any) -> tuple[int, dict[str, Any]]:
         """On the aggregation thread: the federation's state and a fresh log segment for what
         follows it. Returns (checkpoint number, payload); :meth:`write` stores it later."""
         number = self.segment + 1
@@ -139,11 +139,9 @@ class StateStore:
 
     # ------------------------------------------------------------------ recovery
 
-    def resume(self, fed: Federation) -> int:
-        """Load the newest checkpoint into ``fed`` and replay the log after it; the number of
-        records replayed. The next records go to a new segment. Run it on the federation's
-        aggregation thread (before the server serves): replay makes the calls the live server
-        made there."""
+    def load_latest(self) -> tuple[int, Path, dict[str, Any]]:
+        """The newest checkpoint: (number, path, payload). Recovery loads it, then replays the
+        records of :meth:`records` (the federation does both: aggsrv.server.federation)."""
         found = D.latest_checkpoint(self.directory)
         if found is None:
             raise RecoveryError(f"{self.directory} holds no checkpoint to resume from")
@@ -152,45 +150,26 @@ class StateStore:
             payload = D.load_checkpoint(path)
         except ValueError as exc:
             raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
-        restore(fed, payload)
         self.checkpoint_bytes = path.stat().st_size
-        fed.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
-        strategy = fed.strategy
-        sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
-        replayed = updates = 0
-        t0 = time.perf_counter()
-        try:
-            for segment, record in D.iter_records(self.directory, number):
-                try:
-                    replay(fed, record)
-                except Exception as exc:
-                    raise RecoveryError(
-                        f"replaying segment {segment} record {replayed} ({record.kind}) diverged "
-                        f"from the log: {exc}"
-                    ) from exc
-                replayed += 1
-                updates += record.kind == "update"
-        finally:
-            strategy.event_sink = sink
-        fed.publish_recovered()
+        return number, path, payload
+
+    def records(self, number: int) -> Iterator[tuple[int, D.WalRecord]]:
+        """(segment, record) of every record logged after checkpoint ``number``, in order."""
+        return D.iter_records(self.directory, number)
+
+    def reopen(self, number: int) -> None:
+        """After the records after checkpoint ``number`` were replayed: the next records go to a
+        new segment, and the replayed ones count toward the next checkpoint."""
         segments = D.list_segments(self.directory)
         last = max([n for n, _ in segments], default=number)
         self._open_log(max(last, number) + 1)
-        # Counted from the checkpoint, not from this start (the next checkpoint is due as if
-        # the server had never stopped).
-        fed.updates_since_checkpoint = updates
         self._carried = sum(p.stat().st_size for n, p in segments if n >= number)
-        log.info(
-            "resumed from checkpoint %d (%s): version %d after replaying %d logged records in "
-            "%.2f s", number, path.name, fed.version, replayed, time.perf_counter() - t0,
-        )  # fmt: skip
-        return replayed
 
 
 # ---------------------------------------------------------------------- payload
 
 
-def snapshot(fed: Federation) -> dict[str, Any]:
+def snapshot(fed: Any) -> dict[str, Any]:
     """The federation as a checkpoint payload (tensors cloned: a point-in-time copy)."""
     strategy = fed.strategy
     assert strategy is not None and fed.layout is not None
@@ -209,7 +188,7 @@ def snapshot(fed: Federation) -> dict[str, Any]:
     }
 
 
-def restore(fed: Federation, payload: dict[str, Any]) -> None:
+def restore(fed: Any, payload: dict[str, Any]) -> None:
     """Rebuild the federation from a checkpoint payload."""
     if payload.get("format") != FORMAT:
         raise RecoveryError(f"not an aggsrv checkpoint (format {payload.get('format')!r})")
@@ -238,85 +217,15 @@ def restore(fed: Federation, payload: dict[str, Any]) -> None:
     )
     strategy.load_state_dict(state)
     fed.install(layout, strategy)
-    lease = cfg.lease_seconds
-    from aggsrv.server.federation import ClientRecord  # a cycle at import time otherwise
-
     for client_id, registered_at, labels in payload["clients"]:
-        expires = registered_at + lease
-        fed.clients[client_id] = ClientRecord(client_id, registered_at, expires, labels)
+        fed.restore_client(client_id, registered_at, labels)
     # Accepted and applied updates are in the log, so their counts survive any restart. Answers
     # that changed nothing (DUPLICATE, refusals) are not logged: those counters count since
     # this start (docs/operations.md), and an older checkpoint's values are not brought back.
     fed.counters.update({k: v for k, v in payload["counters"].items() if k in DURABLE_COUNTERS})
 
 
-def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int) -> Federation:
-    """A fresh federation from checkpoint ``checkpoint`` of ``directory`` plus every record
-    logged after it, as recovery does it (from the first checkpoint when nothing was pruned:
-    an audit of the whole log, and the oracle of the crash tests). Needs no event loop."""
-    from aggsrv.server.federation import Federation  # a cycle at import time otherwise
-
-    fed = Federation(config)
-
-    def run() -> None:
-        restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
-        for _, record in D.iter_records(directory, checkpoint):
-            replay(fed, record)
-        fed.publish_recovered()
-
-    try:
-        fed.on_aggregation_thread(run)  # as live and as recovery: same kernels, same thread
-    finally:
-        fed.shutdown_threads()
-    return fed
-
-
 def strategy_name(name: str) -> str:
     from aggsrv.strategies import strategy_class
 
     return strategy_class(name).name
-
-
-# ---------------------------------------------------------------------- replay
-
-
-def replay(fed: Federation, record: D.WalRecord) -> None:
-    """Repeat one logged call with its logged inputs (same thread discipline: called before the
-    server serves, or by an oracle, never beside the aggregation loop)."""
-    strategy = fed.strategy
-    assert strategy is not None
-    m = record.meta
-    if record.kind == "register":
-        strategy.on_register(m["client"], m["now"])
-        fed.record_registration(m["client"], m["labels"], m["now"])
-    elif record.kind == "job":
-        strategy.job_for(m["client"], m["now"])
-    elif record.kind == "timer":
-        strategy.on_timer(m["now"])
-    elif record.kind == "update":
-        tensors = record.tensors
-        update = Update(
-            client_id=m["client"],
-            job_id=int(m["job_id"]),
-            base_version=int(m["base_version"]),
-            update_id=m["update_id"],
-            num_samples=int(m["num_samples"]),
-            work_done=float(m["work_done"]),
-            kind=UpdateKind[m["kind"]],
-            tensor=_on(tensors["update"], strategy.device),
-            buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
-        )
-        outcome = strategy.on_update(update, m["now"])
-        logged = Outcome.from_tuple(m["outcome"])
-        if outcome != logged:
-            raise RecoveryError(
-                f"update {m['update_id']!r} of {m['client']!r} gave {outcome} on replay, "
-                f"{logged} when it was acknowledged"
-            )
-        fed.count_accepted(outcome)
-    else:
-        raise RecoveryError(f"unknown record kind {record.kind!r}")
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)

@@ -16,8 +16,12 @@ Conventions every strategy here follows (the server is written against them):
   again while the version it started from is still current (a reconnecting client gets the same
   job id), and otherwise issues a fresh job that supersedes the old one: an update for a
   superseded job is refused with :class:`JobSuperseded`. ``Job.tensors`` are shared read-only
-  snapshots; the weights a job started from are kept for as long as a job refers to them (the
-  strategy derives deltas and client weights from them) and are freed with the last such job.
+  snapshots; each outstanding job holds a lease on them (the strategy derives deltas and client
+  weights from them), given up when the job ends.
+* **Leases.** A retired version's buffer is reused for a later one
+  (:mod:`aggsrv.strategies.buffers`) once no lease on it is held, whoever still refers to it:
+  whatever reads a version tensor after the call that handed it out returns (a stream, a host
+  copy, a retained snapshot, a client that keeps its job) holds :meth:`Strategy.lease` on it.
 * **Updates.** ``Update.tensor`` is a view of the server's validated staging slot, which is
   reused after :meth:`Strategy.on_update` returns: a strategy copies what it keeps.
 * **Staleness** ``s = version - job.base_version`` at arrival: the version the update is applied
@@ -49,7 +53,7 @@ import torch
 from aggsrv.finite import count_non_finite
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import LocalReducer, Reducer
-from aggsrv.strategies.buffers import VersionBuffers
+from aggsrv.strategies.buffers import Lease, VersionBuffers
 from aggsrv.strategies.config import (
     DEFAULT_JOB_LEASE_SECONDS,
     DEFAULT_MAX_NUM_SAMPLES,
@@ -72,7 +76,15 @@ from aggsrv.strategies.float_buffers import FloatBuffers
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
 from aggsrv.strategies.state_copy import SharedCopies, clone_tensors, restore_tensor
-from aggsrv.values import Outcome, ProjectionMode, Recipe, Status, Update, UpdateKind
+from aggsrv.values import (
+    Outcome,
+    PendingReason,
+    ProjectionMode,
+    Recipe,
+    Status,
+    Update,
+    UpdateKind,
+)
 
 __all__ = [
     "DEFAULT_JOB_LEASE_SECONDS",
@@ -87,6 +99,7 @@ __all__ = [
     "NotRegistered",
     "Outcome",
     "ProjectionMode",
+    "PendingReason",
     "Recipe",
     "ShardsDisagree",
     "Status",
@@ -179,11 +192,16 @@ class Strategy(ABC):
         self.ledger = UpdateLedger()
         self._clients: dict[str, float] = {}  # client id -> registration time, in join order
         self._jobs: dict[int, Job] = {}  # outstanding jobs by id
+        # Each outstanding job's lease on its tensors (their buffers are not reused meanwhile).
+        self._job_leases: dict[int, Lease] = {}
         self._job_of: dict[str, int] = {}  # client id -> its outstanding job id
         # client id -> id of the last job whose update was accepted (for Heartbeat's COMPLETED)
         self._completed_job: dict[str, int] = {}
         self._next_job_id = 1
         self._now = 0.0  # the latest time a call brought (jobs issued without one take it)
+        # Why the last job_for returned None (read right after it, on the same thread: the
+        # server tells the client; not part of the state).
+        self.pending_reason = PendingReason.UNSPECIFIED
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(int(self.config.seed))
         self._recipe = self.make_recipe()
@@ -264,15 +282,18 @@ class Strategy(ABC):
             return Outcome(
                 Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness
             )
-        self._retire_job(job)
-        try:
-            outcome = self._apply(update, job, s, now)
-        except StrategyError:
-            # _apply refuses only before its first change of state (see _require_finite), so
-            # reopening the job restores the state exactly.
-            self._reopen_job(job)
-            self.float_buffers.discard()
-            raise
+        # The job's start weights are read while the next version is written: held until then
+        # (retiring the job gives up its own lease).
+        with self._versions.lease(*job.tensors.values()):
+            self._retire_job(job)
+            try:
+                outcome = self._apply(update, job, s, now)
+            except StrategyError:
+                # _apply refuses only before its first change of state (see _require_finite),
+                # so reopening the job restores the state exactly.
+                self._reopen_job(job)
+                self.float_buffers.discard()
+                raise
         outcome = dataclasses.replace(outcome, staleness=s)
         self._now = float(now)
         self.ledger.record(update.client_id, update.update_id, outcome)
@@ -381,8 +402,14 @@ class Strategy(ABC):
 
     def _new_model_buffer(self) -> torch.Tensor:
         """An uninitialised [D] float32 tensor for the next version: a retired version's memory
-        once no snapshot, job or stream refers to it any more, else a new allocation."""
+        once no lease on it is held (a job, a snapshot, a stream), else a new allocation."""
         return self._versions.take()
+
+    def lease(self, *tensors: torch.Tensor | None) -> Lease:
+        """Hold version tensors (the model, a job's, or views of them) against reuse until the
+        lease is released: what a reader that outlives the call it got them from must do. Take
+        it on the aggregation thread, or while holding another lease on the same tensors."""
+        return self._versions.lease(*tensors)
 
     def _publish(self, model: torch.Tensor) -> int:
         """Make ``model`` (a tensor nobody writes again) the next version; return the version.
@@ -498,6 +525,10 @@ class Strategy(ABC):
             record.update(time=float(now), **fields)
             self.event_sink(record)
 
+    def _no_job(self, reason: PendingReason) -> None:
+        """``job_for``'s None, saying why (:attr:`pending_reason`)."""
+        self.pending_reason = reason
+
     def _require_registered(self, client_id: str) -> None:
         if client_id not in self._clients:
             raise NotRegistered(
@@ -526,6 +557,7 @@ class Strategy(ABC):
         self._next_job_id += 1
         self._jobs[job.job_id] = job
         self._job_of[client_id] = job.job_id
+        self._job_leases[job.job_id] = self._versions.lease(*job.tensors.values())
         return job
 
     def _job_tensors(self, client_id: str) -> dict[str, torch.Tensor]:
@@ -545,6 +577,9 @@ class Strategy(ABC):
         del self._jobs[job.job_id]
         if self._job_of.get(job.client_id) == job.job_id:
             del self._job_of[job.client_id]
+        lease = self._job_leases.pop(job.job_id, None)
+        if lease is not None:
+            lease.release()
 
     def _expired(self, job: Job, now: float) -> bool:
         """Whether the job's lease has ended by ``now``."""
@@ -567,9 +602,6 @@ class Strategy(ABC):
                 "%s: job %d of %s retired: its lease of %g s ended", self.name, job.job_id,
                 job.client_id, self.config.job_lease_seconds,
             )  # fmt: skip
-        if expired:
-            del job, expired
-            self._versions.trim()
 
     def _require_leased(self, job: Job, now: float) -> None:
         """Refuse an update whose job's lease ended (the timer may not have retired it yet)."""
@@ -585,6 +617,7 @@ class Strategy(ABC):
         applied). Both dicts are kept in job-id order (ids only grow), as state_dict lists them."""
         self._jobs[job.job_id] = job
         self._job_of[job.client_id] = job.job_id
+        self._job_leases[job.job_id] = self._versions.lease(*job.tensors.values())
         self._jobs = dict(sorted(self._jobs.items()))
         self._job_of = dict(sorted(self._job_of.items(), key=lambda item: item[1]))
 
@@ -808,6 +841,11 @@ class Strategy(ABC):
         self.float_buffers.load_state_dict(state["float_buffers"], self._copy_saved)
         self._load_extra_state(state["extra"])
         del self._copy_saved
+        # The loaded jobs (a subclass may have given them tensors of its own) hold theirs.
+        for lease in self._job_leases.values():
+            lease.release()
+        self._job_leases = {j: self._versions.lease(*job.tensors.values())
+                            for j, job in self._jobs.items()}  # fmt: skip
 
     def _extra_state(self) -> dict[str, Any]:
         """Subclass state for :meth:`state_dict` (tensors are cloned by the caller)."""

@@ -1,111 +1,183 @@
-"""Recycling the [D] buffers of retired model versions.
+"""Recycling the [D] buffers of retired model versions, under explicit leases.
 
 Every accepted update that makes a new version needs a fresh [D] tensor: the current one is a
 published snapshot that job and model streams may still be reading. Allocating it anew costs
 more than the arithmetic on a large model (a 64 MB tensor from the OS is 16K page faults, each
-zeroing a page: ~12 ms here, against ~5 ms for the fused update itself), so retired versions
-are kept as candidates and reused once nothing else refers to them.
+zeroing a page: ~12 ms here, against ~5 ms for the fused update itself), so the buffers of
+retired versions are reused.
 
-"Nothing else" is checked twice, because readers may hold the tensor object (snapshots, jobs,
-stream generators) or only views of its memory (slices, numpy arrays being encoded): the
-Python reference count of the tensor and the use count of its storage must both be the pool's
-own. Where the storage count cannot be read (a torch without the private hook), nothing is
-recycled and every version is a fresh allocation, as before.
+A buffer is reused only when its version is retired (its owner, the strategy, replaced it) and
+no lease on it is held. Whoever reads a version tensor beyond the call that handed it out holds
+a lease while it reads: a job for as long as it is outstanding, a retained snapshot, a model or
+job stream, a host copy, an evaluation. A lease is taken on a tensor or any view of it (the key
+is its storage), and only while the buffer is still safe to read: by the owner, or by a reader
+that holds a lease already (a retained snapshot's) when it takes its own.
 """
 
 from __future__ import annotations
 
-import sys
+import threading
 
 import torch
 
-__all__ = ["VersionBuffers"]
+__all__ = ["Lease", "VersionBuffers"]
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+class _Entry:
+    """A buffer under lease: the tensor (kept alive, so its address is not reused while the
+    entry exists), its lease count, and whether its version was retired."""
+
+    __slots__ = ("leases", "retired", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.leases = 0
+        self.retired = False
+
+
+class Lease:
+    """Held version buffers; :meth:`release` (or leaving a ``with`` block) gives them back.
+    Releasing twice is a no-op, so a reader can release in every exit path."""
+
+    __slots__ = ("_keys", "_pool")
+
+    def __init__(self, pool: VersionBuffers | None, keys: tuple[int, ...]) -> None:
+        self._pool = pool
+        self._keys = keys
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._release(self._keys)
+
+    @property
+    def held(self) -> bool:
+        return self._pool is not None and bool(self._keys)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+NO_LEASE = Lease(None, ())
 
 
 class VersionBuffers:
     """A pool of [numel] float32 buffers on one device for successive model versions.
 
-    ``retire(t)`` hands over a version that was just replaced (it stays readable by whoever
-    holds it); ``take()`` returns a buffer nobody else refers to: a recycled candidate or a new
-    allocation. At most ``max_candidates`` retired versions are watched; older ones are let go
-    (freed when their last reader drops them), so the pool never holds more than that.
+    ``take()`` returns a buffer nobody reads: a spare (a retired, unleased buffer) or a new
+    allocation. ``retire(t)`` hands back a version that was replaced: a spare at once if no
+    lease is held on it, else when the last lease is released. ``lease(*tensors)`` holds
+    buffers against reuse. At most ``max_spares`` spares are kept; others are let go.
+
+    Thread-safe: the strategy takes and retires on the aggregation thread, readers lease and
+    release on the event loop and in copy threads.
     """
 
-    def __init__(
-        self, numel: int, device: torch.device, max_candidates: int = 32, max_spares: int = 2
-    ) -> None:
+    def __init__(self, numel: int, device: torch.device, max_spares: int = 2) -> None:
         self.numel = numel
-        self.device = device
-        self.max_candidates = max_candidates
-        # Candidates nobody else refers to cost memory of their own: keep this many for reuse
-        # and let the rest go (those still read by others cost nothing extra while watched).
+        self.device = torch.device(device)
         self.max_spares = max_spares
-        self._candidates: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}  # storage address -> buffer under lease
+        self._spares: list[torch.Tensor] = []
         self.recycled = 0  # buffers handed out again (diagnostics, tests)
         self.allocated = 0
-        # The references a candidate has when only the pool holds it, measured through the same
-        # path take() uses (list slot, loop variable, argument), so no interpreter detail of
-        # getrefcount is hard-coded.
-        probe = [torch.empty(0)]
-        c = probe[0]
-        self._own_refs = self._refs(c)
 
-    @staticmethod
-    def _refs(t: torch.Tensor) -> int:
-        return sys.getrefcount(t)
+    def _key(self, t: torch.Tensor) -> int | None:
+        """The storage address of ``t`` if it can be a pool buffer (or a view of one)."""
+        if t.device != self.device or t.dtype != torch.float32:
+            return None
+        storage = t.untyped_storage()
+        if storage.nbytes() != self.numel * 4:
+            return None
+        return storage.data_ptr()
 
-    def _unreferenced(self, c: torch.Tensor) -> bool:
-        """True if only the pool refers to candidate `c` (its object and its memory)."""
-        if _storage_use_count is None or self._refs(c) > self._own_refs + 1:
-            return False  # +1: this method's own argument
-        storage = c.untyped_storage()  # one more reference to the storage while we look
-        return _storage_use_count(storage._cdata) <= 2
+    def _whole(self, t: torch.Tensor) -> bool:
+        return (
+            self._key(t) is not None
+            and t.shape == (self.numel,)
+            and t.is_contiguous()
+            and t._base is None
+            and t.storage_offset() == 0
+        )
+
+    def lease(self, *tensors: torch.Tensor | None) -> Lease:
+        """Hold these tensors' buffers against reuse until the lease is released (tensors that
+        cannot be pool buffers, and None, are ignored)."""
+        keys = []
+        with self._lock:
+            for t in tensors:
+                if t is None:
+                    continue
+                key = self._key(t)
+                if key is None:
+                    continue
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = self._entries[key] = _Entry(t)
+                    # A spare leased again (its reader took the lease late): not reused now.
+                    for i, s in enumerate(self._spares):
+                        if s.untyped_storage().data_ptr() == key:
+                            entry.tensor, entry.retired = self._spares.pop(i), True
+                            break
+                entry.leases += 1
+                keys.append(key)
+        return Lease(self, tuple(keys)) if keys else NO_LEASE
+
+    def _release(self, keys: tuple[int, ...]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._entries[key]
+                entry.leases -= 1
+                if entry.leases == 0:
+                    del self._entries[key]
+                    if entry.retired:
+                        self._spare(entry.tensor)
+
+    def _spare(self, t: torch.Tensor) -> None:
+        """(lock held) Keep a retired, unleased whole buffer for reuse, if there is room."""
+        room = len(self._spares) < self.max_spares
+        if room and self._whole(t) and not any(s is t for s in self._spares):
+            self._spares.append(t)
 
     def retire(self, t: torch.Tensor) -> None:
-        """Watch `t`, a replaced version, for reuse (ignored unless it is a whole pool-shaped
-        contiguous buffer that owns its memory)."""
-        if (
-            t.shape != (self.numel,)
-            or t.dtype != torch.float32
-            or t.device != self.device
-            or not t.is_contiguous()
-            or t._base is not None
-            or t.untyped_storage().nbytes() != self.numel * 4
-        ):
+        """``t``, a version its owner replaced (or a scratch buffer it no longer needs), may be
+        reused once no lease on it is held (ignored unless it is a whole pool-shaped buffer)."""
+        if not self._whole(t):
             return
-        if any(c is t for c in self._candidates):
-            return
-        self._candidates.append(t)
-        if len(self._candidates) > self.max_candidates:
-            del self._candidates[0]
-        self.trim()
-
-    def trim(self) -> None:
-        """Let go of the unreferenced candidates beyond ``max_spares`` (the oldest first), so
-        that versions whose last reader went away (an expired job, a dropped snapshot) are
-        freed rather than kept for reuse."""
-        # Indexing, not enumerate(): its reused result tuple would hold one more reference.
-        pool = self._candidates
-        spares = [i for i in range(len(pool)) if self._unreferenced(pool[i])]
-        for i in reversed(spares[: max(0, len(spares) - self.max_spares)]):
-            del self._candidates[i]
+        with self._lock:
+            entry = self._entries.get(t.untyped_storage().data_ptr())
+            if entry is not None:
+                entry.retired = True
+                if entry.tensor._base is not None or entry.tensor.shape != (self.numel,):
+                    entry.tensor = t  # the spare is the whole buffer, not a reader's view
+            else:
+                self._spare(t)
 
     def take(self) -> torch.Tensor:
-        """A [numel] float32 buffer (uninitialised) that nobody else refers to."""
-        for i in range(len(self._candidates)):
-            c = self._candidates[i]
-            if self._unreferenced(c):
-                del self._candidates[i]
+        """A [numel] float32 buffer (uninitialised) that nobody reads."""
+        with self._lock:
+            if self._spares:
                 self.recycled += 1
-                return c
-        self.allocated += 1
+                return self._spares.pop()
+            self.allocated += 1
         return torch.empty(self.numel, dtype=torch.float32, device=self.device)
 
+    def leased(self, t: torch.Tensor) -> int:
+        """How many leases are held on ``t``'s buffer (diagnostics, tests)."""
+        key = self._key(t)
+        with self._lock:
+            entry = self._entries.get(key) if key is not None else None
+            return entry.leases if entry is not None else 0
+
     def clear(self) -> None:
-        """Let every candidate go (e.g. after loading a state)."""
-        self._candidates.clear()
+        """Let the spares go (e.g. after loading a state); leases stay held."""
+        with self._lock:
+            self._spares.clear()
 
     def __len__(self) -> int:
-        return len(self._candidates)
+        """The spares kept for reuse."""
+        return len(self._spares)

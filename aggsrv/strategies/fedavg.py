@@ -47,7 +47,15 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import Job, Outcome, Status, Strategy, StrategyConfig, Update
+from aggsrv.strategies.base import (
+    Job,
+    Outcome,
+    PendingReason,
+    Status,
+    Strategy,
+    StrategyConfig,
+    Update,
+)
 
 __all__ = ["FedAvg", "FedAvgConfig"]
 
@@ -166,8 +174,13 @@ class FedAvg(Strategy):
         if self.config.mode == "k_async":
             return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
-        if not self._round_open or self._participants.get(client_id, True):
-            return None  # not sampled, or already reported: wait for the next round
+        if not self._round_open:
+            return self._no_job(PendingReason.NO_ROUND_OPEN)
+        reported = self._participants.get(client_id)
+        if reported is None:
+            return self._no_job(PendingReason.NOT_SELECTED)
+        if reported:
+            return self._no_job(PendingReason.ALREADY_REPORTED)
         return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:

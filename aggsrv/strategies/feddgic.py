@@ -66,6 +66,7 @@ from aggsrv.strategies.base import (
     Job,
     JobSuperseded,
     Outcome,
+    PendingReason,
     Status,
     Strategy,
     StrategyConfig,
@@ -223,8 +224,13 @@ class FedDGIC(Strategy):
         if self.phase == "async":
             return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
-        if not self._round_open or self._participants.get(client_id, True):
-            return None
+        if not self._round_open:
+            return self._no_job(PendingReason.NO_ROUND_OPEN)
+        reported = self._participants.get(client_id)
+        if reported is None:
+            return self._no_job(PendingReason.NOT_SELECTED)
+        if reported:
+            return self._no_job(PendingReason.ALREADY_REPORTED)
         return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:

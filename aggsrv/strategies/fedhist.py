@@ -65,6 +65,7 @@ from aggsrv.strategies.base import (
     Job,
     NonFiniteResult,
     Outcome,
+    PendingReason,
     Status,
     Strategy,
     StrategyConfig,
@@ -209,7 +210,7 @@ class FedHist(Strategy):
         """A job from the current version, except while the client's update waits in the round."""
         self._require_registered(client_id)
         if any(c == client_id for c, _ in self._cur_meta):
-            return None
+            return self._no_job(PendingReason.UPDATE_BUFFERED)
         return self._issue_job(client_id, deadline=None, now=now)
 
     def steps_of(self, update: Update, job: Job) -> float:

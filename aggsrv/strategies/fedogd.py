@@ -70,6 +70,7 @@ from aggsrv.strategies.base import (
     InvalidUpdate,
     Job,
     Outcome,
+    PendingReason,
     ProjectionMode,
     Recipe,
     Status,
@@ -285,8 +286,10 @@ class CachedEpochs(Strategy):
         Asking for a job does not change who the epoch waits for (decided when it opened)."""
         self._require_registered(client_id)
         self._maybe_open(now)
-        if not self._open or client_id in self._arrivals:
-            return None
+        if not self._open:
+            return self._no_job(PendingReason.NO_ROUND_OPEN)
+        if client_id in self._arrivals:
+            return self._no_job(PendingReason.ALREADY_REPORTED)
         return self._issue_job(client_id, deadline=None, now=now)
 
     def _next_deadline(self) -> float | None:

@@ -95,6 +95,7 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.buffers import Lease
 
 __all__ = ["SHIFT_SOURCES", "OrthoFL", "OrthoFLConfig"]
 
@@ -168,6 +169,9 @@ class OrthoFL(Strategy):
         self._no_mask = torch.zeros(L, dtype=torch.bool)
         self._lengths = (self._offsets[1:] - self._offsets[:-1]).to(self.device)
         self._sent: dict[str, torch.Tensor] = {}  # C_m (variant C: S_m), on the device
+        # A lease on each kept snapshot that may be a version buffer (C_m, G_m, V): ("sent",
+        # client), ("snap", client), ("chain",). Read at the client's next update.
+        self._holds: dict[tuple[str, ...], Lease] = {}
         self._snap: dict[str, torch.Tensor] = {}  # G_m (variant P only), see _snap_device
         self._tau: dict[str, int] = {}  # tau_m: the version of the snapshot
         self._host_snapshots = self.device.type == "cuda"
@@ -175,6 +179,7 @@ class OrthoFL(Strategy):
         self._scratch: torch.Tensor | None = None  # X for DELTA updates
         # Variant C: the chain of calibrated client models V (starts at the initial model).
         self._chain: torch.Tensor | None = self._model if self.chain_mode else None
+        self._hold(("chain",), self._chain)
         # The float buffers' counterparts ([B] each): C_m (S_m), G_m and V; one segment per
         # buffer tensor, calibrated only with calibrate_norm.
         self._b_offsets = self.layout.buffer_offsets
@@ -226,6 +231,8 @@ class OrthoFL(Strategy):
         found = client_id in self._tau
         for snapshots in (self._sent, self._snap, self._b_sent, self._b_snap):
             snapshots.pop(client_id, None)
+        self._hold(("sent", client_id), None)
+        self._hold(("snap", client_id), None)
         self._tau.pop(client_id, None)
         return found
 
@@ -241,6 +248,8 @@ class OrthoFL(Strategy):
             else:
                 self._sent[client_id] = self._model
                 self._snap[client_id] = self._host_copy(self._model, None)
+                self._hold(("snap", client_id), self._snap[client_id])
+            self._hold(("sent", client_id), self._sent[client_id])
             if self.float_buffers.enabled:
                 current = self.float_buffers.current
                 if self.chain_mode:
@@ -252,6 +261,14 @@ class OrthoFL(Strategy):
         if self.float_buffers.enabled:
             tensors["buffers"] = self._b_sent[client_id]
         return tensors
+
+    def _hold(self, key: tuple[str, ...], t: torch.Tensor | None) -> None:
+        """Keep ``t`` (None: nothing) under the lease named ``key``, giving up what it held."""
+        old = self._holds.pop(key, None)
+        if t is not None:
+            self._holds[key] = self._versions.lease(t)
+        if old is not None:
+            old.release()
 
     def _host_copy(self, src: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
         """G_m for ``src`` (a published version): the tensor itself on a CPU device, else a
@@ -332,16 +349,18 @@ class OrthoFL(Strategy):
         if buffers is not None:
             self._commit_buffers(cid, *buffers)
         version = self._publish(new)
-        old_sent = self._sent[cid]
         self._sent[cid] = y
+        self._hold(("sent", cid), y)
         if self.chain_mode:
             self._chain = y
+            self._hold(("chain",), y)
         else:
             prev = self._snap[cid]
             self._snap[cid] = self._host_copy(new, prev if self._host_snapshots else None)
+            self._hold(("snap", cid), self._snap[cid])
         self._tau[cid] = version
-        if old_sent is not self._model and old_sent is not self._chain:
-            self._versions.retire(old_sent)  # reused once no job or stream holds it
+        # Y is kept only through the leases above (and its jobs'): reused once they are gone.
+        self._versions.retire(y)
         logger.debug("orthofl: %s t-tau=%d beta_t=%.4g -> v%d", cid, t_minus_tau, beta_t, version)
         return Outcome(Status.APPLIED, version)
 
@@ -415,6 +434,14 @@ class OrthoFL(Strategy):
         else:
             self._chain = None
         self._load_buffer_snapshots(state.get("buffers"))
+        for lease in self._holds.values():
+            lease.release()
+        self._holds = {}
+        for cid, t in self._sent.items():
+            self._hold(("sent", cid), t)
+        for cid, t in self._snap.items():
+            self._hold(("snap", cid), t)
+        self._hold(("chain",), self._chain)
         # Jobs that started from the same version may carry different client models: the base
         # class restored one tensor per version, so point every job at its client's C_m.
         for job_id, job in list(self._jobs.items()):

@@ -51,6 +51,14 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_SUPERSEDED: _ClassVar[JobState]
     JOB_STATE_COMPLETED: _ClassVar[JobState]
     JOB_STATE_UNKNOWN: _ClassVar[JobState]
+
+class PendingReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PENDING_REASON_UNSPECIFIED: _ClassVar[PendingReason]
+    PENDING_REASON_NO_ROUND_OPEN: _ClassVar[PendingReason]
+    PENDING_REASON_NOT_SELECTED: _ClassVar[PendingReason]
+    PENDING_REASON_ALREADY_REPORTED: _ClassVar[PendingReason]
+    PENDING_REASON_UPDATE_BUFFERED: _ClassVar[PendingReason]
 UPDATE_KIND_UNSPECIFIED: UpdateKind
 UPDATE_KIND_WEIGHTS: UpdateKind
 UPDATE_KIND_DELTA: UpdateKind
@@ -73,6 +81,11 @@ JOB_STATE_CURRENT: JobState
 JOB_STATE_SUPERSEDED: JobState
 JOB_STATE_COMPLETED: JobState
 JOB_STATE_UNKNOWN: JobState
+PENDING_REASON_UNSPECIFIED: PendingReason
+PENDING_REASON_NO_ROUND_OPEN: PendingReason
+PENDING_REASON_NOT_SELECTED: PendingReason
+PENDING_REASON_ALREADY_REPORTED: PendingReason
+PENDING_REASON_UPDATE_BUFFERED: PendingReason
 
 class ClientCapabilities(_message.Message):
     __slots__ = ("upload_dtypes", "download_dtypes", "update_kinds", "projection_modes", "elastic_net", "proximal", "partial_work", "max_receive_message_bytes", "extensions")
@@ -308,12 +321,14 @@ class JobMessage(_message.Message):
     def __init__(self, pending: _Optional[_Union[JobPending, _Mapping]] = ..., header: _Optional[_Union[JobHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., trailer: _Optional[_Union[_tensor_pb2.StreamTrailer, _Mapping]] = ...) -> None: ...
 
 class JobPending(_message.Message):
-    __slots__ = ("reason", "model_version")
+    __slots__ = ("reason", "model_version", "code")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     reason: str
     model_version: int
-    def __init__(self, reason: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
+    code: PendingReason
+    def __init__(self, reason: _Optional[str] = ..., model_version: _Optional[int] = ..., code: _Optional[_Union[PendingReason, str]] = ...) -> None: ...
 
 class JobHeader(_message.Message):
     __slots__ = ("job_id", "client_id", "base_version", "layout_hash", "round", "deadline", "time_budget", "recipe", "dtype", "tensors", "update_kind", "upload_dtype", "send_buffers")

@@ -1,0 +1,120 @@
+"""Sharding (docs/sharding.md), rank 0's side: on a sharded server the log's records are the
+replicated log. Rank 0 announces each call to the other shards (``_replicate``) right before
+making it, on its aggregation thread; the other shards (aggsrv.server.shard_follower) make the
+same calls with the same inputs on their slices, so every shard takes the same decisions at the
+same versions. After each call the shards compare what it did (``_agree``): a shard that differs
+has diverged, and the federation stops on every shard.
+
+A mixin of :class:`~aggsrv.server.federation.Federation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aggsrv.server import shards as S
+from aggsrv.server.aggregation_loop import AggregationFailed, DurabilityError
+from aggsrv.strategies import Outcome, Update
+
+T = TypeVar("T")
+
+
+def update_meta(update: Update, now: float) -> dict[str, Any]:
+    """An update's call without its tensors or outcome (what rank 0 announces to the shards)."""
+    return {
+        "client": update.client_id,
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "update_id": update.update_id,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+        "now": now,
+    }
+
+
+def _header_mismatch(update: Update, meta: dict[str, Any]) -> str:
+    """How a shard's copy of an update's header differs from rank 0's ("" when it does not)."""
+    ours = {
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+    }
+    theirs = {k: meta[k] for k in ours}
+    return ", ".join(f"{k}: {ours[k]!r} here, {theirs[k]!r} there" for k in ours
+                     if ours[k] != theirs[k])  # fmt: skip
+
+
+def _staleness(outcome: Outcome, at_apply: int) -> int:
+    """The staleness to answer: the one the strategy recorded when it accepted the update (for
+    a DUPLICATE, the original's), else the version difference at apply time."""
+    return outcome.staleness if outcome.staleness is not None else at_apply
+
+
+class Replication:
+    """Rank 0's side of a sharded federation: announce each call, vote, compare."""
+
+    def _collective(self, fn: Callable[..., T], *args: Any) -> T:
+        """A collective between the shards (aggregation thread). A lost shard stops the
+        federation taking writes, like a failed log write: the shards must not diverge."""
+        try:
+            return fn(*args)
+        except S.ShardLost as exc:
+            self.fail(str(exc))
+            raise DurabilityError(self.failure) from exc
+
+    def _replicate(self, kind: str, meta: dict[str, Any]) -> None:
+        """Rank 0 of a sharded federation: announce the call about to be made."""
+        if self.shards is not None:
+            self._collective(self.shards.announce, kind, meta)
+            self._announced = (kind, meta)
+
+    def _agree_on_announced(self, refused: bool) -> None:
+        """Rank 0, after making the call it announced (aggregation thread)."""
+        announced, self._announced = self._announced, None
+        if announced is not None:
+            self._agree(*announced, refused)
+
+    def _agree(self, kind: str, meta: dict[str, Any], refused: bool) -> None:
+        """Every shard, after a call rank 0 ordered (aggregation thread): one small all_reduce
+        compares what the call did on each shard (refused or not, the version, jobs issued,
+        clients). The shards make the same calls on the same state, so a shard that differs
+        has diverged; every shard sees the same comparison, so all stop taking writes."""
+        shards = self.shards
+        if shards is None or kind not in S.COMPARED_KINDS:
+            return
+        assert self.strategy is not None
+        rows = self._collective(shards.compare, S.call_digest(self.strategy, refused))
+        if rows is not None:
+            self.fail(f"the shards diverged on {S.describe_call(kind, meta)}: {S.divergence(rows)}")
+            raise AggregationFailed(self.failure)
+
+    def _vote(self, update: Update) -> None:
+        """All or none: every shard checks its slice, and one refusal refuses the update
+        everywhere (raised as the refusal) before any state changes."""
+        shards = self.shards
+        if shards is None:
+            return
+        verdict, own = S.slice_verdict(self.strategy, update)
+        votes = self._collective(shards.vote, verdict)
+        if max(votes):
+            raise S.refusal(votes, shards.rank, own, update.update_id, shards.slice_wait)
+
+    async def keep_alive(self) -> None:
+        """Rank 0: announce a no-op when idle, so the other shards' wait for the next call never
+        times out and a lost shard is noticed within a heartbeat."""
+        shards = self.shards
+        assert shards is not None and shards.is_coordinator
+        while not self.closing:
+            await asyncio.sleep(shards.heartbeat / 2)
+            if self.closing:
+                return
+            if time.monotonic() - shards.last_announce >= shards.heartbeat:
+                with contextlib.suppress(DurabilityError):
+                    await self.call(self._replicate, "noop", {})

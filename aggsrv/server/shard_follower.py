@@ -1,0 +1,189 @@
+"""A shard of rank >= 1 of a sharded federation (docs/sharding.md): its receiving thread takes
+the calls rank 0 announces, in rank 0's order, and makes each on the aggregation thread with
+:meth:`Federation.replay` (the same records a restarted server replays from its log); an
+update's data is the shard's own slice, held until rank 0 orders it.
+
+A mixin of :class:`~aggsrv.server.federation.Federation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aggsrv.layout import ModelLayout
+from aggsrv.server import shards as S
+from aggsrv.server.aggregation_loop import AggregationFailed, DurabilityError
+from aggsrv.server.durability import WalRecord
+from aggsrv.server.replication import _header_mismatch, _staleness
+from aggsrv.strategies import InvalidUpdate, Outcome, ShardsDisagree, StrategyError, Update
+
+log = logging.getLogger("aggsrv.server.federation")
+
+
+@dataclass
+class _Reply:
+    """The answer to the slice a shard of rank >= 1 took for the update it is following."""
+
+    staged: S.StagedSlice
+    result: Any = None
+    error: BaseException | None = None
+
+
+class ShardFollower:
+    """A shard of rank >= 1: make the calls rank 0 announces, in its order."""
+
+    def follow(self) -> None:
+        """The receiving thread of a shard of rank >= 1: take the calls rank 0 announces, in its
+        order, and make each on the aggregation thread (where reads of the strategy queue too),
+        until rank 0 announces "stop", a collective fails or the shards diverge."""
+        shards = self.shards
+        loop = self._loop
+        assert shards is not None and loop is not None
+        while True:
+            try:
+                kind, meta = shards.receive()
+            except S.ShardLost as exc:
+                self.fail(str(exc))
+                return
+            if kind == "stop":
+                log.info("rank 0 stopped the federation")
+                if self.on_coordinator_stop is not None:
+                    loop.call_soon_threadsafe(self.on_coordinator_stop)
+                return
+            if kind == "noop":
+                continue
+            try:
+                self._executor.submit(self._follow_step, kind, meta).result()
+            except DurabilityError:  # fail() said why
+                return
+            except RuntimeError:  # the server stopped (its aggregation thread with it)
+                return
+            loop.call_soon_threadsafe(self._followed)
+
+    def _followed(self) -> None:
+        """After a followed call (event loop): publish a new version, wake waiting handlers
+        (a slice of a job waits for the job to exist here)."""
+        if self.failure is None:
+            self.publish()
+        self.notify()
+
+    def _follow_step(self, kind: str, meta: dict[str, Any]) -> None:
+        """(aggregation thread of a shard of rank >= 1) Make one call rank 0 made, compare what
+        it did with the other shards, then answer the slice of an update."""
+        self._reply = None
+        try:
+            refused = self._follow_call(kind, meta)
+            self._agree(kind, meta, refused)
+        except S.ShardLost as exc:
+            self.fail(str(exc))
+            self._answer_slice(AggregationFailed(self.failure))
+            raise AggregationFailed(self.failure) from exc
+        except DurabilityError as exc:  # a lost shard, shards that diverged: fail() said why
+            self._answer_slice(exc)
+            raise
+        except ShardsDisagree as exc:
+            error = self._stop_on_divergence(exc, (kind, meta))
+            self._answer_slice(error)
+            raise error from exc
+        except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
+            error = self._stop_on_unexpected(exc, f"shard {self.shards.rank} following a {kind}")
+            self._answer_slice(error)
+            # Rank 0 may be waiting in a collective this shard will never join: leaving the
+            # group ends its wait now rather than at shard_timeout_seconds.
+            self.shards.close()
+            raise error from exc
+        self._answer_slice()
+        self._settle()
+
+    def _answer_slice(self, error: BaseException | None = None) -> None:
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            reply.staged.resolve(reply.result, error=error or reply.error)
+
+    def _follow_call(self, kind: str, meta: dict[str, Any]) -> bool:
+        """Make the call rank 0 announced; whether it was refused here."""
+        if kind == "adopt":
+            whole = ModelLayout.from_dict(meta["layout"])
+            weights = self._collective(self.shards.share_model, None, whole.numel)
+            self.install(*self._build(whole, weights, None))
+            return False
+        assert self.strategy is not None, f"a {kind} call before the model"
+        if kind == "update":  # its data is this shard's own slice, and the shards vote
+            return self._follow_update(meta, float(meta["now"]))
+        try:  # the same records a restarted server replays from its log
+            self.replay(WalRecord(kind, meta))
+        except StrategyError:
+            return True
+        return False
+
+    def _follow_update(self, meta: dict[str, Any], now: float) -> bool:
+        """Follow an update on this shard's slice; whether it was refused here. The answer to
+        the slice waits in :attr:`_reply` until the shards agree on the outcome."""
+        shards = self.shards
+        strategy = self.strategy
+        staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
+        verdict, own, update = S.SLICE_MISSING, None, None
+        if staged is not None:
+            self._reply = _Reply(staged)
+            update = staged.update
+            mismatch = _header_mismatch(update, meta)
+            if mismatch:
+                verdict = S.SLICE_INVALID
+                own = InvalidUpdate(
+                    f"the header of the slice sent to shard {shards.rank} differs from the one "
+                    f"sent to rank 0 ({mismatch}); no shard applied the update"
+                )
+            else:
+                verdict, own = S.slice_verdict(strategy, update)
+        votes = self._collective(shards.vote, verdict)
+        if max(votes):
+            if self._reply is not None:
+                self._reply.error = S.refusal(
+                    votes, shards.rank, own, meta["update_id"], shards.slice_wait
+                )
+            return True
+        assert self._reply is not None and update is not None
+        try:
+            outcome = strategy.on_update(update, now)
+        except StrategyError as exc:
+            self._reply.error = exc
+            return True
+        s = _staleness(outcome, strategy.version - update.base_version)
+        if outcome.original is None:
+            self.count_accepted(outcome)
+        else:
+            self.counters["duplicate"] += 1
+        self._reply.result = (s, outcome)
+        return False
+
+    async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
+        """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
+        the outcome every shard reached (or the refusal); (staleness, outcome)."""
+        shards = self.shards
+        assert shards is not None
+        loop = asyncio.get_running_loop()
+        key = (update.client_id, update.update_id)
+        staged = S.StagedSlice(update, loop.create_future(), loop)
+        if not shards.staged.put(key, staged):
+            raise S.SliceMissing(f"update {update.update_id!r} is being uploaded already")
+        try:
+            return await asyncio.wait_for(asyncio.shield(staged.done), shards.order_wait)
+        except TimeoutError:
+            if shards.staged.withdraw(key, staged):
+                raise S.SliceMissing(
+                    f"rank 0 did not order update {update.update_id!r} within "
+                    f"{shards.order_wait:g} s (shard_order_wait_seconds): its slice for rank 0 "
+                    "did not arrive or was refused there; send the update again"
+                ) from None
+            return await staged.done
+        except asyncio.CancelledError:
+            # The caller went away; the slot under this slice is freed after we return, so the
+            # aggregation thread must be done with it first.
+            if not shards.staged.withdraw(key, staged):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(staged.done)
+            raise

@@ -1,0 +1,135 @@
+"""GetJob's pending answers say why there is no job (JobPending.code), over real gRPC on loopback.
+
+Each case drives a strategy into one waiting state through the public calls only, then reads
+the first message of a GetJob stream: a pending whose code names that state, and whose
+model_version is the server's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+from server_helpers import RunningServer
+
+from aggsrv.client import Client, Pending, PendingReason
+from aggsrv.layout import ModelLayout
+from aggsrv.strategies.base import Status, UpdateKind
+from aggsrv.v1 import aggregation_pb2 as pb
+from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+
+LAYOUT = ModelLayout.from_named_shapes([("w", (5,))])
+
+
+def first_message(address: str, client_id: str) -> pb.JobMessage:
+    """The first message of a GetJob stream (the call is then cancelled)."""
+    with grpc.insecure_channel(address) as channel:
+        stream = pb_grpc.AggregationStub(channel).GetJob(
+            pb.GetJobRequest(client_id=client_id, layout_hash=LAYOUT.hash), timeout=30
+        )
+        try:
+            return next(iter(stream))
+        finally:
+            stream.cancel()
+
+
+def pending_code(address: str, client_id: str) -> int:
+    msg = first_message(address, client_id)
+    assert msg.WhichOneof("kind") == "pending", msg
+    return msg.pending.code
+
+
+def register(address: str, client_id: str, first: bool = False) -> Client:
+    c = Client(address, client_id)
+    if first:
+        c.register(layout=LAYOUT, initial=torch.zeros(LAYOUT.numel))
+    else:
+        c.register(layout=LAYOUT)
+    return c
+
+
+def test_the_wire_enum_and_the_python_enum_agree() -> None:
+    wire = {v.name.removeprefix("PENDING_REASON_"): v.number
+            for v in pb.DESCRIPTOR.enum_types_by_name["PendingReason"].values}  # fmt: skip
+    assert wire == {r.name: r.value for r in PendingReason}
+    assert wire["UNSPECIFIED"] == 0
+
+
+def test_no_round_open_then_not_selected() -> None:
+    # One participant per round, and rounds wait for two registered clients.
+    cfg = {"mode": "sync", "participation": 1, "min_clients": 1, "min_available": 2}
+    srv = RunningServer(strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0)
+    try:
+        a = register(srv.address, "a", first=True)
+        msg = first_message(srv.address, "a")
+        assert msg.WhichOneof("kind") == "pending"
+        assert msg.pending.code == pb.PENDING_REASON_NO_ROUND_OPEN
+        assert msg.pending.model_version == 0 and msg.pending.reason
+        b = register(srv.address, "b")
+        # The round opened with one of the two: the other is told it was not selected.
+        kinds = {cid: first_message(srv.address, cid) for cid in ("a", "b")}
+        pending = [cid for cid, m in kinds.items() if m.WhichOneof("kind") == "pending"]
+        assert len(pending) == 1, kinds
+        (left_out,) = pending
+        assert kinds[left_out].pending.code == pb.PENDING_REASON_NOT_SELECTED
+        assert sorted(srv.strategy._participants) == sorted({"a", "b"} - {left_out})
+        a.close()
+        b.close()
+    finally:
+        srv.stop()
+
+
+def test_already_reported_reaches_the_python_client() -> None:
+    # Both clients are in the round; after a reports, the round waits for b.
+    cfg = {"mode": "sync", "participation": 2, "min_clients": 2, "min_available": 2}
+    srv = RunningServer(strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0)
+    try:
+        a = register(srv.address, "a", first=True)
+        b = register(srv.address, "b")
+        job = a.get_job()
+        assert a.push(job, torch.ones(LAYOUT.numel), kind=UpdateKind.DELTA).status is (
+            Status.BUFFERED
+        )
+        assert pending_code(srv.address, "a") == pb.PENDING_REASON_ALREADY_REPORTED
+        # The Python client hands each pending notice to on_pending while it waits.
+        seen: list[Pending] = []
+        got: list = []
+        waiter = threading.Thread(
+            target=lambda: got.append(a.get_job(timeout=30, on_pending=seen.append)), daemon=True
+        )
+        waiter.start()
+        b_job = b.get_job()
+        # b's update closes the round; a's stream then carries the next round's job.
+        b.push(b_job, torch.ones(LAYOUT.numel), kind=UpdateKind.DELTA)
+        waiter.join(timeout=30)
+        assert got and got[0].base_version == 1
+        assert seen and seen[0].reason is PendingReason.ALREADY_REPORTED
+        assert seen[0].model_version == 0 and seen[0].text
+        a.close()
+        b.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("strategy", ["fedhist", "twafl"])
+def test_update_buffered(strategy: str) -> None:
+    srv = RunningServer(
+        strategy=strategy, strategy_config={"buffer_size": 2}, rate_limit_per_second=0.0
+    )
+    try:
+        a = register(srv.address, "a", first=True)
+        b = register(srv.address, "b")
+        job = a.get_job()
+        pushed = a.push(
+            job, torch.ones(LAYOUT.numel) * 0.1, kind=UpdateKind.DELTA, num_samples=1, steps=1
+        )
+        assert pushed.status is Status.BUFFERED
+        assert pending_code(srv.address, "a") == pb.PENDING_REASON_UPDATE_BUFFERED
+        # b has nothing in the buffer: it gets a job.
+        assert first_message(srv.address, "b").WhichOneof("kind") == "header"
+        a.close()
+        b.close()
+    finally:
+        srv.stop()
