@@ -103,15 +103,18 @@ def test_no_path_outside_the_repository() -> None:
                 problems.append(f"{name}:{line_of(text, m.start())}: {m.group(0)!r}: {why}")
         for m in UP.finditer(URL.sub(lambda u: " " * len(u.group(0)), text)):
             if leaves_repo(m.group(0), name):
-                problems.append(f"{name}:{line_of(text, m.start())}: {m.group(0)!r} leaves the repo")
+                problems.append(
+                    f"{name}:{line_of(text, m.start())}: {m.group(0)!r} leaves the repo"
+                )
     assert not problems, "\n".join(problems)
 
 
 def test_markdown_references_resolve() -> None:
     texts = tracked_text_files()
     tracked = set(
-        subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
-        .stdout.split("\n")
+        subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split("\n")
     )
     problems = []
     for name, text in texts.items():

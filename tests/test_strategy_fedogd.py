@@ -1,4 +1,4 @@
-"""Fed-OGD (shared/specs/fedogd.md): server traces against float64 oracles, the client projection
+"""Fed-OGD (docs/algorithms/fedogd.md): server traces against float64 oracles, the client projection
 inside ``train()``, epochs and detection, the privacy variant, state round trips, a short run."""
 
 from __future__ import annotations
@@ -197,8 +197,9 @@ def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> 
 
 
 def test_authors_code_preset_by_hand() -> None:
-    """fedogd.md 2.10 authors-code preset: momentum 0.1 in the recipe, eta_l 0.01, and a step of
-    eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row counting as 0."""
+    """docs/algorithms/fedogd.md 2.10 authors-code preset: momentum 0.1 in the recipe, eta_l 0.01,
+    and a step of eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row
+    counting as 0."""
     gen = torch.Generator().manual_seed(8)
     w0 = torch.randn(D, generator=gen)
     # "never" is a straggler (not waited for) that never uploads: its row counts as zero.

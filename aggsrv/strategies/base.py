@@ -1,5 +1,5 @@
-"""The Strategy protocol of DESIGN.md "Strategies" (the value types, errors, ledger and config it
-uses live in aggsrv.values and the modules beside this one, and are re-exported here).
+"""The Strategy protocol of docs/design.md "Strategies" (the value types, errors, ledger and config
+it uses live in aggsrv.values and the modules beside this one, and are re-exported here).
 
 A strategy owns its state (device tensors, jobs it handed out, an RNG, the update ledger) and is
 driven from one aggregation loop only, so it takes no locks. It reads time only from the ``now``

@@ -1,9 +1,9 @@
 """Fed-OGD (Li et al.): cached pseudo-gradients, two group bases, cross-group client projection.
 
-Spec: shared/specs/fedogd.md (section 2.4 is the canonical algorithm; "[rec]" choices below come
+Spec: docs/algorithms/fedogd.md (section 2.4 is the canonical algorithm; "[rec]" choices below come
 from it). The server keeps one cache row per client holding its newest pseudo-gradient
-``Δw_k = -DELTA / lr`` (DESIGN.md; the gradient-sign convention of spec G3), overwritten on every
-arrival and reused in every later epoch (spec 2.12). Clients are in the active group A or the
+``Δw_k = -DELTA / lr`` (docs/design.md; the gradient-sign convention of spec G3), overwritten on
+every arrival and reused in every later epoch (spec 2.12). Clients are in the active group A or the
 straggler group S. At the close of each epoch (one version per epoch):
 
 * ``b_A`` / ``b_S`` = the mean of the valid cache rows of each group (``kernels.group_means``;
@@ -144,7 +144,8 @@ class CachedEpochConfig(StrategyConfig):
         return self.learning_rate if self.server_lr is None else self.server_lr
 
 
-# fedogd.md section 2.10: the paper's settings (our defaults) and the released code's.
+# docs/algorithms/fedogd.md section 2.10: the paper's settings (our defaults)
+# and the released code's.
 FEDOGD_PRESETS: dict[str, dict[str, Any]] = {
     "paper": {},
     "authors_code": {
@@ -159,10 +160,11 @@ FEDOGD_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class FedOGDConfig(CachedEpochConfig):
-    """Fed-OGD settings (module docstring); defaults are fedogd.md's ``paper`` preset.
+    """Fed-OGD settings (module docstring); defaults are
+    docs/algorithms/fedogd.md's ``paper`` preset.
 
-    ``preset = "authors_code"`` (fedogd.md 2.10) fills the keys the same table does not give
-    with the released code's values: SGD momentum 0.1, a uniform mean over all K rows with
+    ``preset = "authors_code"`` (docs/algorithms/fedogd.md 2.10) fills the keys the same table does
+    not give with the released code's values: SGD momentum 0.1, a uniform mean over all K rows with
     never-uploaded rows counting as zero, eta_l = 0.01, eta_g = 0.003. ``"paper"`` is the
     defaults. A preset only fills: a key given beside it wins.
     """
