@@ -534,7 +534,7 @@ class Strategy(ABC):
 
     def _with_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Add the global float buffers as "buffers" unless the strategy chose the job's own
-        (ORTHOFL hands a client its own statistics back, spec G6)."""
+        (ORTHOFL hands a client its own statistics back, docs/algorithms/orthofl.md G6)."""
         current = self.float_buffers.current
         if current is not None:
             tensors.setdefault("buffers", current)

@@ -30,7 +30,8 @@ COMMON = [("fedavg", "fedavg", {}), ("fedasync", "fedasync", {}), ("fedbuff", "f
 COMPARISONS: dict[str, list[tuple[str, str, dict]]] = {
     "fedogd_tiers_main_class": [
         ("fedogd", "fedogd", {"epoch_timeout": 1.0}),
-        # The spec's preset server lr (0.0015) was tuned for 300 epochs; also the sweep's top.
+        # The paper preset's server lr (0.0015, docs/algorithms/fedogd.md 2.10) was chosen for 300
+        # epochs; 0.01 is also the sweep's top.
         ("fedogd lr_g=0.01", "fedogd", {"epoch_timeout": 1.0, "server_lr": 0.01}),
         ("fedogd authors_code", "fedogd", {"epoch_timeout": 1.0, "preset": "authors_code"}),
         ("mifa", "mifa", {"epoch_timeout": 1.0}),
@@ -58,7 +59,7 @@ COMPARISONS: dict[str, list[tuple[str, str, dict]]] = {
 }
 COMPARISONS["feden_partial_work_s50"] = COMPARISONS["feden_partial_work"]
 # FedHist's paper compares with K-async FedAvg and TWAFL among what we implement (FedProx is
-# FedAvg under one local step, spec 3.5); FedBuff with buffer K is the same trigger.
+# FedAvg under one local step, docs/algorithms/fedhist.md 3.5); FedBuff with buffer K is the same trigger.
 COMPARISONS["fedhist_k_of_n"] = [
     ("fedhist", "fedhist", {}),
     ("twafl", "twafl", {}),
@@ -68,7 +69,7 @@ COMPARISONS["fedhist_k_of_n"] = [
 ]
 COMPARISONS["fedhist_k_of_n_b1"] = list(COMPARISONS["fedhist_k_of_n"])
 COMPARISONS["fedhist_k_of_n_nk100"] = list(COMPARISONS["fedhist_k_of_n"])
-# The paper's ablations (spec 3.4) and a control for INA's larger step: FedBuff with a server
+# The paper's ablations (docs/algorithms/fedhist.md 3.4) and a control for INA's larger step: FedBuff with a server
 # learning rate of 3 (INA scales the aggregate up to the mean input norm).
 COMPARISONS["fedhist_k_of_n"] += [
     ("fedhist no EGS", "fedhist", {"alpha": 0.0}),
@@ -85,7 +86,7 @@ COMPARISONS["fedhist_k_of_n_nk100"] += [
 COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
     ("fedfg", "fedfg", {"min_available": 20, "grouping_round_timeout": 10.0}),
-    # The spec's "k matched" ablation: FedFG's 5 groups with compensation isolates Eqs. 9-10.
+    # docs/algorithms/feddgic.md's "k matched" ablation: FedFG's 5 groups with compensation isolates Eqs. 9-10.
     (
         "feddgic k=5",
         "feddgic",
