@@ -59,7 +59,8 @@ COMPARISONS: dict[str, list[tuple[str, str, dict]]] = {
 }
 COMPARISONS["feden_partial_work_s50"] = COMPARISONS["feden_partial_work"]
 # FedHist's paper compares with K-async FedAvg and TWAFL among what we implement (FedProx is
-# FedAvg under one local step, docs/algorithms/fedhist.md 3.5); FedBuff with buffer K is the same trigger.
+# FedAvg under one local step, docs/algorithms/fedhist.md 3.5); FedBuff with
+# buffer K is the same trigger.
 COMPARISONS["fedhist_k_of_n"] = [
     ("fedhist", "fedhist", {}),
     ("twafl", "twafl", {}),
@@ -69,8 +70,8 @@ COMPARISONS["fedhist_k_of_n"] = [
 ]
 COMPARISONS["fedhist_k_of_n_b1"] = list(COMPARISONS["fedhist_k_of_n"])
 COMPARISONS["fedhist_k_of_n_nk100"] = list(COMPARISONS["fedhist_k_of_n"])
-# The paper's ablations (docs/algorithms/fedhist.md 3.4) and a control for INA's larger step: FedBuff with a server
-# learning rate of 3 (INA scales the aggregate up to the mean input norm).
+# The paper's ablations (docs/algorithms/fedhist.md 3.4) and a control for INA's larger step:
+# FedBuff with a server learning rate of 3 (INA scales the aggregate up to the mean input norm).
 COMPARISONS["fedhist_k_of_n"] += [
     ("fedhist no EGS", "fedhist", {"alpha": 0.0}),
     ("fedhist no HAA", "fedhist", {"lam": 0.0}),
@@ -86,7 +87,8 @@ COMPARISONS["fedhist_k_of_n_nk100"] += [
 COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
     ("fedfg", "fedfg", {"min_available": 20, "grouping_round_timeout": 10.0}),
-    # docs/algorithms/feddgic.md's "k matched" ablation: FedFG's 5 groups with compensation isolates Eqs. 9-10.
+    # docs/algorithms/feddgic.md's "k matched" ablation: FedFG's 5 groups with
+    # compensation isolates Eqs. 9-10.
     (
         "feddgic k=5",
         "feddgic",
