@@ -14,6 +14,10 @@ UTF-8 are skipped):
    ``fedogd.md`` from a file in ``docs/algorithms/`` or by the last rule, and ``BACKENDS.md``
    only from a file in ``kernels/``.
 
+3. **Cited sections exist.** A citation ``docs/design.md "Heading"`` or ``docs/wire.md "Heading"``
+   (the file, then a heading in double quotes) must name a heading of that file, so the
+   sections code comments lean on cannot be renamed from under them.
+
 This file is exempt: it has to spell the refused names to refuse them.
 """
 
@@ -125,6 +129,24 @@ def test_markdown_references_resolve() -> None:
     assert not problems, "\n".join(problems)
 
 
+CITED = re.compile(r'(docs/(?:design|wire)\.md)(?:\'s)?,? "([^"\n]+)"')
+
+
+def headings(path: Path) -> set[str]:
+    text = path.read_text("utf-8")
+    return {m.group(1).replace("`", "").strip() for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def test_cited_sections_exist() -> None:
+    known = {doc: headings(ROOT / doc) for doc in ("docs/design.md", "docs/wire.md")}
+    problems = []
+    for name, text in tracked_text_files().items():
+        for m in CITED.finditer(text):
+            if m.group(2) not in known[m.group(1)]:
+                problems.append(f"{name}:{line_of(text, m.start())}: no heading {m.group(0)!r}")
+    assert not problems, "\n".join(problems)
+
+
 def test_the_rules_catch_what_they_should() -> None:
     """The checker itself, on made-up references (a checker that finds nothing passes too)."""
     tracked = {"docs/design.md", "docs/algorithms/fedogd.md", "kernels/BACKENDS.md", "README.md"}
@@ -140,3 +162,7 @@ def test_the_rules_catch_what_they_should() -> None:
     flagged = [p for p, _ in OUTSIDE if p.search("see shared/specs/fedogd.md")]
     assert len(flagged) == 2
     assert not any(p.search("docs/design.md and docs/algorithms/") for p, _ in OUTSIDE)
+    m = CITED.search('see docs/design.md "Outcome of an update" and')
+    assert m is not None and m.group(2) == "Outcome of an update"
+    assert m.group(2) in headings(ROOT / "docs" / "design.md")
+    assert "Nope" not in headings(ROOT / "docs" / "design.md")
