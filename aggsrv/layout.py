@@ -1,6 +1,6 @@
 """ModelLayout: a model's named tensors <-> one flat vector, with offset tables and a layout hash.
 
-See DESIGN.md "The flat layout". The trainable parameters map to a flat vector of length D, one
+See docs/design.md "The flat layout". The trainable parameters map to a flat vector of length D, one
 segment per tensor in ``named_parameters()`` order (``offsets``, int64 ``[L+1]``) and one segment
 per module (``module_offsets``: FedDGIC's "layer"). Float buffers that are not trained (BatchNorm
 running statistics, frozen parameters) form a second flat section with its own offsets; integer

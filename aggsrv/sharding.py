@@ -1,6 +1,6 @@
 """Shards of the flat layout, and the reductions that let shards act as one server (issue 9).
 
-A sharded federation splits the flat [D] vector (DESIGN.md "The flat layout") into N contiguous
+A sharded federation splits the flat [D] vector (docs/design.md "The flat layout") into N contiguous
 slices, one per server process. A cut may fall inside a tensor, so a layer that holds most of
 the parameters is still split evenly. Each shard keeps its slice of every [D] and [K, D] tensor.
 

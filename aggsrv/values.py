@@ -31,7 +31,7 @@ class UpdateKind(enum.Enum):
 
 
 class Status(enum.Enum):
-    """How an accepted update was folded in (DESIGN.md "Outcome of an update")."""
+    """How an accepted update was folded in (docs/design.md "Outcome of an update")."""
 
     APPLIED = "APPLIED"
     BUFFERED = "BUFFERED"

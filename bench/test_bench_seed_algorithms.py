@@ -4,7 +4,7 @@ Run with ``pytest bench/test_bench_seed_algorithms.py --benchmark-only -s`` (ful
 10 minutes and 5 GiB of RAM, most of it the n = 1024 grouping phase); ``AGGSRV_BENCH_SCALE``
 shrinks every D (n, K and h stay). See bench/README.md for the figures and how to read a line.
 
-FedDGIC's grouping phase (shared/specs/feddgic.md 1.4 and section 4): n_cal =
+FedDGIC's grouping phase (docs/algorithms/feddgic.md 1.4 and section 4): n_cal =
 ``similarity_rounds(n)`` rounds of the layer-normalised cosine matrix of an [n, D] float32 update
 matrix, accumulated to their mean, then average linkage on ``1 - S`` and the Eq. 5 cut. D = 1M in
 the four modules of a 784-997-186-161-10 MLP (782,645 + 185,628 + 30,107 + 1,620 values, one
@@ -42,7 +42,7 @@ symmetry) and n D 4 bytes read per round, divided by the phase's time.
   equal ours to 1e-5 and scipy's labels on our distances must equal ours. pytest-benchmark
   records ours' last similarity round only.
 
-FedHist's server round (shared/specs/fedhist.md 1.4 and section 4) at N = 1024 clients, K = 10,
+FedHist's server round (docs/algorithms/fedhist.md 1.4 and section 4) at N = 1024 clients, K = 10,
 h = ceil(N / 2K) = 52, D = 1M: the strategy's work after the K-th arrival (ingest not counted).
 
 - **ours**: ``aggregate_round`` (EGS against the 52 valid rows of a 53-slot history ring in a

@@ -5,8 +5,8 @@ Equivalent to running, from the repository root::
     python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. \
         proto/aggsrv/v1/*.proto
 
-Use grpcio-tools 1.81.x (PLATFORM.md): its stubs import under protobuf 6.33 and 7.x. The
-committed stubs must equal this script's output (tests/test_proto.py checks it).
+Use grpcio-tools 1.81.x (docs/design.md "Measured platform facts"): its stubs import under protobuf
+6.33 and 7.x. The committed stubs must equal this script's output (tests/test_proto.py checks it).
 
 Usage: ``python proto/generate.py [OUT_DIR]`` (default: the repository root).
 """

@@ -1,4 +1,4 @@
-"""The kernel conventions' accuracy rules (DESIGN.md "Wire and numeric conventions") as test
+"""The kernel conventions' accuracy rules (docs/design.md "Wire and numeric conventions") as test
 helpers shared by the kernel test modules (tests/ is not a package: import as
 `from kernel_tolerances import ...`)."""
 

@@ -511,7 +511,7 @@ def test_num_samples_is_the_dataset_length_and_examples_count_the_batches() -> N
 @pytest.mark.parametrize("solver", [0.0, 1.0], ids=["subgradient", "prox"])
 def test_elastic_net_can_leave_biases_unpenalised(solver: float) -> None:
     """With elastic_exclude_biases the bias entries take exactly the plain SGD step, the
-    weight entries exactly the penalised one (feden.md G14)."""
+    weight entries exactly the penalised one (docs/algorithms/feden.md G14)."""
     model = mlp(0)
     layout = ModelLayout.from_module(model)
     start = start_for(model, 1)

@@ -1,4 +1,4 @@
-"""FedDGIC's Algorithm 2 (shared/specs/feddgic.md 1.5): the spec's worked trace row by row,
+"""FedDGIC's Algorithm 2 (docs/algorithms/feddgic.md 1.5): the spec's worked trace row by row,
 the compensation ratios and Eq. 8 values it lists, and Eq. 11's invariant."""
 
 from __future__ import annotations

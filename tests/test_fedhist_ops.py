@@ -1,4 +1,4 @@
-"""FedHist's arithmetic (shared/specs/fedhist.md 1.2, 1.4, 6): the spec's worked vectors, EGS's
+"""FedHist's arithmetic (docs/algorithms/fedhist.md 1.2, 1.4, 6): the spec's worked vectors, EGS's
 argmin with ties, HAA's clamp and fallback, INA's norm, and the reduction to TWAFL."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Float buffers (BatchNorm running statistics) in the strategies: how each rule folds clients'
-buffers into the global ones (against float64 oracles computed here), ORTHOFL's spec G6 (no
-calibration by default, same moving average as the weights; the pure-paper calibration with its
-variance clamp), refusals that change nothing, and state dicts that resume bit-exactly."""
+buffers into the global ones (against float64 oracles computed here), ORTHOFL's G6
+(docs/algorithms/orthofl.md; no calibration by default, same moving average as the weights; the
+pure-paper calibration with its variance clamp), refusals that change nothing, and state dicts that
+resume bit-exactly."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def test_fedavg_round_buffers_are_the_sample_weighted_mean_without_dropped_work(
 
 
 def test_feden_round_buffers_are_the_uniform_mean_including_partial_work() -> None:
-    """FedEN (spec 1.9): partial work counts, uniform weights: statistics alike."""
+    """FedEN (docs/algorithms/feden.md 1.9): partial work counts, uniform
+    weights: statistics alike."""
     s, g = _strategy("feden", round_timeout=None, local_epochs=2.0, min_available=3,
                      participation=1.0)  # fmt: skip
     for cid in "abc":
@@ -179,7 +181,8 @@ def test_cached_strategies_average_every_clients_latest_buffers(name) -> None:
 
 
 def _calibrate_reference(x, sent, w, snap, offsets, mask):
-    """Per-segment ORTHOFL calibration in float64 (spec 1.4), y = x on unmasked segments."""
+    """Per-segment ORTHOFL calibration in float64 (docs/algorithms/orthofl.md 1.4), y = x
+    on unmasked segments."""
     x, sent, w, snap = (t.double() for t in (x, sent, w, snap))
     y = x.clone()
     for i, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
@@ -193,8 +196,9 @@ def _calibrate_reference(x, sent, w, snap, offsets, mask):
 
 
 def test_orthofl_buffers_are_averaged_not_calibrated_and_return_to_their_client() -> None:
-    """Spec G6 default: the global statistics are the beta_t moving average of the clients';
-    a client's next job carries its own uploaded statistics back (Y = X on buffers)."""
+    """docs/algorithms/orthofl.md G6 default: the global statistics are the beta_t moving average of
+    the clients'; a client's next job carries its own uploaded statistics back (Y = X on
+    buffers)."""
     s, g = _strategy("orthofl", beta=0.6, a=0.5)
     for cid in "ab":
         s.on_register(cid, 0.0)

@@ -1,13 +1,13 @@
 """Property-based fuzzing (hypothesis) of the tensor codec, chunk assembly and wire-header helpers.
 
-The promise under test (DESIGN.md "Wire and numeric conventions"): any sequence of chunks and
+The promise under test (docs/design.md "Wire and numeric conventions"): any sequence of chunks and
 trailer values gives either exactly the tensors the sender encoded or a clean ``CodecError``
 whose ``grpc_code_name`` is INVALID_ARGUMENT, DATA_LOSS or RESOURCE_EXHAUSTED; never another
 exception type, never a write outside the staging slot's announced tensors, never a "success"
 with values other than the ones sent.
 
-Oracles, written apart from the decoder: ``StreamModel`` applies the wire rules of DESIGN.md and
-tensor.proto to a stream (which chunk breaks which rule, what the trailer must say) and decodes
+Oracles, written apart from the decoder: ``StreamModel`` applies the wire rules of docs/design.md
+and tensor.proto to a stream (which chunk breaks which rule, what the trailer must say) and decodes
 the accepted bytes with numpy (little-endian float32 / float16, bfloat16 as the high half of a
 float32); torch's own casts give the values the sender meant. Where a stream breaks several rules
 at once the decoder may report any of them; where one mutation has one documented status

@@ -1,4 +1,4 @@
-"""FedDGIC's grouping (shared/specs/feddgic.md 1.4.3-1.4.4): the spec's test vector by hand,
+"""FedDGIC's grouping (docs/algorithms/feddgic.md 1.4.3-1.4.4): the spec's test vector by hand,
 scipy's fcluster as the oracle for the cut, planted clusters recovered, degenerate cases."""
 
 from __future__ import annotations

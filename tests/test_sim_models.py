@@ -26,10 +26,10 @@ def count(model: nn.Module) -> int:
 @pytest.mark.parametrize(
     ("name", "expected", "spec"),
     [
-        ("lenet5", 61_706, "fedhist.md section 2: LeNet-5, FMNIST with conv1 padding 2"),
-        ("lenet5_orthofl", 44_190, "orthofl.md 2.1: LeNet5, no biases, avg pooling"),
-        ("cnn_fedavg", 1_663_370, "feden.md section 2: McMahan et al.'s MNIST CNN"),
-        ("mlp_feddgic", 118_282, "feddgic.md 2.2: 784-128-128-10"),
+        ("lenet5", 61_706, "docs/algorithms/fedhist.md 2: LeNet-5, FMNIST, conv1 padding 2"),
+        ("lenet5_orthofl", 44_190, "docs/algorithms/orthofl.md 2.1: LeNet5, no biases, avg pool"),
+        ("cnn_fedavg", 1_663_370, "docs/algorithms/feden.md section 2: McMahan et al.'s MNIST CNN"),
+        ("mlp_feddgic", 118_282, "docs/algorithms/feddgic.md 2.2: 784-128-128-10"),
     ],
 )
 def test_paper_parameter_counts(name: str, expected: int, spec: str) -> None:
@@ -37,7 +37,8 @@ def test_paper_parameter_counts(name: str, expected: int, spec: str) -> None:
 
 
 def test_lenet5_counts_on_cifar_and_without_padding() -> None:
-    # fedhist.md: 62,006 on CIFAR-10, 69,656 on CIFAR-100, 44,426 on FMNIST without padding.
+    # docs/algorithms/fedhist.md: 62,006 on CIFAR-10, 69,656 on CIFAR-100, 44,426
+    # on FMNIST without padding.
     assert count(build_model("lenet5", CIFAR, 10)) == 62_006
     assert count(build_model("lenet5", CIFAR, 100)) == 69_656
     assert count(build_model("lenet5", MNIST, 10, conv1_padding=0)) == 44_426

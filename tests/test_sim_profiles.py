@@ -125,7 +125,8 @@ def test_lognormal_mean_std_mapping_reproduces_the_moments() -> None:
 
 
 def test_halfnormal_moment_matching_with_a_shift() -> None:
-    # orthofl.md G11's alternative: scale = std / sqrt(1 - 2/pi), loc = mean - scale sqrt(2/pi).
+    # docs/algorithms/orthofl.md G11's alternative: scale = std / sqrt(1 - 2/pi), loc =
+    # mean - scale sqrt(2/pi).
     scale = 0.3 / math.sqrt(1 - 2 / math.pi)
     oracle = stats.halfnorm(loc=1 - scale * math.sqrt(2 / math.pi), scale=scale)
     x = durations(make_profile("halfnormal:mean=1,std=0.3", 100, SEED), 100, 150).ravel()
@@ -156,7 +157,8 @@ def test_durations_are_positive_and_finite_even_when_draws_hit_zero() -> None:
 )
 @pytest.mark.parametrize("assign", ["shuffled", "contiguous"])
 def test_tier_fractions_and_multipliers_are_exact(mix: str, counts: list, assign: str) -> None:
-    # fedogd.md 2.6: 50 clients, periods 1/3/5, a tier-P job takes exactly P x base_time.
+    # docs/algorithms/fedogd.md 2.6: 50 clients, periods 1/3/5, a tier-P job
+    # takes exactly P x base_time.
     profile = make_profile(f"tiers:mix={mix},assign={assign}", 50, SEED, base_time=2.0)
     tiers = [profile.tier(c) for c in range(50)]
     assert [tiers.count(p) for p in (1.0, 3.0, 5.0)] == counts
@@ -231,7 +233,7 @@ def test_each_delay_of_a_profile_has_its_own_stream() -> None:
 
 # ---------------------------------------------------------------------------- Raspberry Pi
 
-# orthofl.md 2.3, "Computed from the trace files (seconds, mean ± std)".
+# docs/algorithms/orthofl.md 2.3, "Computed from the trace files (seconds, mean ± std)".
 SPEC_TABLE = [
     (96.21, 135.58),
     (904.12, 222.23),
@@ -273,7 +275,7 @@ def test_raspberry_pi_draws_per_profile(nonpositive: str) -> None:
         assert abs(x.mean() - m) < 5 * s / math.sqrt(x.size), (k, x.mean(), m)
         assert abs(x.std() - s) < 0.2 * s, (k, x.std(), s)
         assert (x > 0).all()
-    # The code's effective mean of profile 0 is ~138 s (orthofl.md 2.3).
+    # The code's effective mean of profile 0 is ~138 s (docs/algorithms/orthofl.md 2.3).
     assert rpi_moments(*SPEC_TABLE[0], "mean")[0] == pytest.approx(138.26, abs=0.01)
 
 
@@ -363,7 +365,7 @@ def test_dropout_after_n_updates_and_back() -> None:
 
 
 def test_permanent_dropout_after_n_updates_feddgic_defaults() -> None:
-    # feddgic.md 2.2: 5 of 20 nodes, permanently, after 4..20 of their own updates.
+    # docs/algorithms/feddgic.md 2.2: 5 of 20 nodes, permanently, after 4..20 of their own updates.
     profile = make_profile("dropout", 20, SEED)
     leaves = profile.describe()["components"][0]["clients"]
     assert len(leaves) == 5
@@ -381,7 +383,8 @@ def test_permanent_dropout_after_n_updates_feddgic_defaults() -> None:
 
 
 def test_partial_work_exact_share_per_round() -> None:
-    # feden.md 1.8: exactly round(s K) stragglers per round, E_i ~ UniformInt{1..E-1} of E.
+    # docs/algorithms/feden.md 1.8: exactly round(s K) stragglers per round, E_i ~
+    # UniformInt{1..E-1} of E.
     profile = make_profile("partial_work:fraction=0.5,units=10", 10, SEED, base_time=2)
     done = []
     for r in range(400):

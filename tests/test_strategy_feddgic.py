@@ -1,4 +1,4 @@
-"""FedDGIC and FedFG as strategies (shared/specs/feddgic.md 1.4-1.5): the grouping phase against
+"""FedDGIC and FedFG as strategies (docs/algorithms/feddgic.md 1.4-1.5): the grouping phase against
 a float64 numpy oracle and scipy's linkage, Algorithm 2 with dropouts against a direct float64
 implementation of Eqs. 8-10, FedFG's reduction, timeouts, late joiners, regrouping, events,
 float buffers and state_dict round trips. (Eq. 5, the cut and the spec's Algorithm 2 trace are

@@ -1,4 +1,4 @@
-"""FedEN (shared/specs/feden.md): the elastic-net client step against float64 hand oracles, the
+"""FedEN (docs/algorithms/feden.md): the elastic-net client step against float64 hand oracles, the
 spec's reductions (lambda = 0 is FedAvg with partial work; alpha = 0 centred at the start is
 FedProx with mu = lambda), exact zeros of the prox step, the recipe on the wire, config errors,
 state round trip, aggregation against sum p_i y_i, and a short simulated run on digits."""

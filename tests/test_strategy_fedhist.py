@@ -1,4 +1,4 @@
-"""The ``fedhist`` and ``twafl`` strategies (shared/specs/fedhist.md 1.2-1.4, 5, 6) against an
+"""The ``fedhist`` and ``twafl`` strategies (docs/algorithms/fedhist.md 1.2-1.4, 5, 6) against an
 independent float64 numpy oracle of the section 1.4 pseudocode that materialises the fused rows
 and g_pred; the TWAFL reduction, INA's norm invariant, the set S on a hand-computed schedule,
 determinism, state dicts that resume bit-exactly, refusals that change nothing, the default

@@ -1,4 +1,4 @@
-"""Fed-OGD (shared/specs/fedogd.md): server traces against float64 oracles, the client projection
+"""Fed-OGD (docs/algorithms/fedogd.md): server traces against float64 oracles, the client projection
 inside ``train()``, epochs and detection, the privacy variant, state round trips, a short run."""
 
 from __future__ import annotations
@@ -198,8 +198,9 @@ def test_empty_straggler_group_without_projection_is_plain_cache_averaging() -> 
 
 
 def test_authors_code_preset_by_hand() -> None:
-    """fedogd.md 2.10 authors-code preset: momentum 0.1 in the recipe, eta_l 0.01, and a step of
-    eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row counting as 0."""
+    """docs/algorithms/fedogd.md 2.10 authors-code preset: momentum 0.1 in the recipe, eta_l 0.01,
+    and a step of eta_g = 0.003 times the uniform mean over all K rows, a never-uploaded row
+    counting as 0."""
     gen = torch.Generator().manual_seed(8)
     w0 = torch.randn(D, generator=gen)
     # "never" is a straggler (not waited for) that never uploads: its row counts as zero.
@@ -733,9 +734,10 @@ def test_short_simulated_run_learns(tmp_path) -> None:
 
 
 def test_paper_preset_is_the_papers_rates_and_the_defaults_learn_faster() -> None:
-    """fedogd.md 2.10 paper preset: plain SGD, group_sum, whole-model conditional projection,
-    eta_l = 0.01, eta_g = 0.0015. The defaults keep the algorithm and set eta_g = eta_l = 0.05
-    (server_lr None); a close with the preset steps eta_g times the sum of the group bases."""
+    """docs/algorithms/fedogd.md 2.10 paper preset: plain SGD, group_sum, whole-model conditional
+    projection, eta_l = 0.01, eta_g = 0.0015. The defaults keep the algorithm and set eta_g = eta_l
+    = 0.05 (server_lr None); a close with the preset steps eta_g times the sum of the group
+    bases."""
     paper = FedOGDConfig.from_dict({"preset": "paper"})
     assert (paper.learning_rate, paper.server_lr, paper.momentum) == (0.01, 0.0015, 0.0)
     assert (paper.aggregation, paper.projection, paper.only_conflicting) == (

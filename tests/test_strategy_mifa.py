@@ -1,4 +1,5 @@
-"""MIFA (Gu et al. 2021; fedogd.md E11): uniform mean over every client's newest cached update."""
+"""MIFA (Gu et al. 2021; docs/algorithms/fedogd.md E11): uniform mean over every client's
+newest cached update."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""ORTHOFL (both variants) against hand-computed traces and a float64 oracle of spec 1.4 / 1.6."""
+"""ORTHOFL (both variants) against hand-computed traces and a float64 oracle of
+docs/algorithms/orthofl.md 1.4 / 1.6 ("spec" below)."""
 
 from __future__ import annotations
 

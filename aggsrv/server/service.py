@@ -1,9 +1,9 @@
 """The `aggsrv.v1.Aggregation` gRPC service (grpc.aio) in front of the federation: the handlers
 of its calls (the checks they make first are in aggsrv.server.requests).
 
-Every bad input is answered with the status of DESIGN.md's table before anything reaches the
-strategy: an update is decoded into a staging slot and validated there (length, dtype, CRC-32C,
-NaN/Inf, its header against the job) and only then handed to the aggregation loop.
+Every bad input is answered with the status that docs/wire.md "Status codes" lists for it before
+anything reaches the strategy: an update is decoded into a staging slot and validated there (length,
+dtype, CRC-32C, NaN/Inf, its header against the job) and only then handed to the aggregation loop.
 """
 
 from __future__ import annotations

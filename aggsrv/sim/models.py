@@ -7,17 +7,18 @@ its builder; a name of the form ``"package.module:callable"`` calls a user facto
 
 Parameter counts on 1x28x28 inputs with 10 classes (they pin the architectures down):
 
-* ``lenet5``: 61,706. FedHist's LeNet-5 (fedhist.md section 2, "model"): conv 5x5 6 (padding 2
-  on inputs smaller than 32x32) - ReLU - maxpool 2 - conv 5x5 16 - ReLU - maxpool 2 - fc 120 -
-  fc 84 - fc C, with biases. 62,006 on 3x32x32 (CIFAR-10, no padding), as the spec says.
-* ``lenet5_orthofl``: 44,190. ORTHOFL's LeNet5 (orthofl.md section 2.1, "Model details"):
-  the same shape with average pooling, no padding and no biases anywhere. With
+* ``lenet5``: 61,706. FedHist's LeNet-5 (docs/algorithms/fedhist.md section 2, "model"): conv 5x5 6
+  (padding 2 on inputs smaller than 32x32) - ReLU - maxpool 2 - conv 5x5 16 - ReLU - maxpool 2 - fc
+  120 - fc 84 - fc C, with biases. 62,006 on 3x32x32 (CIFAR-10, no padding), as the spec says.
+* ``lenet5_orthofl``: 44,190. ORTHOFL's LeNet5 (docs/algorithms/orthofl.md section 2.1, "Model
+  details"): the same shape with average pooling, no padding and no biases anywhere. With
   ``batch_norm=True`` a BatchNorm after each convolution: 44,234 parameters and 44 running
   statistics (ORTHOFL's BatchNorm handling, spec G6, on the MNIST setting).
-* ``cnn_fedavg``: 1,663,370. FedEN's MNIST CNN after McMahan et al. (feden.md section 2,
-  "Models"): conv 5x5 32 (padding 2) - pool - conv 5x5 64 (padding 2) - pool - fc 512 - fc C.
-* ``mlp_feddgic``: 118,282. FedDGIC's three fully connected layers (feddgic.md section 2.2,
-  "MNIST model"): 784-128-128-10 with tanh (the softmax lives in the loss).
+* ``cnn_fedavg``: 1,663,370. FedEN's MNIST CNN after McMahan et al. (docs/algorithms/feden.md
+  section 2, "Models"): conv 5x5 32 (padding 2) - pool - conv 5x5 64 (padding 2) - pool - fc 512 -
+  fc C.
+* ``mlp_feddgic``: 118,282. FedDGIC's three fully connected layers (docs/algorithms/feddgic.md
+  section 2.2, "MNIST model"): 784-128-128-10 with tanh (the softmax lives in the loss).
 
 Also ``logreg`` (flatten + linear), ``mlp`` (one hidden ReLU layer of 200 units by default) and
 ``small_cnn_bn`` (two conv + BatchNorm blocks, for tests of BatchNorm buffers). Every model draws
@@ -259,7 +260,8 @@ def mlp(
 
 
 def mlp_feddgic(input_shape: Sequence[int], num_classes: int) -> nn.Module:
-    """FedDGIC's MNIST MLP: 784-128-128-10 with tanh (Parallel-SGD's default; feddgic.md 2.2)."""
+    """FedDGIC's MNIST MLP: 784-128-128-10 with tanh (Parallel-SGD's default;
+    docs/algorithms/feddgic.md 2.2)."""
     return MLP(_check_shape(input_shape), _check_classes(num_classes), (128, 128), "tanh")
 
 

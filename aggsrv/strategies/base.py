@@ -1,5 +1,5 @@
-"""The Strategy protocol of DESIGN.md "Strategies" (the value types, errors, ledger and config it
-uses live in aggsrv.values and the modules beside this one, and are re-exported here).
+"""The Strategy protocol of docs/design.md "Strategies" (the value types, errors, ledger and config
+it uses live in aggsrv.values and the modules beside this one, and are re-exported here).
 
 A strategy owns its state (device tensors, jobs it handed out, an RNG, the update ledger) and is
 driven from one aggregation loop only, so it takes no locks. It reads time only from the ``now``
@@ -566,7 +566,7 @@ class Strategy(ABC):
 
     def _with_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Add the global float buffers as "buffers" unless the strategy chose the job's own
-        (ORTHOFL hands a client its own statistics back, spec G6)."""
+        (ORTHOFL hands a client its own statistics back, docs/algorithms/orthofl.md G6)."""
         current = self.float_buffers.current
         if current is not None:
             tensors.setdefault("buffers", current)

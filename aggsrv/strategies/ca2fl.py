@@ -1,7 +1,7 @@
 """CA2FL (Wang et al., ICLR 2024, "Tackling the Data Heterogeneity in Asynchronous Federated
 Learning with Cached Update Calibration"): FedBuff with a cache of every client's latest update.
 
-ORTHOFL's semi-asynchronous comparison baseline (shared/specs/orthofl.md, section 3.4). The
+ORTHOFL's semi-asynchronous comparison baseline (docs/algorithms/orthofl.md, section 3.4). The
 server caches ``h_i``, the latest update (client weights minus the job's start weights) of each
 client, zero until the client first reports. A buffer collects ``K`` arrivals; at the first
 arrival of a buffer the cache mean ``h_bar = (1/N) sum_i h_i`` is taken over the ``N`` clients

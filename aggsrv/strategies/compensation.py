@@ -1,4 +1,4 @@
-"""FedDGIC's asynchronous aggregation with gradient compensation (shared/specs/feddgic.md 1.5):
+"""FedDGIC's asynchronous aggregation with gradient compensation (docs/algorithms/feddgic.md 1.5):
 group models with version counters, the staleness-controlled group update (Eq. 8), dropout
 detection by the version threshold T, and the compensated global merge (Eqs. 9-10), applied one
 submission at a time in Algorithm 2's order (spec 1.5.6).

@@ -1,7 +1,7 @@
 """FedDGIC (Xie et al.): dynamic grouping of clients, then asynchronous aggregation with
 gradient compensation for the groups that lost members to dropouts.
 
-Spec: shared/specs/feddgic.md. Two phases:
+Spec: docs/algorithms/feddgic.md. Two phases:
 
 **Grouping (Algorithm 1, spec 1.4.5 "sync_rounds").** ``n_cal`` barrier rounds (Eq. 6 from the
 number n of clients in the first round, or ``similarity_rounds``). A round opens once
@@ -86,7 +86,7 @@ LAYER_NORMS = ("per_layer_mean", "none", "param_weighted")
 
 @dataclass
 class FedDGICConfig(StrategyConfig):
-    """FedDGIC settings; defaults are shared/specs/feddgic.md section 2.1 (module docstring)."""
+    """FedDGIC settings; defaults are docs/algorithms/feddgic.md section 2.1 (module docstring)."""
 
     HELP: ClassVar[Mapping[str, str]] = {
         "alpha_global": "Eq. 9: weight of the group model in the global model, in [0, 1)",

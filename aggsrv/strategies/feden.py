@@ -1,10 +1,10 @@
 """FedEN (Sultana et al., "Elastic Optimization for Stragglers in Edge FL"): FedAvg's server that
-includes partial work, with the elastic-net client recipe (shared/specs/feden.md).
+includes partial work, with the elastic-net client recipe (docs/algorithms/feden.md).
 
 Clients minimise ``F_k(w) + lam * ((1 - alpha)/2 * |w - a|^2 + alpha * |w - a|_1)``
 (``Recipe.elastic_lambda``/``elastic_alpha``) with plain SGD; stragglers send what they did and
 the server averages every update it receives (Eq. 5), partial or not. The choices the paper
-leaves open are config switches (feden.md section 5):
+leaves open are config switches (docs/algorithms/feden.md section 5):
 
 * ``centre`` (G1): ``"zero"`` (default, Eq. 9 literally) or ``"global"`` (the job's start
   weights, the FedProx-like variant: with ``alpha = 0`` it is FedProx with ``mu = lam``);
@@ -35,7 +35,7 @@ from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
 __all__ = ["CENTRES", "SOLVERS", "FedEN", "FedENConfig"]
 
 # Recipe.extra keys and values (the same strings as aggsrv.client.train's ELASTIC_* constants;
-# the client package is not imported here, DESIGN.md's arrows run the other way).
+# the client package is not imported here, docs/design.md's arrows run the other way).
 ELASTIC_CENTRE = "elastic_centre"
 ELASTIC_SOLVER = "elastic_solver"
 ELASTIC_EXCLUDE_BIASES = "elastic_exclude_biases"

@@ -1,13 +1,13 @@
 """FedHist (Jiang et al., arXiv:2312.10425): K-async aggregation with history-enhanced gradients.
 
-Spec: shared/specs/fedhist.md (section 1.4 is the round this module runs, section 5 the gaps).
+Spec: docs/algorithms/fedhist.md (section 1.4 is the round this module runs, section 5 the gaps).
 The server aggregates after every K accepted updates (``buffer_size``; K is the buffer, not the
 number of clients). Each update is turned into a gradient ``g = -DELTA / (lr * steps)`` with the
-learning rate of its job's recipe and the steps it reports (DESIGN.md; with an epoch recipe,
+learning rate of its job's recipe and the steps it reports (docs/design.md; with an epoch recipe,
 ``steps = work_done * ceil(num_samples / batch_size)``), stored in the round's [K, D] buffer with
 its float64 norm. Round ``r = version + 1`` then runs, in the paper's order:
 
-1. ``tau_i = r - v_i = s_i + 1`` (DESIGN.md: FedHist's staleness is ``s + 1``, fresh = 1);
+1. ``tau_i = r - v_i = s_i + 1`` (docs/design.md: FedHist's staleness is ``s + 1``, fresh = 1);
 2. EGS: each g_i is fused with the cached global gradient of least cosine similarity,
    ``g~_i = g_i + alpha * G_j*`` (ties: the most recent row; a zero g_i is not fused);
 3. HAA: ``p_i ∝ max((e/2)^-tau_i + lam * Ubar[c_i], 0)`` in float64, with the staleness-only

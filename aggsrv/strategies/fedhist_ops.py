@@ -1,4 +1,4 @@
-"""FedHist's per-round arithmetic (shared/specs/fedhist.md 1.2 and 1.4), as functions over
+"""FedHist's per-round arithmetic (docs/algorithms/fedhist.md 1.2 and 1.4), as functions over
 [K, D] gradient rows, for the ``fedhist`` strategy (and TWAFL, its reduction) to call:
 
 * EGS (Eqs. 6-7): each local gradient is fused with the *least* similar cached global gradient,

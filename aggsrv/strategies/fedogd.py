@@ -1,9 +1,9 @@
 """Fed-OGD (Li et al.): cached pseudo-gradients, two group bases, cross-group client projection.
 
-Spec: shared/specs/fedogd.md (section 2.4 is the canonical algorithm; "[rec]" choices below come
+Spec: docs/algorithms/fedogd.md (section 2.4 is the canonical algorithm; "[rec]" choices below come
 from it). The server keeps one cache row per client holding its newest pseudo-gradient
-``Δw_k = -DELTA / lr`` (DESIGN.md; the gradient-sign convention of spec G3), overwritten on every
-arrival and reused in every later epoch (spec 2.12). Clients are in the active group A or the
+``Δw_k = -DELTA / lr`` (docs/design.md; the gradient-sign convention of spec G3), overwritten on
+every arrival and reused in every later epoch (spec 2.12). Clients are in the active group A or the
 straggler group S. At the close of each epoch (one version per epoch):
 
 * ``b_A`` / ``b_S`` = the mean of the valid cache rows of each group (``kernels.group_means``;
@@ -163,8 +163,8 @@ class FedOGDConfig(CachedEpochConfig):
     """Fed-OGD settings (module docstring). The defaults are the paper's algorithm (group_sum,
     whole-model conditional projection, plain SGD) with eta_l = eta_g = 0.05.
 
-    ``preset = "paper"`` (fedogd.md 2.10) gives the paper's learning rates: eta_l = 0.01,
-    eta_g = 0.0015. ``preset = "authors_code"`` gives the released code's values: SGD momentum
+    ``preset = "paper"`` (docs/algorithms/fedogd.md 2.10) gives the paper's learning rates: eta_l =
+    0.01, eta_g = 0.0015. ``preset = "authors_code"`` gives the released code's values: SGD momentum
     0.1, a uniform mean over all K rows with never-uploaded rows counting as zero,
     eta_l = 0.01, eta_g = 0.003. A preset only fills: a key given beside it wins.
     """

@@ -1,7 +1,7 @@
 """The global float buffers of a model (BatchNorm running statistics) and how clients' fold in.
 
 Float buffers are not trained, so there is no gradient or delta to aggregate: every client sends
-its buffers as absolute values with each update (DESIGN.md "The flat layout": a separate [B]
+its buffers as absolute values with each update (docs/design.md "The flat layout": a separate [B]
 section), and the server keeps one global [B] vector that jobs and GetModel hand out. How the
 clients' vectors combine follows what the strategy does with the weights, so the statistics
 describe the same mixture of clients as the parameters they normalise:

@@ -1,4 +1,4 @@
-"""FedDGIC's dynamic grouping (shared/specs/feddgic.md 1.4.3-1.4.4): average linkage on the
+"""FedDGIC's dynamic grouping (docs/algorithms/feddgic.md 1.4.3-1.4.4): average linkage on the
 cosine distance ``1 - S``, the number of groups from the gap rule (Eq. 5), and the cut.
 
 The linkage is :func:`aggsrv.kernels.average_linkage` (float64, scipy's ``Z`` format, merges

@@ -18,7 +18,7 @@ class UpdateLedger:
     """Outcomes of the last ``size`` accepted update ids of each client, for replay detection."""
 
     def __init__(self, size: int = LEDGER_SIZE) -> None:
-        """Remember ``size`` update ids per client (DESIGN.md: 1,024)."""
+        """Remember ``size`` update ids per client (docs/design.md: 1,024)."""
         if size < 1:
             raise ValueError(f"ledger size must be >= 1, got {size}")
         self.size = size

@@ -1,15 +1,15 @@
 """MIFA (Gu et al. 2021, "Fast Federated Learning in the Presence of Arbitrary Device
-Unavailability"): the latest-update memory Fed-OGD compares against (fedogd.md E11).
+Unavailability"): the latest-update memory Fed-OGD compares against (docs/algorithms/fedogd.md E11).
 
-The server stores every client's newest pseudo-gradient ``G_i = -DELTA / lr`` (DESIGN.md), one
+The server stores every client's newest pseudo-gradient ``G_i = -DELTA / lr`` (docs/design.md), one
 cache row each, overwritten on arrival and reused until the client uploads again, and at the
 close of each epoch steps ``w <- w - server_lr * (1/N) * sum_i G_i``: the uniform mean over the
 cached updates of all N registered clients. As in the original paper a client that never
 uploaded counts as a zero row (``count_empty_rows = true``; false averages only the clients
 that uploaded). ``server_lr`` None (default) uses the clients' ``learning_rate`` (0.05 by
-default, as FedAvg's and Fed-OGD's), MIFA's single ``eta_t``. fedogd.md's related-work formula
-with ``+ eta/|M| sum g_m`` has the wrong sign and is not used (E11). No projection, no bases:
-jobs carry the weights only.
+default, as FedAvg's and Fed-OGD's), MIFA's single ``eta_t``. docs/algorithms/fedogd.md's
+related-work formula with ``+ eta/|M| sum g_m`` has the wrong sign and is not used (E11). No
+projection, no bases: jobs carry the weights only.
 
 Epochs, deadlines, late updates and groups (which only decide when an epoch closes: it waits
 for the active clients dispatched in it, or for ``epoch_timeout``) are Fed-OGD's, see

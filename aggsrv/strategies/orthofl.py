@@ -2,7 +2,7 @@
 
 Fully asynchronous: every accepted update is one server round ``t`` and makes one new version.
 The global model is a staleness-weighted moving average of the raw client weights, and every
-client trains from its own *calibrated* model (shared/specs/orthofl.md, sections 1.4 and 1.6).
+client trains from its own *calibrated* model (docs/algorithms/orthofl.md, sections 1.4 and 1.6).
 
 Variant P (``shift_source = "ma_global"``, the default, the paper's Eqs. 4-8 and Algorithm 1).
 Per client ``m`` the strategy keeps two [D] snapshots and a round number:

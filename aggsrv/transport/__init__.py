@@ -1,7 +1,7 @@
 """Tensor codec shared by the aggsrv server and client (no grpc or protobuf imports).
 
 Works on (tensor name, byte offset, bytes) chunks; the server and client wrap them into messages.
-Wire rules (DESIGN.md): little-endian float32 / float16 / bfloat16 values, chunks of whole
+Wire rules (docs/design.md): little-endian float32 / float16 / bfloat16 values, chunks of whole
 elements at most the negotiated size, CRC-32C over all payload bytes in order in the trailer.
 """
 

@@ -1,10 +1,10 @@
 """Decoder: chunks -> a preallocated float32 staging slot, checked chunk by chunk and at the end.
 
 A `StagingSlot` is allocated once and reused for every upload (large fresh buffers are page-fault
-bound, PLATFORM.md). A `Decoder` checks each chunk before touching the slot, writes its values
-straight into place (float32: one memcpy; half types: one conversion pass), and `finish` checks
-completeness, the trailer's CRC-32C and finiteness, in that order. A failed decode leaves
-garbage in the slot: the server applies nothing from it.
+bound, docs/design.md "Measured platform facts"). A `Decoder` checks each chunk before touching the
+slot, writes its values straight into place (float32: one memcpy; half types: one conversion pass),
+and `finish` checks completeness, the trailer's CRC-32C and finiteness, in that order. A failed
+decode leaves garbage in the slot: the server applies nothing from it.
 """
 
 from __future__ import annotations

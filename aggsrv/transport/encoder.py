@@ -25,9 +25,10 @@ __all__ = [
     "round_chunk_bytes",
 ]
 
-#: 1 MiB: inside the 1-4 MiB range that streams fastest over gRPC (PLATFORM.md).
+#: 1 MiB: inside the 1-4 MiB range that streams fastest over gRPC (docs/design.md
+# "Measured platform facts").
 DEFAULT_CHUNK_BYTES = 1 << 20
-#: Room left in a message for the tensor name, offset and framing (DESIGN.md wire rules).
+#: Room left in a message for the tensor name, offset and framing (docs/design.md wire rules).
 MESSAGE_OVERHEAD_BYTES = 64
 
 

@@ -1,8 +1,9 @@
 """Sparse wire encodings of a flat tensor: COO (indices + values) or bitmap + values.
 
-FedEN's proximal step leaves exact zeros in its updates (specs/feden.md 4.5); any strategy's
-update may use these encodings. A sparse tensor's wire bytes are one section, chunked like dense
-bytes (any chunk boundaries, at most the chunk size each) and covered by the same CRC-32C:
+FedEN's proximal step leaves exact zeros in its updates (docs/algorithms/feden.md 4.5); any
+strategy's update may use these encodings. A sparse tensor's wire bytes are one section, chunked
+like dense bytes (any chunk boundaries, at most the chunk size each) and covered by the same
+CRC-32C:
 
 - COO: ``nnz`` little-endian uint32 indices, strictly increasing, then ``nnz`` values;
 - BITMAP: ``ceil(numel / 32)`` little-endian uint32 words, bit ``i % 32`` of word ``i // 32``
@@ -64,7 +65,8 @@ def encoded_nbytes(encoding: Encoding, numel: int, nnz: int, wire_dtype: WireDty
 
 
 def choose_encoding(numel: int, nnz: int) -> Encoding:
-    """The spec's rule (feden.md 4.5): the smallest of COO, bitmap and dense at 4-byte values."""
+    """The spec's rule (docs/algorithms/feden.md 4.5): the smallest of COO, bitmap and
+    dense at 4-byte values."""
     if numel == 0:
         return Encoding.DENSE
     if 32 * nnz < numel:

@@ -73,8 +73,8 @@ COMPARISONS["fedhist_k_of_n"] = [
 ]
 COMPARISONS["fedhist_k_of_n_b1"] = list(COMPARISONS["fedhist_k_of_n"])
 COMPARISONS["fedhist_k_of_n_nk100"] = list(COMPARISONS["fedhist_k_of_n"])
-# The paper's ablations (spec 3.4) and a control for INA's larger step: FedBuff with a server
-# learning rate of 3 (INA scales the aggregate up to the mean input norm).
+# The paper's ablations (docs/algorithms/fedhist.md 3.4) and a control for INA's larger step:
+# FedBuff with a server learning rate of 3 (INA scales the aggregate up to the mean input norm).
 COMPARISONS["fedhist_k_of_n"] += [
     ("fedhist no EGS", "fedhist", {**K10, "alpha": 0.0}),
     ("fedhist no HAA", "fedhist", {**K10, "lam": 0.0}),
@@ -90,7 +90,8 @@ COMPARISONS["fedhist_k_of_n_nk100"] += [
 COMPARISONS["feddgic_dropouts"] = [
     ("feddgic", "feddgic", {"min_available": 20, "grouping_round_timeout": 10.0}),
     ("fedfg", "fedfg", {"min_available": 20, "grouping_round_timeout": 10.0}),
-    # The spec's "k matched" ablation: FedFG's 5 groups with compensation isolates Eqs. 9-10.
+    # docs/algorithms/feddgic.md's "k matched" ablation: FedFG's 5 groups with
+    # compensation isolates Eqs. 9-10.
     (
         "feddgic k=5",
         "feddgic",

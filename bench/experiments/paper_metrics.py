@@ -1,4 +1,4 @@
-"""FedDGIC's relative metrics (shared/specs/feddgic.md 2.4) from finished runs, so our figures
+"""FedDGIC's relative metrics (docs/algorithms/feddgic.md 2.4) from finished runs, so our figures
 can be set beside the paper's Tables II-V, which report only ratios against each baseline:
 
 * Improvement Ratio on Accuracy ``IR_acc = mean_e (A_m(e) - A_b(e)) / A_b(e)``,

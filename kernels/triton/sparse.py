@@ -27,7 +27,9 @@ def _nnz_partial_kernel(
     for b in range(s, e, BLOCK):
         idx = b + tl.arange(0, BLOCK)
         m = idx < e
-        v = tl.load(row + idx, mask=m, other=0.0).to(tl.float32)  # bf16: see PLATFORM.md
+        # Converted right after the load: the interpreter's bfloat16 arithmetic is wrong
+        # (docs/design.md "Measured platform facts").
+        v = tl.load(row + idx, mask=m, other=0.0).to(tl.float32)
         acc += (v != 0).to(tl.int32)
     tl.store(part_ptr + t.to(tl.int64) * K + k, tl.sum(acc, axis=0).to(tl.float64))
 

@@ -8,7 +8,7 @@ straight from a view of the flat vector (one copy, into the bytes Flower keeps).
 Records are read by name, so a record may be a whole ``model.state_dict()`` (Flower's idiom):
 trainable parameters go to the flat [D] vector, float buffers (BatchNorm running statistics) to
 the flat [B] buffer section, and integer buffers (``num_batches_tracked``) are outside both
-(DESIGN.md "The flat layout").
+(docs/design.md "The flat layout").
 """
 
 from __future__ import annotations

@@ -217,7 +217,8 @@ def add_elastic_net_gradient_(model: nn.Module, job: FlowerJob) -> bool:
             continue
         n = p.numel()
         if exclude and (name.endswith("bias") or norm.get(name, False)):
-            start += n  # biases and normalisation parameters stay unpenalised (feden.md G14)
+            # Biases and normalisation parameters stay unpenalised (docs/algorithms/feden.md G14).
+            start += n
             continue
         w = p.detach()
         z = w - job.weights[start : start + n].view_as(w).to(w) if at_start else w

@@ -27,37 +27,38 @@ key: value, ...}``, a mapping of presets to their keys (``{"tiers": {"mix": "L1"
 Presets (``PROFILES``) and what they model:
 
 * ``none``: every job takes ``base_time``.
-* ``tiers`` (Fed-OGD, fedogd.md 2.6 and 3): a tier-P client's job takes P x base. ``mix`` is
-  ``L1`` {1: 60%, 3: 20%, 5: 20%}, ``L2`` {40/30/30%, the authors' default} or ``L3``
+* ``tiers`` (Fed-OGD, docs/algorithms/fedogd.md 2.6 and 3): a tier-P client's job takes P x base.
+  ``mix`` is ``L1`` {1: 60%, 3: 20%, 5: 20%}, ``L2`` {40/30/30%, the authors' default} or ``L3``
   {20/40/40%} or a custom {P: fraction}; exact counts (largest remainder), assigned by a
   permutation seeded by ``seed`` (``assign=shuffled``) or by contiguous client index, fastest
   first, as the authors' code does (``assign=contiguous``).
 * ``speed``: a per-client factor, seeded by (seed, client): log-normal with mean 1 and
   sigma 0.5 by default, or e.g. ``dist=uniform`` (1 to 3: FedDGIC's optional speed spread,
-  feddgic.md 2.2).
-* ``exponential`` (mean 1; FedHist's i.i.d. exponential job times, fedhist.md 1.5),
+  docs/algorithms/feddgic.md 2.2).
+* ``exponential`` (mean 1; FedHist's i.i.d. exponential job times, docs/algorithms/fedhist.md 1.5),
   ``lognormal`` (mean 1, std 1: the coefficient of variation of ORTHOFL's pooled RPi latencies),
-  ``halfnormal`` (mean 1, loc 0: orthofl.md G11), ``uniform`` (0.5 to 1.5), ``pareto`` (shape 3,
-  mean 1); generic ``delay:dist=...``. Keys: the distribution's parameters (below) and
-  ``mode`` = ``mul`` (default) or ``add``.
-* ``raspberry_pi`` (ORTHOFL, orthofl.md 2.3): each client gets one of the 9 measured RPi
-  profiles (mean, std in seconds) at random; each job takes N(mean, std) x base_time seconds,
-  non-positive draws replaced by the mean as in the authors' code (orthofl.md G12).
+  ``halfnormal`` (mean 1, loc 0: docs/algorithms/orthofl.md G11), ``uniform`` (0.5 to 1.5),
+  ``pareto`` (shape 3, mean 1); generic ``delay:dist=...``. Keys: the distribution's parameters
+  (below) and ``mode`` = ``mul`` (default) or ``add``.
+* ``raspberry_pi`` (ORTHOFL, docs/algorithms/orthofl.md 2.3): each client gets one of the 9 measured
+  RPi profiles (mean, std in seconds) at random; each job takes N(mean, std) x base_time seconds,
+  non-positive draws replaced by the mean as in the authors' code (docs/algorithms/orthofl.md G12).
 * ``rpi_lognormal``, ``rpi_halfnormal``, ``rpi_uniform`` (ORTHOFL App. B.4, Fig. 6): the three
   alternative distributions parameterised by the pooled RPi statistics, in seconds.
-* ``dropout`` (FedDGIC, feddgic.md 2.2 and 5 #29): ``fraction`` 0.25 of the clients (5 of 20)
-  leave after a number of their own updates drawn from 4..20 (after the n_cal = 3 grouping
+* ``dropout`` (FedDGIC, docs/algorithms/feddgic.md 2.2 and 5 #29): ``fraction`` 0.25 of the clients
+  (5 of 20) leave after a number of their own updates drawn from 4..20 (after the n_cal = 3 grouping
   rounds, within the first 20% of 100 epochs), permanently unless ``return_after`` is set.
-* ``partial_work`` (FedEN, feden.md 1.8 and 2): a ``fraction`` 0.1 of the clients are stragglers
-  in each round and do E_i ~ UniformInt{1..E-1} of E = ``units`` = 10 epochs; they still take
-  the full job time (they are not late, they stop early).
+* ``partial_work`` (FedEN, docs/algorithms/feden.md 1.8 and 2): a ``fraction`` 0.1 of the clients
+  are stragglers in each round and do E_i ~ UniformInt{1..E-1} of E = ``units`` = 10 epochs; they
+  still take the full job time (they are not late, they stop early).
 
 Distribution parameters (all draws are clipped at 0): ``exponential``: ``mean`` | ``rate``;
 ``lognormal``: ``mean`` | ``mu`` and ``std`` | ``sigma`` (mean and std map to the log-space
-parameters as in orthofl.md App. B.4); ``halfnormal``: ``mean`` | ``scale``, optional ``std``
-(moment matching with a shift, orthofl.md G11's alternative); ``uniform``: ``low``, ``high``;
-``pareto``: ``shape`` and ``mean`` | ``scale`` (the minimum). They are ``scipy.stats``'
-``expon``, ``lognorm``, ``halfnorm``, ``uniform`` and ``pareto`` (``distributions.py``).
+parameters as in docs/algorithms/orthofl.md App. B.4); ``halfnormal``: ``mean`` | ``scale``,
+optional ``std`` (moment matching with a shift, docs/algorithms/orthofl.md G11's alternative);
+``uniform``: ``low``, ``high``; ``pareto``: ``shape`` and ``mean`` | ``scale`` (the minimum). They
+are ``scipy.stats``' ``expon``, ``lognorm``, ``halfnorm``, ``uniform`` and ``pareto``
+(``distributions.py``).
 
 The modules: ``profile`` (``Profile``, ``make_profile``, ``JobPlan``), ``spec`` (reading specs),
 ``presets`` (``PROFILES``), ``distributions`` (the delay distributions), ``client_factors``

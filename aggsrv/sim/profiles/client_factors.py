@@ -14,7 +14,8 @@ from .distributions import DISTRIBUTIONS, make_distribution
 from .streams import STREAM_SPEED, STREAM_TIER, job_rng
 
 TIER_MIXES: dict[str, dict[float, float]] = {
-    # fedogd.md 2.6 / 3: the paper's three straggler mixes; the authors' code defaults to L2.
+    # docs/algorithms/fedogd.md 2.6 / 3: the paper's three straggler mixes; the
+    # authors' code defaults to L2.
     "L1": {1.0: 0.6, 3.0: 0.2, 5.0: 0.2},
     "L2": {1.0: 0.4, 3.0: 0.3, 5.0: 0.3},
     "L3": {1.0: 0.2, 3.0: 0.4, 5.0: 0.4},

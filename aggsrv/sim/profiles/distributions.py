@@ -122,13 +122,15 @@ class HalfNormal(Distribution):
         if "std" in p:
             if "scale" in p:
                 raise ValueError(f"{where}: give std with mean, not with scale")
-            # orthofl.md G11's alternative: match mean and std with a shifted half-normal.
+            # docs/algorithms/orthofl.md G11's alternative: match mean and std
+            # with a shifted half-normal.
             self.scale = positive(where, "std", p["std"]) / math.sqrt(1 - 2 / math.pi)
             self.loc = positive(where, "mean", p["mean"]) - self.scale * root
         elif "scale" in p:
             self.scale, self.loc = positive(where, "scale", p["scale"]), 0.0
         else:
-            # orthofl.md G11's default: loc 0, scale from the mean; the mode is at 0.
+            # docs/algorithms/orthofl.md G11's default: loc 0, scale from
+            # the mean; the mode is at 0.
             self.scale, self.loc = positive(where, "mean", p["mean"]) / root, 0.0
         self.frozen = stats.halfnorm(loc=self.loc, scale=self.scale)
 

@@ -36,8 +36,8 @@ class PartialWork(Component):
         self._pick = lru_cache(maxsize=256)(self._pick_round)
 
     def _pick_round(self, round_: int) -> frozenset[int]:
-        # FedEN's protocol (feden.md 1.8): exactly round(s * K) stragglers per round, drawn by
-        # an RNG seeded by the round, so every method sees the same ones.
+        # FedEN's protocol (docs/algorithms/feden.md 1.8): exactly round(s * K) stragglers per
+        # round, drawn by an RNG seeded by the round, so every method sees the same ones.
         rng = job_rng(self.seed, 0, round_, STREAM_PARTIAL_PICK)
         return frozenset(int(c) for c in rng.choice(self.n, self.k, replace=False))
 

@@ -11,7 +11,7 @@ from scipy import optimize, stats
 __all__ = ["RASPBERRY_PI_PROFILES", "RPI_POOLED"]
 
 # ORTHOFL's 9 Raspberry-Pi latency profiles (mean, std) in seconds, computed from the authors'
-# Async-HFL traces (orthofl.md 2.3, "Computed from the trace files").
+# Async-HFL traces (docs/algorithms/orthofl.md 2.3, "Computed from the trace files").
 RASPBERRY_PI_PROFILES: tuple[tuple[float, float], ...] = (
     (96.21, 135.58),
     (904.12, 222.23),
@@ -26,7 +26,8 @@ RASPBERRY_PI_PROFILES: tuple[tuple[float, float], ...] = (
 
 
 def _rpi_pooled(table: Sequence[tuple[float, float]]) -> dict[str, float]:
-    """mu_R, sigma_R and the 5th/95th percentiles of the RPi latencies (orthofl.md App. B.4).
+    """mu_R, sigma_R and the 5th/95th percentiles of the RPi latencies
+    (docs/algorithms/orthofl.md App. B.4).
 
     The raw measurements are not in the repository, so (DECISION) the pool is the equal-weight
     mixture of the profiles, as clients draw them uniformly: mean and std from the table's
