@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
 def test_ruff(args: list[str]) -> None:
-    ruff = shutil.which("ruff")
+    # The interpreter's own bin/ first: `make test` runs .venv/bin/python without activating it.
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra: pip install -e '.[dev]'"
     proc = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
