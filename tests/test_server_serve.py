@@ -27,7 +27,9 @@ from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
-READY_LIMIT_S = 5.0
+# A liveness bound, not a speed target (the time is printed; about 2.5 s on an idle 2-core
+# machine): a full CI run once took 5.1 s, so a tight bound only measured the machine's load.
+READY_LIMIT_S = 15.0
 APPLY_LINE = re.compile(r"fedasync: (\S+) s=(\d+) alpha=\S+ -> v(\d+)")
 
 

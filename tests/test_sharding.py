@@ -109,7 +109,10 @@ def _rank_main(rank: int, world: int, init: str, seed: int, queue: mp.Queue) -> 
         gram = reducer.sum_(kernels.gram_matrix(X[:, lo:hi], other=Y[:, lo:hi]).double())
         own = torch.full((3,), float(rank + 1), dtype=torch.float32)
         total = reducer.sum_(own.clone())
-        queue.put((rank, dots, gram, total, reducer.world_size, reducer.rank, None))
+        # numpy arrays travel by value; a tensor would travel as a file descriptor that the
+        # parent can only fetch while this process is still alive.
+        values = (dots.numpy(), gram.numpy(), total.numpy())
+        queue.put((rank, *values, reducer.world_size, reducer.rank, None))
         dist.destroy_process_group()
     except Exception:  # the parent reports it instead of hanging on the queue
         queue.put((rank, None, None, None, None, None, traceback.format_exc()))
@@ -143,6 +146,10 @@ def test_partial_sums_over_gloo_processes_give_the_whole_models(world: int, tmp_
     Y = torch.randn(4, D, generator=gen).double()
     want_dots = kernels.layer_dots(X, Y, offs, backend="reference")
     want_gram = X @ Y.T
+    results = [
+        (r[0], *(None if a is None else torch.from_numpy(a) for a in r[1:4]), *r[4:])
+        for r in results
+    ]
     for rank, dots, gram, total, size, got_rank, _ in sorted(results, key=lambda r: r[0]):
         assert size == world and got_rank == rank
         # Every shard holds the same whole-model values (the sum's order is the same on all).
@@ -285,7 +292,7 @@ def _strategies_main(rank, world, init, seed, names, queue) -> None:
                 config=STRATEGY_CASES[name], device="cpu", reducer=TorchReducer(),
             )  # fmt: skip
             trace = _drive([(strategy, layout.local)], rows, seed)[0]
-            queue.put((rank, name, trace, strategy.global_model().clone(), None))
+            queue.put((rank, name, trace, strategy.global_model().numpy().copy(), None))
         dist.destroy_process_group()
     except Exception:
         queue.put((rank, None, None, None, traceback.format_exc()))
@@ -311,7 +318,7 @@ def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: P
         for _ in range(world * len(names)):
             rank, name, trace, model, error = queue.get(timeout=180)
             assert error is None, error
-            got.setdefault(name, {})[rank] = (trace, model)
+            got.setdefault(name, {})[rank] = (trace, torch.from_numpy(model))
     finally:
         for p in procs:
             p.join(timeout=30)
