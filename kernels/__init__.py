@@ -708,3 +708,34 @@ def _condensed(arr: np.ndarray) -> tuple[np.ndarray, int]:
             f"dist must be >= 0 (tiny negatives down to -1e-12 are clamped), got {condensed.min()}"
         )
     return np.ascontiguousarray(np.maximum(condensed, 0.0), dtype=np.float64), n
+
+
+# The robust aggregation kernels live in their own module; it imports the helpers above, so it
+# is imported last.
+from .robust import (  # noqa: E402
+    GeometricMedian,
+    bulyan_select,
+    centered_clip,
+    clip_rows,
+    coordinate_median,
+    geometric_median,
+    krum_scores,
+    krum_select,
+    sq_distances_to,
+    trimmed_count,
+    trimmed_mean,
+)
+
+__all__ += [
+    "GeometricMedian",
+    "bulyan_select",
+    "centered_clip",
+    "clip_rows",
+    "coordinate_median",
+    "geometric_median",
+    "krum_scores",
+    "krum_select",
+    "sq_distances_to",
+    "trimmed_count",
+    "trimmed_mean",
+]

@@ -834,3 +834,41 @@ def average_linkage(condensed: np.ndarray) -> np.ndarray:
     from .linkage import average_linkage_cpu
 
     return average_linkage_cpu(condensed)
+
+
+# --------------------------------------------------------------------------------------------
+# Robust aggregation (kernels/robust.py). Interim: torch passes, to be replaced by fused numba.
+# --------------------------------------------------------------------------------------------
+
+
+def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
+    srt = _as_work(X).sort(dim=0).values
+    K = srt.shape[0]
+    med = srt[K // 2] if K % 2 else (srt[K // 2 - 1] + srt[K // 2]) / 2
+    out.copy_(med)
+
+
+def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
+    srt = _as_work(X).sort(dim=0).values
+    K = srt.shape[0]
+    out.copy_(srt[cut : K - cut].sum(dim=0, dtype=torch.float64) / (K - 2 * cut))
+
+
+def sq_distances_to(
+    X: torch.Tensor, point: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    diff = X.to(torch.float64) - point.to(torch.float64)
+    return summed(reduce, (diff * diff).sum(dim=1))
+
+
+def clip_rows(
+    X: torch.Tensor, max_norm: float, out: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    X64 = X.to(torch.float64)
+    norms = summed(reduce, (X64 * X64).sum(dim=1)).sqrt()
+    for k in range(X.shape[0]):
+        if norms[k] > max_norm:
+            out[k].copy_((X64[k] * (max_norm / norms[k])).to(out.dtype))
+        elif out[k].data_ptr() != X[k].data_ptr():
+            out[k].copy_(X[k])
+    return norms

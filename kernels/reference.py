@@ -273,3 +273,44 @@ def sparse_accumulate(
     idx = indices.to(torch.int64)
     res = out[idx].to(F64) + weight * values.to(F64)
     out[idx] = res.to(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Robust aggregation (kernels/robust.py)
+# --------------------------------------------------------------------------------------------
+
+
+def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
+    """Sorted per coordinate in float64; even K averages the two middle values."""
+    srt = X.to(F64).sort(dim=0).values
+    K = srt.shape[0]
+    med = srt[K // 2] if K % 2 else (srt[K // 2 - 1] + srt[K // 2]) / 2
+    out.copy_(med.to(out.dtype))
+
+
+def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
+    srt = X.to(F64).sort(dim=0).values
+    K = srt.shape[0]
+    out.copy_(srt[cut : K - cut].mean(dim=0).to(out.dtype))
+
+
+def sq_distances_to(
+    X: torch.Tensor, point: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    diff = X.to(F64) - point.to(F64)
+    return summed(reduce, (diff * diff).sum(dim=1))
+
+
+def clip_rows(
+    X: torch.Tensor, max_norm: float, out: torch.Tensor, reduce: Reduce | None = None
+) -> torch.Tensor:
+    """out = X scaled per row by min(1, max_norm/|x|); rows within the bound copied bitwise.
+    Returns the float64 [K] norms before clipping."""
+    X64 = X.to(F64)
+    norms = summed(reduce, (X64 * X64).sum(dim=1)).sqrt()
+    for k in range(X.shape[0]):
+        if norms[k] > max_norm:
+            out[k].copy_((X64[k] * (max_norm / norms[k])).to(out.dtype))
+        elif out[k].data_ptr() != X[k].data_ptr():
+            out[k].copy_(X[k])
+    return norms
