@@ -261,9 +261,7 @@ def geometric_median(
         impl.weighted_sum(Xr, (w / w.sum()).contiguous(), z, 1.0, 0.0)
     elif init.data_ptr() != z.data_ptr():
         z.copy_(init)
-    objective = float(
-        (w * impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()).sum()
-    )
+    objective = float((w * impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()).sum())
     done, converged = 0, False
     while done < iters:
         dist = impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()
@@ -380,7 +378,7 @@ def bulyan_select(D2: torch.Tensor, f: int) -> torch.Tensor:
     d = _distances(D2).cpu()
     K = d.shape[0]
     f = _int("f", f, 0)
-    if K < 4 * f + 3:
+    if 4 * f + 3 > K:
         raise ValueError(f"Bulyan needs K >= 4f + 3 rows, got K={K}, f={f}")
     left = list(range(K))
     chosen: list[int] = []
