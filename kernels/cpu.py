@@ -24,6 +24,7 @@ import numba as nb
 import numpy as np
 import torch
 
+from ._cpu_median_window import mean_around_median  # noqa: F401 - a backend function
 from ._partials import Reduce, mirror_upper, summed, summed_grams
 from ._tiles import offsets_key, tile_table
 

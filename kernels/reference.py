@@ -314,3 +314,20 @@ def clip_rows(
         elif out[k].data_ptr() != X[k].data_ptr():
             out[k].copy_(X[k])
     return norms
+
+
+def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    """The greedy walk outwards from the median of each sorted column, one column at a time."""
+    srt = X.to(F64).sort(dim=0).values.T.contiguous()
+    K = srt.shape[1]
+    res = torch.empty(srt.shape[0], dtype=F64)
+    for d, col in enumerate(srt.tolist()):
+        med = col[K // 2] if K % 2 else (col[K // 2 - 1] + col[K // 2]) / 2
+        lo, hi = (K // 2, K // 2 + 1) if K % 2 else (K // 2, K // 2)  # window [lo, hi)
+        while hi - lo < keep:
+            if hi >= K or (lo > 0 and med - col[lo - 1] <= col[hi] - med):
+                lo -= 1
+            else:
+                hi += 1
+        res[d] = sum(col[lo:hi]) / keep
+    out.copy_(res.to(device=out.device, dtype=out.dtype))

@@ -38,6 +38,7 @@ __all__ = [
     "geometric_median",
     "krum_scores",
     "krum_select",
+    "mean_around_median",
     "sq_distances_to",
     "trimmed_mean",
     "trimmed_count",
@@ -128,6 +129,29 @@ def trimmed_mean(
     out = _row_out("out", out, X)
     impl = _backend(backend, X.device)
     impl.trimmed_mean(_rows(X), c, out)
+    return out
+
+
+def mean_around_median(
+    X: torch.Tensor, keep: int, *, out: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """[D] mean of the `keep` values of each coordinate closest to that coordinate's median
+    (Bulyan's coordinate-wise step, El Mhamdi et al. 2018, with keep = beta = theta - 2f).
+
+    The chosen values are the ones a greedy walk outwards from the median takes: in sorted
+    order, starting from the middle value (odd K) or between the two middle values (even K), it
+    adds the nearer of the two next values, the lower one on a tie. With ``keep = K - 2 cut`` and
+    values symmetric about the median this is `trimmed_mean(X, cut=cut)`; in general the window
+    shifts towards the denser side. 1 <= keep <= K.
+    """
+    _data("X", X, dims=(2,))
+    _nonempty(X, "the mean around the median")
+    keep = _int("keep", keep, 1)
+    if keep > X.shape[0]:
+        raise ValueError(f"keep={keep} values of {X.shape[0]} rows")
+    out = _row_out("out", out, X)
+    impl = _backend(backend, X.device)
+    impl.mean_around_median(_rows(X), keep, out)
     return out
 
 
@@ -374,7 +398,7 @@ def krum_select(D2: torch.Tensor, f: int, m: int = 1) -> torch.Tensor:
 def bulyan_select(D2: torch.Tensor, f: int) -> torch.Tensor:
     """Bulyan's selection (El Mhamdi et al. 2018): theta = K - 2f rows, each the Krum choice
     among the rows not chosen yet, with the same f. int64 CPU indices in the order chosen.
-    Needs K >= 4f + 3. The coordinate-wise step is `trimmed_mean(X[sel], cut=f)`."""
+    Needs K >= 4f + 3. The coordinate-wise step is `mean_around_median(X[sel], theta - 2f)`."""
     d = _distances(D2).cpu()
     K = d.shape[0]
     f = _int("f", f, 0)

@@ -1,0 +1,29 @@
+"""CPU `mean_around_median` (kernels/robust.py): the greedy walk outwards from each column's
+median, vectorised over the columns with torch on the sorted rows (K - 1 steps of gathers).
+
+Interim: sorting [K, D] in memory is what the fused order-statistics kernels avoid; this one
+gets their treatment once they land.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    work = X if X.dtype in (torch.float32, torch.float64) else X.to(torch.float32)
+    srt = work.sort(dim=0).values.to(torch.float64)
+    K, D = srt.shape
+    half = K // 2
+    med = srt[half] if K % 2 else (srt[half - 1] + srt[half]) / 2
+    lo = torch.full((D,), half, dtype=torch.int64)
+    hi = torch.full((D,), half + 1 if K % 2 else half, dtype=torch.int64)
+    total = srt[half].clone() if K % 2 else torch.zeros(D, dtype=torch.float64)
+    for _ in range(keep - (K % 2)):
+        left = srt.gather(0, (lo - 1).clamp_min(0)[None])[0]
+        right = srt.gather(0, hi.clamp_max(K - 1)[None])[0]
+        take_left = (hi >= K) | ((lo > 0) & (med - left <= right - med))
+        total += torch.where(take_left, left, right)
+        lo -= take_left.long()
+        hi += (~take_left).long()
+    out.copy_(total / keep)
