@@ -97,11 +97,7 @@ def check_params(
         types = allowed[key] if isinstance(allowed[key], tuple) else (allowed[key],)
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if (
-            value is not None
-            and not isinstance(value, types)
-            or (isinstance(value, bool) and bool not in types)
-        ):
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             want = " or ".join(t.__name__ for t in types)
             raise ValueError(f"{what} {spec.name!r}: {key} must be {want}, got {value!r}")
         out[key] = value

@@ -64,5 +64,7 @@ def test_check_params_lists_the_known_names_and_checks_types() -> None:
         check_params("aggregator", parse_named("krum:f=2.5", "aggregator"), allowed)
     with pytest.raises(ValueError, match="f must be int, got True"):
         check_params("aggregator", parse_named("krum:f=true", "aggregator"), allowed)
+    with pytest.raises(ValueError, match="f must be int, got None"):
+        check_params("aggregator", parse_named("krum:f=none", "aggregator"), allowed)
     with pytest.raises(ValueError, match="tau must be float, got 'big'"):
         check_params("aggregator", parse_named("cc:tau=big", "aggregator"), allowed)
