@@ -28,10 +28,14 @@ if DRY and not torch.cuda.is_available():
 try:  # an installed aggsrv, else the checkout this script lives in
     from aggsrv.kernels import reference as ref
     from aggsrv.kernels import triton as tk
+
+    from aggsrv import kernels as api
 except ImportError:  # pragma: no cover - running from a bare checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from aggsrv.kernels import reference as ref
     from aggsrv.kernels import triton as tk
+
+    from aggsrv import kernels as api
 
 
 @dataclass
@@ -173,6 +177,46 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
         ref.weighted_sum(X, weights, o, 1.0, 0.0)
         return o
 
+    # Robust aggregation: distances to a point, norm clipping, the Weiszfeld and centered
+    # clipping steps (compositions of backend calls), Krum's scores from the Gram pass.
+    point = X.mean(0, keepdim=True)
+    bound = float(X.double().norm(dim=1).median())  # about half the rows clipped
+    out_c = torch.empty_like(X)
+    f = max(K // 4 - 1, 0)
+
+    def t_clip() -> torch.Tensor:
+        tk.clip_rows(X, bound, out_c)
+        return out_c
+
+    def torch_clip() -> torch.Tensor:
+        Xa = X.to(acc)
+        return (Xa * (bound / Xa.norm(dim=1, keepdim=True)).clamp(max=1.0)).to(dtype)
+
+    def r_clip() -> torch.Tensor:
+        o = torch.empty_like(X)
+        ref.clip_rows(X, bound, o)
+        return o
+
+    def weiszfeld_step(backend) -> torch.Tensor:
+        dist = backend.sq_distances_to(X, point).cpu().sqrt()
+        b = 1.0 / dist.clamp_min(1e-8)
+        o = torch.empty(D, device=device, dtype=dtype)
+        backend.weighted_sum(X, (b / b.sum()).contiguous(), o, 1.0, 0.0)
+        return o
+
+    def torch_weiszfeld() -> torch.Tensor:
+        Xa = X.to(acc)
+        b = 1.0 / (Xa - point.to(acc)).norm(dim=1).clamp_min(1e-8)
+        return ((b / b.sum()) @ Xa).to(dtype)
+
+    def centered(backend: str) -> torch.Tensor:
+        return api.centered_clip(X, point[0], 0.5 * bound, backend=backend)
+
+    def torch_centered() -> torch.Tensor:
+        diff = X.to(acc) - point.to(acc)
+        c = (0.5 * bound / diff.norm(dim=1)).clamp(max=1.0) / K
+        return (point[0].to(acc) + c @ diff).to(dtype)
+
     n_rows = int((groups >= 0).sum())
     gram_flops = 2 * K * K * D
     return [
@@ -237,6 +281,36 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             nbytes=(n_rows + 4) * D * esz,
         ),
         Case("weighted_sum", t_ws, torch_ws, r_ws, nbytes=(K + 1) * D * esz),
+        Case(
+            "sq_distances_to",
+            lambda: tk.sq_distances_to(X, point),
+            lambda: ((X.to(acc) - point.to(acc)) ** 2).sum(1),
+            lambda: ref.sq_distances_to(X, point),
+            nbytes=(K + 1) * D * esz,
+        ),
+        # Half the rows above the bound; pass 1 reads X, pass 2 reads X and writes every row.
+        Case("clip_rows", t_clip, torch_clip, r_clip, nbytes=3 * K * D * esz),
+        Case(
+            "geometric_median step",  # one distance pass and one weighted sum
+            lambda: weiszfeld_step(tk),
+            torch_weiszfeld,
+            lambda: weiszfeld_step(ref),
+            nbytes=(2 * K + 2) * D * esz,
+        ),
+        Case(
+            "centered_clip(iters=1)",
+            lambda: centered("triton"),
+            torch_centered,
+            lambda: centered("reference"),
+            nbytes=(2 * K + 3) * D * esz,
+        ),
+        Case(
+            "krum_scores(pairwise_sq)",
+            lambda: api.krum_scores(tk.pairwise_sq_distances(X, None), f),
+            lambda: api.krum_scores(torch.cdist(X.to(acc), X.to(acc)).square(), f),
+            lambda: api.krum_scores(ref.pairwise_sq_distances(X, None), f),
+            flops=gram_flops,
+        ),
     ]
 
 

@@ -24,6 +24,7 @@ import numba as nb
 import numpy as np
 import torch
 
+from . import _cpu_distance
 from ._cpu_median_window import mean_around_median  # noqa: F401 - a backend function
 from ._partials import Reduce, mirror_upper, summed, summed_grams
 from ._tiles import offsets_key, tile_table
@@ -858,18 +859,31 @@ def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
 def sq_distances_to(
     X: torch.Tensor, point: torch.Tensor, reduce: Reduce | None = None
 ) -> torch.Tensor:
-    diff = X.to(torch.float64) - point.to(torch.float64)
-    return summed(reduce, (diff * diff).sum(dim=1))
+    """float64 [K] sum over d of (x_kd - p_d)^2: one parallel pass over the differences, tile
+    sums added in tile order (`_cpu_distance`), then one `reduce` of the [K] vector."""
+    ts, te = _whole_tiles(X.shape[1])
+    sq = _cpu_distance.sq_distance_partials(_np(_as_work(X)), _np(_as_work(point)), ts, te)
+    return summed(reduce, torch.from_numpy(sq))
 
 
 def clip_rows(
     X: torch.Tensor, max_norm: float, out: torch.Tensor, reduce: Reduce | None = None
 ) -> torch.Tensor:
-    X64 = X.to(torch.float64)
-    norms = summed(reduce, (X64 * X64).sum(dim=1)).sqrt()
-    for k in range(X.shape[0]):
-        if norms[k] > max_norm:
-            out[k].copy_((X64[k] * (max_norm / norms[k])).to(out.dtype))
-        elif out[k].data_ptr() != X[k].data_ptr():
-            out[k].copy_(X[k])
-    return norms
+    """Pass 1: float64 squared row norms (one `reduce` of the [K] vector); pass 2: out = x *
+    max_norm / |x| for the rows above the bound, a bitwise copy of the others (nothing written
+    for them when out is X). Returns the float64 [K] norms."""
+    Xw = _as_work(X)
+    ts, te = _whole_tiles(X.shape[1])
+    sq = summed(reduce, torch.from_numpy(_cpu_distance.sq_norm_partials(_np(Xw), ts, te)))
+    norms, scale = _cpu_distance.clip_scales(sq.numpy(), max_norm)
+    direct = out.dtype == Xw.dtype
+    target = out if direct else torch.empty_like(Xw)
+    in_place = direct and _same_rows(target, Xw)
+    _cpu_distance.scale_rows(_np(Xw), scale, ts, te, _np(target), in_place)
+    if not direct:
+        out.copy_(target)
+    return torch.from_numpy(norms)
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _backend, _data, _finite, _out, _reduce, _rows, _same_kind
+from . import _backend, _data, _finite, _is_alias, _out, _overlaps, _reduce, _rows, _same_kind
 from ._partials import Reduce
 
 __all__ = [
@@ -229,7 +229,14 @@ def _weights(weights: Any, K: int) -> torch.Tensor:
     """Non-negative finite float64 CPU weights [K] with a positive sum (None: all ones)."""
     if weights is None:
         return torch.ones(K, dtype=torch.float64)
-    w = torch.as_tensor(weights).detach().to("cpu")
+    if isinstance(weights, torch.Tensor):
+        w = weights.detach().to("cpu")
+    else:
+        # Not torch.as_tensor: it makes a list of Python floats float32 before float64.
+        arr = np.asarray(weights)
+        if arr.dtype.kind not in "fiu":
+            raise TypeError(f"weights must be real numbers, got {arr.dtype}")
+        w = torch.from_numpy(arr.astype(np.float64))
     if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
         raise TypeError(f"weights must be real numbers, got {w.dtype}")
     w = w.to(torch.float64)
@@ -257,11 +264,13 @@ def geometric_median(
     """The (weighted) geometric median argmin_z sum_k w_k |x_k - z| by smoothed Weiszfeld
     (Pillutla et al., RFA): z <- sum_k b_k x_k / sum_k b_k with b_k = w_k / max(eps, |x_k - z|).
 
-    Starts from `init` or the weighted mean. Each iteration is one distance pass over X
-    (`sq_distances_to`) and one weighted sum; it stops after `iters` iterations or once the
-    objective improved by at most ``tol`` times itself. The result is in X's dtype; the weights
-    and the objective are float64. `reduce` sums the distance pass over the shards (each shard
-    then updates its own slice of z).
+    Starts from `init` or the weighted mean. Each iteration is one weighted sum and one
+    distance pass over X (`sq_distances_to`), whose distances give both the objective at the
+    new z and the next step's weights (one more distance pass at the start); it stops after
+    `iters` iterations or once the objective improved by at most ``tol`` times itself. The
+    result is in X's dtype; the weights and the objective are float64. `reduce` sums each
+    distance pass over the shards (``iterations + 1`` calls; every shard takes the same
+    decisions from the same sums and updates its own slice of z). `out` may be `init` itself.
     """
     _data("X", X, dims=(2,))
     _nonempty(X, "the geometric median")
@@ -278,23 +287,25 @@ def geometric_median(
         _same_kind("X", X, init=init)
         if init.shape[0] != X.shape[1]:
             raise ValueError(f"init has length {init.shape[0]} but the rows have {X.shape[1]}")
+        if _overlaps(z, init) and not _is_alias(z, init):
+            raise ValueError("out overlaps init in memory (only out=init exactly is allowed)")
     red = _reduce(reduce)
     impl = _backend(backend, X.device)
     Xr = _rows(X)
     if init is None:
         impl.weighted_sum(Xr, (w / w.sum()).contiguous(), z, 1.0, 0.0)
-    elif init.data_ptr() != z.data_ptr():
+    elif not _is_alias(z, init):
         z.copy_(init)
-    objective = float((w * impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()).sum())
+    # The distances at z serve twice: the objective at z, and the weights of the step from z.
+    dist = impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()
+    objective = float((w * dist).sum())
     done, converged = 0, False
     while done < iters:
-        dist = impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()
         b = w / dist.clamp_min(eps)
         impl.weighted_sum(Xr, (b / b.sum()).contiguous(), z, 1.0, 0.0)
         done += 1
-        new_objective = float(
-            (w * impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()).sum()
-        )
+        dist = impl.sq_distances_to(Xr, _rows(z), reduce=red).cpu().sqrt()
+        new_objective = float((w * dist).sum())
         improved = objective - new_objective
         objective = new_objective
         if improved <= tol * objective:
@@ -319,7 +330,8 @@ def centered_clip(
     (uniform by default). Each iteration is one distance pass and one weighted sum:
     v <- (1 - sum_k c_k) v + sum_k c_k x_k with c_k = p_k min(1, tau / |x_k - v|).
 
-    `out` may be `center` itself (updated in place). Returns v in X's dtype.
+    `out` may be `center` itself (updated in place). Returns v in X's dtype. `reduce` sums
+    each iteration's distance pass over the shards (`iters` calls).
     """
     _data("X", X, dims=(2,))
     _data("center", center, dims=(1,))

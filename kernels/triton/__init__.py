@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
@@ -15,6 +16,7 @@ from .sparse import nnz_per_layer, sparse_accumulate
 
 __all__ = [
     "average_linkage",
+    "clip_rows",
     "cosine_matrix",
     "gram_matrix",
     "group_means",
@@ -25,6 +27,7 @@ __all__ = [
     "pairwise_sq_distances",
     "project_out",
     "sparse_accumulate",
+    "sq_distances_to",
     "weighted_sum",
 ]
 
