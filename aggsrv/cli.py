@@ -274,6 +274,7 @@ _SIM_OPTIONS = {
     "out": str,
     "scenario": str,
     "threads": int,
+    "attack": str,
 }
 
 
