@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
+from aggsrv.cli import main
 from aggsrv.client.train import TrainResult
 from aggsrv.sim import SimConfig, run
 from aggsrv.sim.attacks import (
@@ -26,8 +25,6 @@ from aggsrv.sim.attacks import (
 )
 from aggsrv.sim.setup import client_id, prepare
 from aggsrv.values import Recipe
-
-REPO = Path(__file__).resolve().parents[1]
 
 SMALL = {
     "strategy": "fedavg",
@@ -173,6 +170,22 @@ def test_alie_and_ipm_read_the_pool(name, view) -> None:
     assert attack.pool.clients() == sorted(seen)
 
 
+def test_the_pool_keeps_no_non_finite_delta() -> None:
+    """A diverged (NaN) honest delta is not deposited: alone, the attacker sends it unchanged
+    (the server refuses it); with a finite entry in the pool, mu and sigma come from that."""
+    dim = 9
+    attack = _attack("alie:fraction=0.4,z=2", 5, seed=1)
+    a, b = attack.attackers
+    bad = np.full(dim, np.nan, np.float32)
+    good = np.arange(dim, dtype=np.float32)
+    trainer = attack.wrap(FixedTrainer({a: bad, b: good}))
+    assert np.isnan(trainer.run(a, 0, torch.zeros(dim)).delta.numpy()).all()
+    assert attack.pool.clients() == []
+    assert np.array_equal(trainer.run(b, 0, torch.zeros(dim)).delta.numpy(), good)  # sigma 0
+    assert np.array_equal(trainer.run(a, 1, torch.zeros(dim)).delta.numpy(), good)
+    assert attack.pool.clients() == [b]
+
+
 def test_label_flip_flips_only_the_attackers_labels(tmp_path) -> None:
     cfg = SimConfig.from_mapping({**SMALL, "clients": 6, "attack": "label_flip:fraction=0.5",
                                   "out": str(tmp_path / "x")})  # fmt: skip
@@ -258,18 +271,11 @@ def test_spec_defaults_labels_and_config(tmp_path) -> None:
     assert SimConfig.from_mapping(tomllib.loads(cfg.to_toml())) == cfg
 
 
-def test_cli_sets_and_prints_the_attack() -> None:
-    def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "aggsrv.cli", "simulate", *args, "--print-config"],
-            capture_output=True, text=True, timeout=120, cwd=REPO,
-        )  # fmt: skip
-
-    p = cli("--attack", "ipm:eps=0.5,view=all")
-    assert p.returncode == 0, p.stderr
-    assert tomllib.loads(p.stdout)["attack"] == "ipm:eps=0.5,view=all"
-    bad = cli("--attack", "ipm:eps=0.5,views=all")
-    assert bad.returncode == 2 and "unknown parameter 'views'" in bad.stderr
+def test_cli_sets_and_prints_the_attack(capsys) -> None:
+    assert main(["simulate", "--attack", "ipm:eps=0.5,view=all", "--print-config"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["attack"] == "ipm:eps=0.5,view=all"
+    assert main(["simulate", "--attack", "ipm:eps=0.5,views=all", "--print-config"]) == 2
+    assert "unknown parameter 'views'; ipm takes" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- runs
@@ -298,7 +304,7 @@ def test_sign_flip_wrecks_fedavg_and_the_summary_names_the_attackers(tmp_path) -
 def test_pool_attack_runs_are_deterministic_inproc(tmp_path) -> None:
     """ALIE with the omniscient pool: the same config gives the same metrics and counts."""
     runs = [_run(tmp_path, n, strategy="fedasync", strategy_config={"learning_rate": 0.05},
-                 budget="4s", eval_every="2s", attack="alie:fraction=0.4,view=all,z=3")
+                 budget="3s", eval_every="1s", attack="alie:fraction=0.4,view=all,z=3")
             for n in ("a", "b")]  # fmt: skip
     strip = [[{k: v for k, v in m.items() if k != "wall_time"} for m in r.metrics] for r in runs]
     assert strip[0] == strip[1]

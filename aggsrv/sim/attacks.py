@@ -19,8 +19,10 @@ and what it sends is crafted from that job (all arithmetic in float64, sent as f
 (ddof 1) of the honest deltas the attackers can see: a pool keyed by client holding each
 depositor's latest honest delta. ``view = "attackers"`` (default): the attackers deposit their
 own honest deltas (they collude, but see no one else's); ``view = "all"``: every client
-deposits. An attacker deposits before it crafts, so the pool holds at least its own delta; with
-one entry ``sigma`` is 0. Float buffers (BatchNorm statistics) are always sent honestly.
+deposits (a non-finite delta is not kept). An attacker deposits before it crafts, so the pool
+holds at least its own delta (unless that one is non-finite and the pool is empty: the attacker
+then sends its honest delta); with one entry ``sigma`` is 0. Float buffers (BatchNorm statistics)
+are always sent honestly.
 """
 
 from __future__ import annotations
@@ -191,10 +193,15 @@ class HonestPool:
         self._lock = threading.Lock()
         self._latest: dict[int, torch.Tensor] = {}
 
-    def deposit(self, client: int, delta: torch.Tensor) -> None:
+    def deposit(self, client: int, delta: torch.Tensor) -> bool:
+        """Keep ``delta`` as ``client``'s latest; a non-finite one (diverged training, which the
+        server refuses anyway) is not kept, so it cannot turn every later mu into NaN."""
+        if not bool(torch.isfinite(delta).all()):
+            return False
         copy = delta.detach().to(torch.float64, copy=True)
         with self._lock:
             self._latest[client] = copy
+        return True
 
     def clients(self) -> list[int]:
         with self._lock:
@@ -262,6 +269,8 @@ class Attack:
         elif self.name == "gaussian":
             gen = torch.Generator().manual_seed(draw_seed(self.seed, client, round_, NOISE_STREAM))
             crafted = p["std"] * torch.randn(honest.shape, generator=gen, dtype=torch.float64)
+        elif not self.pool.clients():
+            return result  # nothing finite to craft from (its own training diverged)
         else:
             mu, sigma, _ = self.pool.moments()
             crafted = mu - self.z * sigma if self.name == "alie" else -p["eps"] * mu
