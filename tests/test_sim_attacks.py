@@ -285,20 +285,32 @@ def _run(tmp_path: Path, name: str, **changes):
     return run({**SMALL, "out": str(tmp_path / name), **changes}, progress=False)
 
 
-def test_sign_flip_wrecks_fedavg_and_the_summary_names_the_attackers(tmp_path) -> None:
+def test_sign_flip_wrecks_fedavg_and_the_summary_names_the_attackers(tmp_path, capsys) -> None:
     """One attacker of five sending -20x its delta turns FedAvg's mean step into ascent: the
-    model ends at chance (0.1 on digits) where the clean run is well above 0.8."""
+    model ends at chance (0.1 on digits) where the clean run is well above 0.8. The attacked
+    run goes through the command line, which prints the attack."""
     clean = _run(tmp_path, "clean")
-    hit = _run(tmp_path, "hit", attack="sign_flip:scale=20")
     assert clean.final_accuracy > 0.8 and clean.summary["attack"] is None
-    assert hit.final_accuracy < 0.2, [m["test_accuracy"] for m in hit.metrics]
-    a = json.loads((hit.out_dir / "summary.json").read_text())["attack"]
+    out = tmp_path / "hit"
+    argv = ["simulate", "--no-progress", "--out", str(out), "--attack", "sign_flip:scale=20"]
+    for key in ("strategy", "dataset", "clients", "model", "profile", "budget", "eval_every",
+                "transport", "seed"):  # fmt: skip
+        argv += ["--" + key.replace("_", "-"), str(SMALL[key])]
+    for key, value in SMALL["strategy_config"].items():
+        argv += ["--set", f"strategy_config.{key}={value}"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_accuracy"] < 0.2, summary
+    a = summary["attack"]
     assert a["name"] == "sign_flip" and a["params"] == {"scale": 20.0} and a["seed"] == 3
     (attacker,) = a["attackers"]
     assert a["attackers"] == [client_id(c) for c in choose_attackers(5, 1, 3)]
     # sync FedAvg, full participation: the attacker sends one update per round
     assert a["crafted_sent"] == a["crafted_accepted"] == {attacker: 3}
-    assert hit.summary["scenario"] == "tiers/iid/sign_flip:fraction=0.2,scale=20"
+    assert summary["scenario"] == "tiers/iid/sign_flip:fraction=0.2,scale=20"
+    printed = capsys.readouterr().out
+    line = f"attack sign_flip:fraction=0.2,scale=20: attackers {attacker}; 3 crafted updates sent"
+    assert line in printed
 
 
 def test_pool_attack_runs_are_deterministic_inproc(tmp_path) -> None:
