@@ -274,6 +274,7 @@ _SIM_OPTIONS = {
     "out": str,
     "scenario": str,
     "threads": int,
+    "attack": str,
 }
 
 
@@ -340,9 +341,21 @@ def _simulate(args: argparse.Namespace) -> int:
         f"final accuracy {s['final_accuracy']:.3f} (best {s['best_accuracy']:.3f}) after "
         f"{s['virtual_time']:.1f} virtual s, {s['versions']} versions, "
         f"{s['updates_applied']} updates, {s['wall_time']:.1f} s wall\n"
-        f"files: {result.out_dir}/{{config.toml,metrics.jsonl,summary.json,accuracy.png}}\n"
+        + _attack_line(s.get("attack"))
+        + f"files: {result.out_dir}/{{config.toml,metrics.jsonl,summary.json,accuracy.png}}\n"
     )
     return 0
+
+
+def _attack_line(attack: dict | None) -> str:
+    """One line on the run's attackers and their crafted updates ('' without an attack)."""
+    if not attack:
+        return ""
+    sent, accepted = attack["crafted_sent"], attack["crafted_accepted"]
+    return (
+        f"attack {attack['spec']}: attackers {', '.join(attack['attackers']) or 'none'}; "
+        f"{sum(sent.values())} crafted updates sent, {sum(accepted.values())} accepted\n"
+    )
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -86,6 +86,9 @@ class SimConfig(TomlConfig):
     label: str | None = None  # the run's name in `aggsrv report` tables/plots; None: strategy
     eval_batch_size: Count = 2048
     threads: int = 0  # torch threads for training and evaluation; 0: torch's default
+    # Byzantine clients, "NAME:fraction=0.2,KEY=VALUE,..." (aggsrv.sim.attacks, docs/attacks.md);
+    # None: every client is honest.
+    attack: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -96,6 +99,7 @@ class SimConfig(TomlConfig):
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         self.budget_spec()
+        self.attack_spec()
         if self.eval_every != "auto":
             parse_budget(self.eval_every)
         from aggsrv.strategies import strategy_class
@@ -122,6 +126,16 @@ class SimConfig(TomlConfig):
             settings["min_available"] = self.clients
         return settings
 
+    def attack_spec(self):
+        """The parsed ``attack`` (an AttackSpec, checked against ``clients``), or None."""
+        if self.attack is None:
+            return None
+        from aggsrv.sim.attacks import parse_attack
+
+        spec = parse_attack(self.attack)
+        spec.check(self.clients)
+        return spec
+
     def budget_spec(self) -> Budget:
         return parse_budget(self.budget)
 
@@ -138,7 +152,8 @@ class SimConfig(TomlConfig):
         if self.scenario:
             return self.scenario
         profile = self.profile if isinstance(self.profile, str) else self.profile.get("name", "?")
-        return f"{profile}/{self.partition}"
+        attack = self.attack_spec()
+        return f"{profile}/{self.partition}" + (f"/{attack.label()}" if attack else "")
 
     def out_dir(self) -> Path:
         if self.out:

@@ -1,11 +1,12 @@
 """The `grpc` transport: a real `aggsrv serve` process and real clients on loopback.
 
 Every simulated client is a thread with its own :class:`aggsrv.client.Client` (its own channel)
-and its own model copy, running the same local training as `inproc`; the profile's virtual
-durations become wall time through ``time_scale`` (wall seconds per virtual second): a client
-fetches a job, trains, sleeps until its update is due, and pushes it. Virtual time is wall time
-since the start divided by ``time_scale``. This transport proves the service end to end; it is
-not deterministic (thread scheduling decides arrival order at equal times).
+and its own model copy, running the same local training as `inproc` (an attacker's trainer
+crafts what it then pushes through the same client library); the profile's virtual durations
+become wall time through ``time_scale`` (wall seconds per virtual second): a client fetches a job,
+trains, sleeps until its update is due, and pushes it. Virtual time is wall time since the start
+divided by ``time_scale``. This transport proves the service end to end; it is not
+deterministic (thread scheduling decides arrival order at equal times).
 
 Strategy settings measured in seconds (FedAvg's ``round_timeout``) are virtual seconds in the
 config and are scaled to the server's wall clock here.
@@ -164,6 +165,7 @@ class GrpcRun:
     def _client_loop(self, c: int, client: Client) -> None:
         trainer = self.setup.trainer()  # its own model copy: clients train concurrently
         samples = trainer.num_samples(c)
+        attacker = self.setup.attack is not None and self.setup.attack.is_attacker(c)
         rounds = sent = 0
         try:
             while not self._stop.is_set():
@@ -224,10 +226,14 @@ class GrpcRun:
                         if self._stop.is_set():
                             return
                         raise
+                    ok = False
                     with self._lock:
                         self.counters.rejected += 1
                         name = exc.code().name
                         self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
+                if attacker:
+                    with self._lock:
+                        self.counters.count_crafted(client_id(c), ok)
                 sent += 1
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             if not self._stop.is_set():

@@ -52,6 +52,15 @@ class Counters:
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     rejected_by: dict[str, int] = field(default_factory=dict)
+    # Updates of attackers (the config's `attack`) per client id: sent, and accepted by the
+    # server (APPLIED or BUFFERED).
+    crafted_sent: dict[str, int] = field(default_factory=dict)
+    crafted_accepted: dict[str, int] = field(default_factory=dict)
+
+    def count_crafted(self, cid: str, accepted: bool) -> None:
+        self.crafted_sent[cid] = self.crafted_sent.get(cid, 0) + 1
+        if accepted:
+            self.crafted_accepted[cid] = self.crafted_accepted.get(cid, 0) + 1
 
     def metric_row(
         self, version: int, virtual_time: float, wall_time: float, accuracy: float, loss: float,
@@ -228,14 +237,18 @@ class InprocRun:
             buffers=result.buffers,
         )
         self._sent[c] += 1
+        accepted = False
         try:
             self.strategy.on_update(update, t)
+            accepted = True
             self.counters.applied += 1
             self.counters.bytes_received += result.payload_bytes
         except StrategyError as exc:
             self.counters.rejected += 1
             name = type(exc).__name__
             self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
+        if self.setup.attack is not None and self.setup.attack.is_attacker(c):
+            self.counters.count_crafted(client_id(c), accepted)
         self._after_state_change(t)
         self._ready(t, c)
 

@@ -82,6 +82,19 @@ class LocalTrainer:
     def num_samples(self, client: int) -> int:
         return int(self._ys[client].shape[0])
 
+    def labels(self, client: int) -> torch.Tensor:
+        """The labels ``client`` trains on."""
+        return self._ys[client]
+
+    def set_labels(self, client: int, labels: torch.Tensor) -> None:
+        """Replace ``client``'s training labels (a data-poisoning attack), one per example."""
+        if labels.shape != self._ys[client].shape:
+            raise ValueError(
+                f"client {client} has {self._ys[client].shape[0]} examples, got labels of "
+                f"shape {tuple(labels.shape)}"
+            )
+        self._ys[client] = labels.to(self._ys[client].dtype)
+
     def run(
         self,
         client: int,

@@ -107,5 +107,9 @@ def _summary(config: SimConfig, setup, engine, metrics, wall: float) -> dict[str
         "num_parameters": setup.layout.numel,
         "profile": setup.profile.describe(),
         "client_sizes": [s["size"] for s in setup.partition_summary],
+        # The attack, its attackers and their crafted updates (None: every client honest).
+        "attack": (
+            setup.attack.summary(c.crafted_sent, c.crafted_accepted) if setup.attack else None
+        ),
         "provenance": provenance(),
     }

@@ -1,5 +1,7 @@
 """Everything a run needs before its first event, built the same way for both transports: the
-data set and its split, the model and its initial weights, the straggler profile."""
+data set and its split, the model and its initial weights, the straggler profile, the attackers
+(and the pool of honest deltas they share, which lives here so that every trainer of the run,
+the grpc transport's client threads included, reads the same one)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from aggsrv.layout import ModelLayout
+from aggsrv.sim.attacks import Attack, AttackedTrainer, make_attack
 from aggsrv.sim.config import SimConfig
 from aggsrv.sim.local import Evaluator, LocalTrainer
 
@@ -37,9 +40,12 @@ class RunSetup:
     initial: torch.Tensor  # flat float32 [D], the seeded model's weights
     profile: Any  # aggsrv.sim.profiles.Profile
     initial_buffers: torch.Tensor | None = None  # flat float32 [B] (BatchNorm statistics)
+    attack: Attack | None = None  # the config's `attack`: attackers and their shared pool
 
-    def trainer(self) -> LocalTrainer:
-        return LocalTrainer(
+    def trainer(self) -> LocalTrainer | AttackedTrainer:
+        """A trainer with its own model copy; under an attack, one that sends what the
+        attackers craft."""
+        trainer = LocalTrainer(
             copy.deepcopy(self.model),
             self.layout,
             self.dataset.x_train,
@@ -47,6 +53,7 @@ class RunSetup:
             self.parts,
             self.config.seed,
         )
+        return trainer if self.attack is None else self.attack.wrap(trainer)
 
     def evaluator(self) -> Evaluator:
         return Evaluator(
@@ -78,6 +85,7 @@ def prepare(config: SimConfig) -> RunSetup:
         layout.flatten_buffers(model, dtype=torch.float32).clone() if layout.buffer_numel else None
     )
     profile = make_profile(config.profile, config.clients, config.seed, base_time=config.base_time)
+    attack = make_attack(config.attack, config.clients, config.seed, ds.num_classes)
     return RunSetup(
         config=config,
         dataset=ds,
@@ -89,4 +97,5 @@ def prepare(config: SimConfig) -> RunSetup:
         initial=initial,
         profile=profile,
         initial_buffers=initial_buffers,
+        attack=attack,
     )
