@@ -27,7 +27,6 @@ __all__ = [
 
 # The HELP line of every strategy config that takes the key.
 AGGREGATOR_HELP = (
-    "how the rows of an aggregation combine: mean, median, trimmed_mean:trim=0.1, krum:f=1, "
-    "multi_krum:f=1,m=K-f, bulyan:f=1, geometric_median, centered_clipping:tau=auto, each "
-    "optionally after 'norm_bound:max=X >' (docs/robust.md)"
+    "mean, median, trimmed_mean, krum, multi_krum, bulyan, geometric_median, centered_clipping "
+    "(docs/robust.md)"
 )
