@@ -85,7 +85,8 @@ class CA2FL(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 accumulator; cache rows come with clients' first reports."""
         super().__init__(*args, **kwargs)
-        self._acc = torch.empty(self.dim, dtype=torch.float64, device=self.device)
+        mean = check_aggregator(self.config.aggregator).is_mean
+        self._acc = torch.empty(self.dim if mean else 0, dtype=torch.float64, device=self.device)
         self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer

@@ -158,9 +158,14 @@ class FedAvg(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the running delta sum (and the FedAdam moments on first use)."""
         super().__init__(*args, **kwargs)
-        self._acc = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
+        # A robust aggregator (None for the mean) keeps rows instead of the running sum.
+        spec = check_aggregator(self.config.aggregator)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        summed = self.dim if self._robust is None else 0
+        self._acc = torch.zeros(summed, dtype=torch.float32, device=self.device)
         self._spare: torch.Tensor | None = None  # the next running sum, before it is checked
-        self._scratch = torch.empty_like(self._acc)
+        # The delta of a WEIGHTS update (mean), or the robust aggregate.
+        self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
         self._acc_weight = 0.0  # sum of num_samples folded into _acc
         self._acc_count = 0  # contributions folded into _acc
         self._m: torch.Tensor | None = None
@@ -169,10 +174,8 @@ class FedAvg(Strategy):
         self._round_open = False
         self._participants: dict[str, bool] = {}
         self._deadline: float | None = None
-        # A robust aggregator (None for the mean): the contributions' deltas as rows, each row's
-        # max |x| (derived from the rows, not saved) and the step an aggregation computed.
-        spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        # With a robust rule: the contributions' deltas as rows, each row's max |x| (derived
+        # from the rows, not saved) and FedAdam's moments' bounds.
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []
         self._moment_absmax: tuple[int, float, float] | None = None  # (version, |m|, |v|)

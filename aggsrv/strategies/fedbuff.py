@@ -88,11 +88,12 @@ class FedBuff(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 [D] running sum on the strategy's device."""
         super().__init__(*args, **kwargs)
-        self._sum = torch.empty(self.dim, dtype=torch.float64, device=self.device)
-        self._weights: list[float] = []  # one per buffered delta, in arrival order
         # A robust aggregator (None for the mean): the rows w_i delta_i replace the sum.
         spec = check_aggregator(self.config.aggregator)
         self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        summed = self.dim if self._robust is None else 0
+        self._sum = torch.empty(summed, dtype=torch.float64, device=self.device)
+        self._weights: list[float] = []  # one per buffered delta, in arrival order
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []  # derived from the rows, not saved
         self._aggregate: torch.Tensor | None = None  # the robust aggregate's [D] row
