@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ from state_helpers import assert_same_state
 from strategy_runs import StrategyRun
 
 from aggsrv.layout import ModelLayout
+from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import Strategy, make_strategy
 from aggsrv.strategies.base import NonFiniteResult, Status, Update, UpdateKind
 from aggsrv.strategies.ca2fl import CA2FLConfig
@@ -435,3 +438,87 @@ def test_random_runs_resume_from_a_state_loaded_anywhere(name: str) -> None:
         b.step()
     assert a.strategy.version > 0
     assert_same_state(a.strategy.state_dict(), b.strategy.state_dict())
+
+
+# ----------------------------------------------------------------------------- sharded
+
+
+class _Token:
+    """Two shards in two threads that take turns: a shard computes only while it holds the
+    lock (numba's threading layer is not thread-safe) and lets go of it inside a collective."""
+
+    def __init__(self, world: int) -> None:
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(world)
+        self.parts: list[torch.Tensor | None] = [None] * world
+
+
+class _ThreadReducer:
+    def __init__(self, token: _Token, rank: int) -> None:
+        self.token, self.rank, self.world_size = token, rank, len(token.parts)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        tok = self.token
+        tok.parts[self.rank] = t.double().clone()
+        tok.lock.release()
+        tok.barrier.wait()
+        total = sum(tok.parts[1:], tok.parts[0])  # rank order, float64
+        tok.barrier.wait()  # every shard read the parts before the next collective
+        tok.lock.acquire()
+        return total.to(t.dtype)
+
+
+SHARDED = {
+    "fedavg": ({"min_clients": N, "round_timeout": None}, "krum:f=2"),
+    "fedbuff": ({"buffer_size": N}, "geometric_median:iters=20,tol=0"),
+    "ca2fl": ({"buffer_size": N}, "norm_bound:max=50 > centered_clipping:iters=2"),
+    "fedhist": ({"buffer_size": N}, "bulyan:f=1"),
+    "mifa": ({"min_available": N}, "multi_krum:f=2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_sharded_strategies_select_alike_and_join_to_the_whole_model(gen, name) -> None:
+    config, spec = SHARDED[name]
+    config = {**config, "aggregator": spec}
+    x0 = torch.linspace(-1, 1, D)
+    smap = ShardMap.even(D, 2, align=8)
+    token = _Token(2)
+    shards = []
+    for r in range(2):
+        lo, hi = smap.slice(r)
+        s = make_strategy(
+            name, layout=ShardLayout(LAYOUT, smap, r), initial=x0[lo:hi].clone(), config=config,
+            reducer=_ThreadReducer(token, r),
+        )  # fmt: skip
+        shards.append((s, lo, hi))
+    whole = make(name, initial=x0, **config)
+
+    def on_every_shard(call) -> list[Any]:  # noqa: ANN001
+        def run(r: int) -> Any:
+            with token.lock:
+                return call(r, *shards[r])
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(run, range(2)))
+
+    for i in range(N):
+        on_every_shard(lambda r, s, lo, hi, i=i: s.on_register(f"c{i}", 0.0))
+    for _ in range(2):
+        rows = deltas(gen)
+        for i in range(N):
+            u = update(whole, f"c{i}", rows[i])
+            whole.on_update(u, 0.0)
+
+            def send(r, s, lo, hi, u=u):  # noqa: ANN001, ANN202
+                job = s.job_for(u.client_id, 0.0)
+                part = update(s, u.client_id, u.tensor[lo:hi], job=job, uid=u.update_id)
+                return s.on_update(part, 0.0)
+
+            outcomes = on_every_shard(send)
+            assert outcomes[0] == outcomes[1]
+    infos = [s._robust.last_info for s, _, _ in shards]
+    assert infos[0].selected == infos[1].selected == whole._robust.last_info.selected
+    joined = torch.cat([s.global_model() for s, _, _ in shards])
+    assert shards[0][0].version == whole.version == 2
+    torch.testing.assert_close(joined, whole.global_model(), rtol=1e-5, atol=1e-5)
