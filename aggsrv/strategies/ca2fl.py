@@ -85,8 +85,9 @@ class CA2FL(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 accumulator; cache rows come with clients' first reports."""
         super().__init__(*args, **kwargs)
-        mean = check_aggregator(self.config.aggregator).is_mean
-        self._acc = torch.empty(self.dim if mean else 0, dtype=torch.float64, device=self.device)
+        spec = check_aggregator(self.config.aggregator)
+        summed = self.dim if spec.is_mean else 0  # a robust rule keeps rows instead
+        self._acc = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer
@@ -95,7 +96,6 @@ class CA2FL(Strategy):
         # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
         # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
         # the spare row, then swapped in), each with its own centre.
-        spec = check_aggregator(self.config.aggregator)
         self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
         self._robust_cache = None if spec.is_mean else RobustCombiner(spec, self.name + " cache")
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
