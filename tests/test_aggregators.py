@@ -268,6 +268,8 @@ def test_parse_fills_defaults_and_prints_back() -> None:
         "iters": 100, "tol": 1e-6, "eps": 1e-8,
     }  # fmt: skip
     assert dict(Aggregator.parse("centered_clipping").params) == {"tau": None, "iters": 1}
+    assert Aggregator.parse("centered_clipping:tau=auto") == Aggregator.parse("centered_clipping")
+    assert Aggregator.parse("multi_krum:m=auto").params["m"] is None
     assert dict(Aggregator.parse("trimmed_mean").params) == {"trim": 0.1}
     for rule in RULES:
         assert parse_aggregator(rule).rule == rule
@@ -285,6 +287,7 @@ def test_parse_fills_defaults_and_prints_back() -> None:
         ("krum:f=-1", "f .* must be >= 0"),
         ("krum:f=1.5", "f must be int"),
         ("krum:f=none", "f must be a number"),
+        ("krum:f=auto", "f must be int"),
         ("multi_krum:m=0", "m .* must be >= 1"),
         ("centered_clipping:tau=0", "tau must be finite and > 0"),
         ("centered_clipping:iters=0", "iters must be >= 1"),

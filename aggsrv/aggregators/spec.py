@@ -175,6 +175,12 @@ def parse_aggregator(text: Any, what: str = "aggregator") -> Aggregator:
         known = ", ".join([*RULES, NORM_BOUND])
         raise ValueError(f"{what} {text!r}: unknown rule {step.name!r}; the rules: {known}")
     table = RULES[step.name]
+    # "auto" (or none) asks for a derived value where the rule has one (m, tau).
+    derived = {k for k, (_, default) in table.items() if default is None}
+    step = NamedSpec(
+        step.name,
+        {k: None if k in derived and v == "auto" else v for k, v in step.params.items()},
+    )
     given = check_params(what, step, {k: t for k, (t, _) in table.items()})
     for key, value in given.items():
         if value is None and table[key][1] is not None:
