@@ -16,6 +16,15 @@ import pytest
 
 # Module prefixes each entry point must not load.
 HIGHER = {
+    # Between the kernels and the strategies: robust rules take rows, never a strategy.
+    "aggsrv.aggregators": (
+        "aggsrv.strategies",
+        "aggsrv.server",
+        "aggsrv.sim",
+        "aggsrv.cli",
+        "grpc",
+        "flwr",
+    ),
     "aggsrv.client": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim", "aggsrv.cli", "flwr"),
     "aggsrv.values": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim", "grpc", "google"),
     "aggsrv.layout": ("aggsrv.strategies", "aggsrv.server", "aggsrv.values", "grpc"),

@@ -19,6 +19,16 @@ would cost one more [D] row per repeating client; the paper does not treat this 
 With an all-zero cache (the first buffer) this is exactly FedBuff: ``x + lr * mean(delta)``.
 No staleness weighting (CA2FL has none); ``max_staleness`` works as for every strategy.
 
+``aggregator`` (docs/robust.md; default ``mean``, the arithmetic above, unchanged): any other
+rule replaces both means. At a buffer's first arrival ``h_bar`` becomes the rule over the cache
+rows of the clients that have reported (clients that never reported have no row and count in
+no rule: a zero row is no evidence), zero while there are none; and ``(1/K) sum (delta_i - h_i)``
+becomes the rule over the buffer's K calibrated rows ``delta_i - h_i``, kept as a float32
+[K, D] buffer. So ``v = rule(cache) + rule(calibrated rows)``: a client that sends a crafted
+update is outvoted in both the cache's estimate and the correction, and one robust estimate of
+the cache per buffer costs one pass of the rule over the cache. Centered clipping's centres are
+the previous ``h_bar`` and the previous correction.
+
 Memory: the cache is ``clients x D x 4`` bytes (rows allocated on a client's first report, grown
 in blocks of 8 rows up to ``max_clients``), plus a float64 [D] accumulator and a [D] scratch row
 for WEIGHTS updates. Outcomes as FedBuff: BUFFERED(version) for the first ``K - 1`` arrivals of a
@@ -34,6 +44,7 @@ from typing import Any
 
 import torch
 
+from aggsrv.aggregators import RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
@@ -44,6 +55,7 @@ from aggsrv.strategies.base import (
     UpdateKind,
 )
 from aggsrv.strategies.fedbuff import BufferedConfig
+from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
 
 __all__ = ["CA2FL", "CA2FLConfig"]
 
@@ -73,12 +85,25 @@ class CA2FL(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 accumulator; cache rows come with clients' first reports."""
         super().__init__(*args, **kwargs)
-        self._acc = torch.empty(self.dim, dtype=torch.float64, device=self.device)
+        spec = check_aggregator(self.config.aggregator)
+        summed = self.dim if spec.is_mean else 0  # a robust rule keeps rows instead
+        self._acc = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer
         self._n_mean = 0  # N the current buffer's cache mean was taken over
         self._scratch: torch.Tensor | None = None
+        # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
+        # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
+        # the spare row, then swapped in), each with its own centre.
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        self._robust_cache = None if spec.is_mean else RobustCombiner(spec, self.name + " cache")
+        self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
+        self._row_absmax: list[float] = []  # derived from the rows, not saved
+        self._hbar: torch.Tensor | None = None  # the buffer's robust h_bar (while _count > 0)
+        self._hbar_absmax = 0.0
+        self._hbar_spare: torch.Tensor | None = None
+        self._aggregate: torch.Tensor | None = None
 
     @property
     def buffered(self) -> int:
@@ -106,6 +131,8 @@ class CA2FL(Strategy):
         return row
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
+        if self._robust is not None:
+            return self._apply_robust(update, job)
         k = self.config.buffer_size
         n_mean = self._n_mean
         if self._count == 0:
@@ -159,14 +186,110 @@ class CA2FL(Strategy):
         logger.debug("ca2fl: applied %d updates (N=%d) -> v%d", k, self._n_mean, version)
         return Outcome(Status.APPLIED, version)
 
+    def _row_vector(self) -> torch.Tensor:
+        return torch.empty(self.dim, dtype=torch.float32, device=self.device)
+
+    def _apply_robust(self, update: Update, job: Job) -> Outcome:
+        """:meth:`_apply` with a robust rule (module docstring): stage the calibrated row
+        ``delta - h_i`` (and at a buffer's first arrival the cache's estimate), check, count."""
+        assert self._rows is not None and self._robust is not None
+        assert self._robust_cache is not None
+        k, lr = self.config.buffer_size, self.config.server_lr
+        cache_info = None
+        if self._count == 0:
+            # The buffer's h_bar, in the spare row (nothing of the state until counted).
+            if self._hbar_spare is None:
+                self._hbar_spare = self._row_vector()
+            hbar, n = self._hbar_spare, len(self._row)
+            if n:
+                cache_info = self._robust_cache.combine(
+                    self._cache[:n], [1.0] * n, reduce=self.reduce, out=hbar
+                )
+            else:
+                hbar.zero_()
+            hbar_absmax = self._checked_absmax(hbar, "the cache's robust estimate h_bar")
+        else:
+            assert self._hbar is not None
+            hbar, hbar_absmax = self._hbar, self._hbar_absmax
+        if update.kind is UpdateKind.WEIGHTS:
+            if self._scratch is None:
+                self._scratch = self._row_vector()
+            delta = self.client_delta(update, job, out=self._scratch)
+            self._require_finite(delta, "the client's delta (its weights minus the job's)")
+        else:
+            delta = update.tensor
+        cached = self._row.get(update.client_id)
+        calibrated = self._rows.slot()
+        if cached is None:
+            calibrated.copy_(delta)
+        else:
+            torch.sub(delta, self._cache[cached], out=calibrated)
+        absmax = self._checked_absmax(calibrated, "the calibrated update delta - h_i")
+        new = info = None
+        if self._count + 1 < k:
+            # The bound every rule meets (aggsrv/strategies/robust.py), for both estimates.
+            bound = self._robust_cache.bound(hbar_absmax)
+            bound += self._robust.bound(max([absmax, *self._row_absmax]))
+            self._require_reach(
+                self.model_absmax() + lr * bound, "the model the buffer's flush would publish"
+            )
+        else:
+            rows, weights = self._rows.with_slot(1.0)
+            if self._aggregate is None:
+                self._aggregate = self._row_vector()
+            agg = self._aggregate
+            info = self._robust.combine(rows, weights, reduce=self.reduce, out=agg)
+            self._require_finite(agg, f"the buffer's {self._robust.aggregator.rule} correction")
+            new = self._new_model_buffer()
+            torch.add(self._model, torch.add(hbar, agg), alpha=lr, out=new)
+            self._check_version(new)
+        # Checked: change the state.
+        if self._count == 0:
+            if cache_info is not None:
+                self._robust_cache.commit(hbar, cache_info, self._robust_absmax)
+            self._hbar, self._hbar_spare = hbar, self._hbar
+            self._hbar_absmax = hbar_absmax
+            self._n_mean = max(len(self._clients), 1)
+        row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
+        self._cache[row].copy_(delta)
+        self._rows.commit(1.0)
+        self._row_absmax.append(absmax)
+        self._count += 1
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, 1.0)  # the buffer's uniform mean
+        if new is None:
+            return Outcome(Status.BUFFERED, self.version)
+        assert info is not None
+        self._robust.commit(self._aggregate, info, self._robust_absmax)  # type: ignore[arg-type]
+        self._rows.clear()
+        self._row_absmax = []
+        self._count = 0
+        version = self._publish(new)
+        logger.debug("ca2fl: %s of %d updates -> v%d", info.rule, k, version)
+        return Outcome(Status.APPLIED, version)
+
+    def _robust_absmax(self, t: torch.Tensor) -> float:
+        return self._checked_absmax(t, "a robust aggregate")
+
     def _extra_state(self) -> dict[str, Any]:
         n = len(self._row)
+        robust = None
+        if self._robust is not None:
+            assert self._rows is not None and self._robust_cache is not None
+            robust = {
+                **self._robust.state(),
+                **self._rows.state(),
+                "hbar": self._hbar if self._count else None,
+                "cache_center": self._robust_cache.state()["center"],
+                "cache_fallbacks": self._robust_cache.fallbacks,
+            }
         return {
             "cache": self._cache[:n],
             "rows": dict(self._row),
-            "acc": self._acc if self._count else self._acc[:0],
+            "acc": self._acc if self._count and self._robust is None else self._acc[:0],
             "count": self._count,
             "n_mean": self._n_mean,
+            "robust": robust,
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -188,5 +311,27 @@ class CA2FL(Strategy):
         self._row = rows
         self._count = count
         self._n_mean = int(state["n_mean"])
+        robust = state.get("robust")
+        check_pending_rows(self, robust, count)
+        if self._robust is not None:
+            assert self._rows is not None and self._robust_cache is not None
+            self._rows.load(robust, "calibrated rows")
+            self._row_absmax = [self._checked_absmax(r, "a saved row") for r in self._rows.rows]
+            restore = lambda t: self._restore(t, shared=False)  # noqa: E731
+            self._robust.load(robust, restore, self._robust_absmax)
+            cache_state = None
+            if robust is not None:
+                cache_state = {
+                    "aggregator": robust["aggregator"],
+                    "center": robust["cache_center"],
+                    "fallbacks": robust["cache_fallbacks"],
+                }
+            self._robust_cache.load(cache_state, restore, self._robust_absmax)
+            self._hbar, self._hbar_absmax = None, 0.0
+            if count:
+                assert robust is not None
+                self._hbar = restore(robust["hbar"])
+                self._hbar_absmax = self._robust_absmax(self._hbar)
+            return
         if count:
             self._acc.copy_(state["acc"])

@@ -32,6 +32,13 @@ ABORTED) or kept, and their update counts in the round open when it arrives (``n
 ``mode = "k_async"``: every registered client always gets a job from the current version; every
 ``k`` accepted contributions are aggregated (partial work dropped does not count).
 
+``aggregator`` (docs/robust.md; default ``mean``, the running sum above, unchanged): any other
+rule keeps the contributions' deltas as rows of a [capacity, D] float32 buffer with their
+weights (``num_samples``; FedEN's ``p_i``) and at the aggregation the rule's aggregate replaces
+the mean delta ``d``, then the same server step (sgd or FedAdam). Centered clipping's centre is
+the previous aggregate (zero before the first). Partial work dropped is not a row; float
+buffers keep the weighted mean.
+
 Outcomes: BUFFERED(current version) for an update waiting for its aggregation, APPLIED(new
 version) for the one that triggered it.
 """
@@ -46,6 +53,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
@@ -56,6 +64,7 @@ from aggsrv.strategies.base import (
     StrategyConfig,
     Update,
 )
+from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
 
 __all__ = ["FedAvg", "FedAvgConfig"]
 
@@ -84,6 +93,7 @@ class FedAvgConfig(StrategyConfig):
         "beta1": "FedAdam first-moment decay",
         "beta2": "FedAdam second-moment decay",
         "tau": "FedAdam adaptivity (added to sqrt(v); v starts at tau^2)",
+        "aggregator": AGGREGATOR_HELP,
     }
 
     learning_rate: float = 0.05
@@ -100,6 +110,7 @@ class FedAvgConfig(StrategyConfig):
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         """Check choices and ranges."""
@@ -125,6 +136,9 @@ class FedAvgConfig(StrategyConfig):
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0 and self.tau > 0):
             raise ValueError("FedAdam needs 0 <= beta1, beta2 < 1 and tau > 0")
+        # k_async aggregates k rows (fewer only when some weigh 0); a sync round's count varies.
+        k_async = self.mode == "k_async"
+        check_aggregator(self.aggregator, self.k if k_async else None, "k")
 
     @property
     def effective_server_lr(self) -> float:
@@ -144,9 +158,14 @@ class FedAvg(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the running delta sum (and the FedAdam moments on first use)."""
         super().__init__(*args, **kwargs)
-        self._acc = torch.zeros(self.dim, dtype=torch.float32, device=self.device)
+        # A robust aggregator (None for the mean) keeps rows instead of the running sum.
+        spec = check_aggregator(self.config.aggregator)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        summed = self.dim if self._robust is None else 0
+        self._acc = torch.zeros(summed, dtype=torch.float32, device=self.device)
         self._spare: torch.Tensor | None = None  # the next running sum, before it is checked
-        self._scratch = torch.empty_like(self._acc)
+        # The delta of a WEIGHTS update (mean), or the robust aggregate.
+        self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
         self._acc_weight = 0.0  # sum of num_samples folded into _acc
         self._acc_count = 0  # contributions folded into _acc
         self._m: torch.Tensor | None = None
@@ -155,6 +174,12 @@ class FedAvg(Strategy):
         self._round_open = False
         self._participants: dict[str, bool] = {}
         self._deadline: float | None = None
+        # With a robust rule: the contributions' deltas as rows, each row's max |x| (derived
+        # from the rows, not saved) and FedAdam's moments' bounds.
+        self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
+        self._row_absmax: list[float] = []
+        self._moment_absmax: tuple[int, float, float] | None = None  # (version, |m|, |v|)
+        self._robust_info: Any = None  # what the pending step's aggregation did
 
     # --------------------------------------------------------------------------- protocol
 
@@ -226,6 +251,15 @@ class FedAvg(Strategy):
         if partial and cfg.partial_work == "drop":
             logger.debug("%s: dropped partial work of %s", self.name, update.client_id)
             closes = closes and cfg.mode == "sync"  # k_async counts contributions only
+        elif self._rows is not None:
+            # The robust path: the delta is a row (counted last), checked like the sum below.
+            weight = self._weight_of(update)
+            absmax = self._stage_row(update, job)
+            if closes:
+                step = self._robust_step(weight)
+            else:
+                self._check_robust_reach(absmax)
+            self._commit_row(update, weight, absmax)
         else:
             # Everything is computed and checked before the first change of state.
             weight = self._weight_of(update)
@@ -270,6 +304,80 @@ class FedAvg(Strategy):
         self._acc_count += 1
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, weight)
+
+    # --------------------------------------------------------------------------- robust rows
+
+    def _stage_row(self, update: Update, job: Job) -> float:
+        """Write the client's delta into the row buffer's slot (not counted yet); its max |x|
+        (NonFiniteResult when it is not finite)."""
+        assert self._rows is not None
+        row = self.client_delta(update, job, out=self._rows.slot())
+        return self._checked_absmax(row, "the client's delta (its weights minus the job's)")
+
+    def _commit_row(self, update: Update, weight: float, absmax: float) -> None:
+        """Count the staged row and the contribution."""
+        assert self._rows is not None
+        self._rows.commit(weight)
+        self._row_absmax.append(absmax)
+        self._acc_weight += weight
+        self._acc_count += 1
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, weight)
+
+    def _moments_absmax(self) -> tuple[float, float]:
+        """max |m| and max v of FedAdam's moments (their starting values before the first
+        step), cached per version (they change only when a version is made)."""
+        cached = self._moment_absmax
+        if cached is not None and cached[0] == self.version:
+            return cached[1], cached[2]
+        m = 0.0 if self._m is None else self._checked_absmax(self._m, "FedAdam's first moment")
+        v = self.config.tau**2
+        if self._v is not None:
+            v = self._checked_absmax(self._v, "FedAdam's second moment")
+        self._moment_absmax = (self.version, m, v)
+        return m, v
+
+    def _aggregate_absmax(self, t: torch.Tensor) -> float:
+        return self._checked_absmax(t, "the robust aggregate")
+
+    def _check_robust_reach(self, absmax: float) -> None:
+        """Refuse unless the aggregation, were it to run now, stays in float32's range, by the
+        bound every rule meets (aggsrv/strategies/robust.py): ``|d| <= B``, the largest max |x|
+        of the rows with this one (and of the centre). sgd: ``|x| + lr B``; FedAdam:
+        ``|m'| <= max(|m|, B)``, ``v' <= max(v, B^2)`` and ``|step| <= |m'| / tau``."""
+        assert self._robust is not None
+        bound = self._robust.bound(max([absmax, *self._row_absmax]))
+        cfg = self.config
+        lr = cfg.effective_server_lr
+        what = "the model the round would publish"
+        if cfg.server_opt == "sgd":
+            self._require_reach(self.model_absmax() + lr * bound, what)
+            return
+        m, v = self._moments_absmax()
+        self._require_reach(max(v, bound * bound), "FedAdam's second moment")
+        self._require_reach(self.model_absmax() + lr * max(m, bound) / cfg.tau, what)
+
+    def _robust_step(
+        self, staged: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The checked server step (:meth:`_checked_step`) with the rule's aggregate of the
+        rows (and the staged row of weight ``staged`` when given) as the mean delta; the
+        aggregate is kept in the scratch row for :meth:`_commit_step`. Changes nothing."""
+        assert self._rows is not None and self._robust is not None
+        if staged is None:
+            rows, weights = self._rows.rows, list(self._rows.weights)
+        else:
+            rows, weights = self._rows.with_slot(staged)
+        self._robust_info = None
+        if not sum(weights) > 0:  # nothing to combine: same weights, next version
+            return self._checked_step(self._server_step(self._acc, 0.0))
+        info = self._robust.combine(rows, weights, reduce=self.reduce, out=self._scratch)
+        self._require_finite(self._scratch, f"the round's {self._robust.aggregator.rule} aggregate")
+        step = self._checked_step(self._server_step(self._scratch, 1.0))
+        self._robust_info = info
+        return step
+
+    # --------------------------------------------------------------------------- server step
 
     def _server_step(
         self, acc: torch.Tensor, weight: float, part: slice | None = None
@@ -330,6 +438,13 @@ class FedAvg(Strategy):
         new, m, v = step
         if m is not None:
             self._m, self._v = m, v
+        if self._rows is not None:
+            assert self._robust is not None
+            if self._robust_info is not None:
+                self._robust.commit(self._scratch, self._robust_info, self._aggregate_absmax)
+            self._robust_info = None
+            self._rows.clear()
+            self._row_absmax = []
         self._acc_count = 0
         self._acc_weight = 0.0
         version = self._publish(new)
@@ -338,6 +453,8 @@ class FedAvg(Strategy):
 
     def _aggregate(self) -> int:
         """Server step with the mean delta of the running sum; publishes and returns a version."""
+        if self._rows is not None:
+            return self._commit_step(self._robust_step())
         weight = self._acc_weight if self._acc_count else 0.0
         return self._commit_step(self._checked_step(self._server_step(self._acc, weight)))
 
@@ -387,8 +504,12 @@ class FedAvg(Strategy):
     # --------------------------------------------------------------------------- state
 
     def _extra_state(self) -> dict[str, Any]:
+        robust = None
+        if self._rows is not None:
+            assert self._robust is not None
+            robust = {**self._robust.state(), **self._rows.state()}
         return {
-            "acc": self._acc if self._acc_count else None,
+            "acc": self._acc if self._acc_count and self._rows is None else None,
             "acc_weight": self._acc_weight,
             "acc_count": self._acc_count,
             "m": self._m,
@@ -396,9 +517,21 @@ class FedAvg(Strategy):
             "round_open": self._round_open,
             "participants": dict(self._participants),
             "deadline": self._deadline,
+            "robust": robust,
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        robust = state.get("robust")
+        check_pending_rows(self, robust, int(state["acc_count"]))
+        if self._rows is not None:
+            assert self._robust is not None
+            self._rows.load(robust, "rows")
+            self._row_absmax = [self._checked_absmax(r, "a saved row") for r in self._rows.rows]
+            self._robust.load(
+                robust, lambda t: self._restore(t, shared=False),
+                lambda t: self._checked_absmax(t, "the saved centre"),
+            )  # fmt: skip
+            self._moment_absmax = None
         if state["acc"] is not None:
             self._acc.copy_(state["acc"])
         self._acc_weight = float(state["acc_weight"])

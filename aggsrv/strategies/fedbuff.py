@@ -8,6 +8,11 @@ memory is two rows whatever M is and the sum is as exact as a float64 reduction.
 delta arrives: ``x <- x + server_lr * sum_i w_i delta_i / M`` (the paper's division by M, not
 by the sum of weights, so stale buffers move the model less), one fused pass.
 
+``aggregator`` (docs/robust.md; default ``mean``: the running sum above, unchanged): any other
+rule keeps the M rows ``w_i * delta_i`` (float32, [M, D]) instead of the sum, and the rule's
+aggregate of them (uniform row weights: the ``w_i`` are in the rows) replaces ``sum / M``, which
+is exactly what ``mean`` computes. Centered clipping's centre is the previous aggregate.
+
 Outcomes: BUFFERED(current version) for the first M-1 deltas of a buffer (the version they will
 be applied to), APPLIED(new version) for the M-th.
 """
@@ -22,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     Job,
@@ -32,6 +38,7 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
 
 __all__ = ["BufferedConfig", "FedBuff", "FedBuffConfig"]
 
@@ -45,16 +52,19 @@ class BufferedConfig(StrategyConfig):
     HELP: ClassVar[Mapping[str, str]] = {
         "buffer_size": "updates buffered per server step (M)",
         "server_lr": "server learning rate",
+        "aggregator": AGGREGATOR_HELP,
     }
 
     buffer_size: Count = 10
     server_lr: float = 1.0
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         """Check ranges."""
         super().__post_init__()
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+        check_aggregator(self.aggregator, self.buffer_size, "buffer_size")
 
 
 @dataclass
@@ -78,8 +88,15 @@ class FedBuff(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 [D] running sum on the strategy's device."""
         super().__init__(*args, **kwargs)
-        self._sum = torch.empty(self.dim, dtype=torch.float64, device=self.device)
+        # A robust aggregator (None for the mean): the rows w_i delta_i replace the sum.
+        spec = check_aggregator(self.config.aggregator)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        summed = self.dim if self._robust is None else 0
+        self._sum = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._weights: list[float] = []  # one per buffered delta, in arrival order
+        self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
+        self._row_absmax: list[float] = []  # derived from the rows, not saved
+        self._aggregate: torch.Tensor | None = None  # the robust aggregate's [D] row
 
     @property
     def buffered(self) -> int:
@@ -88,6 +105,8 @@ class FedBuff(Strategy):
 
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         w = 1.0 / math.sqrt(1.0 + staleness) if self.config.staleness_weighting else 1.0
+        if self._rows is not None:
+            return self._apply_robust(update, job, w)
         m = self.config.buffer_size
         step = self.config.server_lr / m
         base = job.weights if update.kind is UpdateKind.WEIGHTS else None
@@ -132,9 +151,53 @@ class FedBuff(Strategy):
         logger.debug("fedbuff: applied %d deltas -> v%d", m, version)
         return Outcome(Status.APPLIED, version)
 
+    def _apply_robust(self, update: Update, job: Job, w: float) -> Outcome:
+        """:meth:`_apply` with a robust rule: the row ``w (u - base)`` (float32) is staged,
+        checked, and counted; the M-th row triggers ``x + server_lr * rule(rows)``."""
+        assert self._rows is not None and self._robust is not None
+        row = self.client_delta(update, job, out=self._rows.slot())
+        if w != 1.0:
+            row.mul_(w)
+        absmax = self._checked_absmax(row, "the update's weighted delta w (u - base)")
+        lr = self.config.server_lr
+        if len(self._weights) + 1 < self.config.buffer_size:
+            # The bound every rule meets (aggsrv/strategies/robust.py): |rule(rows)| <= B.
+            bound = self._robust.bound(max([absmax, *self._row_absmax]))
+            self._require_reach(
+                self.model_absmax() + lr * bound, "the model the buffer's flush would publish"
+            )
+            self._rows.commit(w)
+            self._row_absmax.append(absmax)
+            self._weights.append(w)
+            if update.buffers is not None:
+                self.float_buffers.add(update.buffers, w)
+            return Outcome(Status.BUFFERED, self.version)
+        rows, _ = self._rows.with_slot(w)
+        if self._aggregate is None:
+            self._aggregate = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        agg = self._aggregate
+        info = self._robust.combine(rows, [1.0] * rows.shape[0], reduce=self.reduce, out=agg)
+        self._require_finite(agg, f"the buffer's {self._robust.aggregator.rule} aggregate")
+        new = torch.add(self._model, agg, alpha=lr, out=self._new_model_buffer())
+        self._check_version(new)
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, w)
+        self._robust.commit(agg, info, lambda t: self._checked_absmax(t, "the aggregate"))
+        self._rows.clear()
+        self._row_absmax = []
+        self._weights.clear()
+        version = self._publish(new)
+        logger.debug("fedbuff: %s of %d rows -> v%d", info.rule, rows.shape[0], version)
+        return Outcome(Status.APPLIED, version)
+
     def _extra_state(self) -> dict[str, Any]:
         n = len(self._weights)
-        return {"sum": self._sum if n else self._sum[:0], "weights": list(self._weights)}
+        if self._rows is not None:
+            assert self._robust is not None
+            robust = {**self._robust.state(), **self._rows.state()}
+            return {"sum": self._sum[:0], "weights": list(self._weights), "robust": robust}
+        return {"sum": self._sum if n else self._sum[:0], "weights": list(self._weights),
+                "robust": None}  # fmt: skip
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         weights = [float(w) for w in state["weights"]]
@@ -144,6 +207,18 @@ class FedBuff(Strategy):
                 f"saved buffer holds {len(weights)} deltas; buffer_size={self.config.buffer_size}"
                 " would have applied them"
             )
+        robust = state.get("robust")
+        check_pending_rows(self, robust, len(weights))
+        if self._rows is not None:
+            assert self._robust is not None
+            self._rows.load(robust, "rows")
+            self._row_absmax = [self._checked_absmax(r, "a saved row") for r in self._rows.rows]
+            self._robust.load(
+                robust, lambda t: self._restore(t, shared=False),
+                lambda t: self._checked_absmax(t, "the saved centre"),
+            )  # fmt: skip
+            self._weights = weights
+            return
         if weights and tuple(total.shape) != (self.dim,):
             raise ValueError(f"saved running sum has shape {tuple(total.shape)}, D={self.dim}")
         if weights:

@@ -42,6 +42,16 @@ Decisions beyond the spec's defaults:
   once every registered client is in it (with a warning), rather than waiting forever.
 * Float buffers (BatchNorm statistics) are averaged with the round's HAA weights.
 
+``aggregator`` (docs/robust.md; default ``mean``, the weighted sum above, unchanged): any other
+rule combines the round's fused rows ``g~_i`` (built in a [K, D] buffer when EGS fused some:
+the rule compares them) with the HAA weights ``p_i`` where the rule is weighted, and
+``a = sum_i p_i g~_i`` becomes ``(sum_i p_i) * rule(g~, p)``; INA rescales to the *median* of
+the norms rather than their mean (a mean would let one huge row set the step's length: the
+rule would pick the direction, the attacker the size); the step, the history and hindsight
+are as before. Centered clipping's centre is the previous round's rule aggregate
+(before INA). The rows are the round buffer FedHist keeps anyway, so a round saved with one
+aggregator resumes with any other.
+
 Outcomes: BUFFERED(current version) for the first K - 1 updates of a round, APPLIED(new version)
 for the K-th.
 """
@@ -58,6 +68,7 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv import kernels
+from aggsrv.aggregators import AGGREGATOR_HELP
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import (
     FLOAT32_SAFE_MAX,
@@ -72,7 +83,13 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
-from aggsrv.strategies.fedhist_ops import aggregate_round, hindsight_utility, utility_ema
+from aggsrv.strategies.fedhist_ops import (
+    aggregate_round,
+    hindsight_utility,
+    robust_round,
+    utility_ema,
+)
+from aggsrv.strategies.robust import RobustCombiner, check_aggregator
 
 __all__ = ["TWAFL", "FedHist", "FedHistConfig", "TWAFLConfig"]
 
@@ -116,6 +133,7 @@ class FedHistConfig(StrategyConfig):
         "rescale": "INA: rescale the aggregate to the mean norm of the updates",
         "ina_norms": "INA's mean norm over the fused or the raw gradients",
         "include_current_round": "the hindsight set includes the current round's gradients",
+        "aggregator": AGGREGATOR_HELP,
     }
 
     learning_rate: float = 0.1
@@ -129,6 +147,7 @@ class FedHistConfig(StrategyConfig):
     rescale: bool = True
     ina_norms: str = "fused"
     include_current_round: bool = True
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         """Default to one local step, then check ranges."""
@@ -145,6 +164,7 @@ class FedHistConfig(StrategyConfig):
             raise ValueError(f"server_lr must be > 0 or None, got {self.server_lr}")
         if self.ina_norms not in ("fused", "raw"):
             raise ValueError(f"ina_norms must be 'fused' or 'raw', got {self.ina_norms!r}")
+        check_aggregator(self.aggregator, self.buffer_size, "buffer_size")
 
     @property
     def effective_server_lr(self) -> float:
@@ -198,6 +218,11 @@ class FedHist(Strategy):
         self.fallback_rounds = 0
         self.evaluations = 0
         self._warned_small = False
+        spec = check_aggregator(self.config.aggregator)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        self._fused: torch.Tensor | None = None  # [K, D] fused rows (robust rules, EGS on)
+        self._robust_agg = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._robust_info: Any = None
 
     # --------------------------------------------------------------------------- protocol
 
@@ -275,6 +300,10 @@ class FedHist(Strategy):
         bound = float(self._cur_norms[:k].max())
         if self._keeps_history() and self._g_order:
             bound += self.config.alpha * max(float(self._g_norms[j]) for j in self._g_order)
+        if self._robust is not None:
+            # A rule's aggregate lies in the hull of the fused rows (whose max |x| is at most
+            # their norm) and of its centre; INA then rescales to the mean norm as before.
+            bound = self._robust.bound(bound)
         reach = self.model_absmax() + self.config.effective_server_lr * bound
         if not reach < FLOAT32_SAFE_MAX:
             raise NonFiniteResult(
@@ -310,6 +339,8 @@ class FedHist(Strategy):
         if self._scratch.numel() != self.dim:
             self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
         n = len(taus)  # K, or fewer when fewer clients are registered
+        if self._robust is not None:
+            return self._robust_round_step(taus, utilities)
         result = aggregate_round(
             self._cur[:n],
             self._cur_norms[:n],
@@ -331,8 +362,46 @@ class FedHist(Strategy):
         self._check_version(new)
         return result, self._scratch, new
 
+    def _robust_round_step(
+        self, taus: list[int], utilities: list[float]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """:meth:`_round_step` with the robust rule (module docstring)."""
+        assert self._robust is not None
+        cfg = self.config
+        n = len(taus)
+        history = self._g[: self._g_used] if self._g_order else None
+        if history is not None and cfg.alpha != 0 and self._fused is None:
+            self._fused = torch.empty_like(self._cur)
+        if self._robust_agg.numel() != self.dim:
+            self._robust_agg = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        infos = []
+
+        def combine(rows: torch.Tensor, weights: list[float], into: torch.Tensor) -> None:
+            assert self._robust is not None
+            infos.append(self._robust.combine(rows, weights, reduce=self.reduce, out=into))
+
+        result = robust_round(
+            self._cur[:n], self._cur_norms[:n], history, self._g_norms, self._g_order, taus,
+            utilities, alpha=cfg.alpha, lam=cfg.lam, rescale=cfg.rescale,
+            raw_norms=cfg.ina_norms == "raw", combine=combine, fused=self._fused,
+            aggregate=self._robust_agg, out=self._scratch, reduce=self.reduce,
+        )  # fmt: skip
+        self._require_finite(self._robust_agg, f"the round's {self._robust.aggregator.rule} rows")
+        self._require_finite(self._scratch, "the round's global gradient")
+        new = self._new_model_buffer()
+        torch.add(self._model, self._scratch, alpha=-cfg.effective_server_lr, out=new)
+        self._check_version(new)
+        self._robust_info = infos[0]
+        return result, self._scratch, new
+
     def _aggregate(self, result: Any, gradient: torch.Tensor, new: torch.Tensor) -> int:
         """Commit a round computed by :meth:`_round_step`: history, buffers, hindsight, publish."""
+        if self._robust is not None and self._robust_info is not None:
+            self._robust.commit(
+                self._robust_agg, self._robust_info,
+                lambda t: self._checked_absmax(t, "the robust aggregate"),
+            )  # fmt: skip
+            self._robust_info = None
         h = self._resolve_history()
         r = self.version + 1
         clients = [c for c, _ in self._cur_meta]
@@ -446,6 +515,7 @@ class FedHist(Strategy):
             ],
             "ubar": dict(self.ubar),
             "counters": [self.clamped_weights, self.fallback_rounds, self.evaluations],
+            "robust": None if self._robust is None else self._robust.state(),
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -491,6 +561,11 @@ class FedHist(Strategy):
         self._spare = []
         self.ubar = {str(c): float(u) for c, u in state["ubar"].items()}
         self.clamped_weights, self.fallback_rounds, self.evaluations = map(int, state["counters"])
+        if self._robust is not None:
+            self._robust.load(
+                state.get("robust"), lambda t: self._restore(t, shared=False),
+                lambda t: self._checked_absmax(t, "the saved centre"),
+            )  # fmt: skip
 
 
 @dataclass

@@ -19,6 +19,11 @@ The cosine matrix and the weighted sum are :mod:`aggsrv.kernels` calls. :func:`e
 clients that chose row j, and ``||g~_i||^2 = ||g_i||^2 + 2 alpha <g_i, G_j> + alpha^2 ||G_j||^2``
 from the cosine pass and cached norms, so a round reads the K local rows, the history once for
 the cosines and only the chosen history rows for the sum.
+
+:func:`robust_round` is the same round with a robust rule (docs/robust.md) in place of the
+weighted sum: it materialises the fused rows (they are what the rule compares) and takes
+``a = (sum_i p_i) * rule(g~, p)``, then INA to the median of the norms (the mean of the norms
+would hand the step's length to whoever sends the largest row).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from aggsrv import kernels
@@ -38,6 +44,7 @@ __all__ = [
     "haa_weights",
     "hindsight_utility",
     "ina_combine",
+    "robust_round",
     "temporal_weight",
     "utility_ema",
 ]
@@ -186,6 +193,53 @@ def aggregate_round(
     ``reduce`` sums partial results over shards (docs/sharding.md): ``local``, ``history`` and
     ``out`` are then one shard's slices, the norms the whole vectors'.
     """
+    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(
+        local, local_norms, history, history_norms, recency, taus, utilities,
+        alpha=alpha, lam=lam, reduce=reduce,
+    )  # fmt: skip
+    kernels.weighted_sum(local, weights.tolist(), out=out)
+    for j, c in sorted(coeff.items()):
+        kernels.weighted_sum(history[j : j + 1], [c], out=out, beta=1.0)  # type: ignore[index]
+    target = float((norms if raw_norms else fused_norms).mean()) if rescale else 0.0
+    scale = _ina(out, target, rescale, reduce)
+    return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)
+
+
+def _ina(
+    out: torch.Tensor,
+    target: float,
+    rescale: bool,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> float:
+    """INA in place: ``out`` scaled to norm ``target`` (a zero aggregate stays zero); returns
+    the factor (1.0 without rescaling)."""
+    scale = 1.0
+    if rescale:
+        norm_t = torch.linalg.vector_norm(out, dtype=torch.float64)
+        if reduce is not None:  # the whole aggregate's norm from the shards' squared norms
+            norm_t = reduce(norm_t.square().reshape(1)).sqrt()[0]
+        norm = float(norm_t)
+        scale = target / norm if norm > 0.0 else 0.0
+        out.mul_(scale)
+    return scale
+
+
+def _egs_haa(
+    local: torch.Tensor,
+    local_norms: torch.Tensor,
+    history: torch.Tensor | None,
+    history_norms: torch.Tensor | None,
+    recency: Sequence[int],
+    taus: Sequence[int],
+    utilities: Sequence[float],
+    *,
+    alpha: float,
+    lam: float,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[torch.Tensor, int, bool, torch.Tensor | None, torch.Tensor, torch.Tensor,
+           dict[int, float]]:  # fmt: skip
+    """HAA weights and EGS choices of a round: (weights, clamped, fallback, chosen, raw norms,
+    fused norms, history row -> summed ``alpha p_i`` of the clients that chose it)."""
     k = local.shape[0]
     if local.dim() != 2 or k == 0 or len(taus) != k or len(utilities) != k:
         raise ValueError("need K >= 1 local rows with one tau and one utility each")
@@ -211,16 +265,50 @@ def aggregate_round(
         for i, j in enumerate(chosen.tolist()):
             if j >= 0:
                 coeff[j] = coeff.get(j, 0.0) + alpha * float(weights[i])
-    kernels.weighted_sum(local, weights.tolist(), out=out)
-    for j, c in sorted(coeff.items()):
-        kernels.weighted_sum(history[j : j + 1], [c], out=out, beta=1.0)  # type: ignore[index]
-    scale = 1.0
-    if rescale:
-        target = float((norms if raw_norms else fused_norms).mean())
-        norm_t = torch.linalg.vector_norm(out, dtype=torch.float64)
-        if reduce is not None:  # the whole aggregate's norm from the shards' squared norms
-            norm_t = reduce(norm_t.square().reshape(1)).sqrt()[0]
-        norm = float(norm_t)
-        scale = target / norm if norm > 0.0 else 0.0
-        out.mul_(scale)
+    return weights, clamped, fallback, chosen, norms, fused_norms, coeff
+
+
+def robust_round(
+    local: torch.Tensor,
+    local_norms: torch.Tensor,
+    history: torch.Tensor | None,
+    history_norms: torch.Tensor | None,
+    recency: Sequence[int],
+    taus: Sequence[int],
+    utilities: Sequence[float],
+    *,
+    alpha: float,
+    lam: float,
+    rescale: bool = True,
+    raw_norms: bool = False,
+    combine: Callable[[torch.Tensor, list[float], torch.Tensor], None],
+    fused: torch.Tensor | None,
+    aggregate: torch.Tensor,
+    out: torch.Tensor,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> RoundResult:
+    """:func:`aggregate_round` with a robust rule: ``combine(rows, p, into)`` writes the rule's
+    aggregate of the fused rows ``g~_i`` with the HAA weights ``p`` into ``aggregate`` [D];
+    ``out`` <- ``(sum_i p_i) * aggregate``, then INA to the *median* of the input norms (the
+    mean would let one row of huge norm set the step's length). The fused rows are built in
+    ``fused`` [>= K, D] when some row is fused (the local rows themselves otherwise; ``fused``
+    may then be None)."""
+    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(
+        local, local_norms, history, history_norms, recency, taus, utilities,
+        alpha=alpha, lam=lam, reduce=reduce,
+    )  # fmt: skip
+    rows = local
+    if coeff:
+        assert fused is not None and history is not None and chosen is not None
+        rows = fused[: local.shape[0]]
+        rows.copy_(local)
+        for i, j in enumerate(chosen.tolist()):
+            if j >= 0:
+                rows[i].add_(history[j], alpha=alpha)
+    combine(rows, weights.tolist(), aggregate)
+    torch.mul(aggregate, float(weights.sum()), out=out)
+    # INA's target is the median of the norms, not their mean: one huge row would otherwise
+    # set the step's length whatever direction the rule chose.
+    target = float(np.median((norms if raw_norms else fused_norms).numpy())) if rescale else 0.0
+    scale = _ina(out, target, rescale, reduce)
     return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)
