@@ -218,6 +218,7 @@ class GrpcRun:
                     ok = res.status in (Status.APPLIED, Status.BUFFERED)
                     with self._lock:
                         self.counters.applied += ok
+                        self.counters.filtered += res.status is Status.FILTERED
                         self.counters.bytes_received += result.payload_bytes if ok else 0
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
