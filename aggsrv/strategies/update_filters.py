@@ -233,8 +233,8 @@ class FilteredConfig(StrategyConfig):
     """The ``update_filter`` key of the strategies that take one update at a time."""
 
     HELP: ClassVar[Mapping[str, str]] = {
-        "update_filter": "per-update filters chained with '>': norm:factor=3,window=50,warmup=5 "
-        "(refuse outliers), centered_clip:tau=none,beta=0.9 (clip); unset = none",
+        "update_filter": "per-update filters joined by '>': norm:factor=3 (refuse outliers), "
+        "centered_clip:beta=0.9 (clip); unset = none",
     }
 
     update_filter: str | None = None
