@@ -473,3 +473,85 @@ def test_a_server_replays_filtered_and_clipped_updates_from_its_log(tmp_path) ->
     rebuilt = rebuild(srv.config, state_dir, 1)
     assert_same_state(live, rebuilt.strategy.state_dict(), "replayed")
     assert rebuilt.strategy.update_filters.filtered == {"NORM_OUTLIER": 1}
+
+
+# ----------------------------------------------------------------------------- sharded
+
+
+class _ThreadReducer:
+    """The sum over shards run as threads of one process (a barrier per call), in rank order."""
+
+    def __init__(self, parts: list, barrier, rank: int) -> None:
+        self.parts, self.barrier, self.rank = parts, barrier, rank
+        self.world_size = len(parts)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        self.parts[self.rank] = t.to(torch.float64).clone()
+        self.barrier.wait()
+        total = self.parts[0].clone()
+        for p in self.parts[1:]:
+            total += p
+        self.barrier.wait()  # every shard read the parts before the next call writes them
+        return t.copy_(total)
+
+
+def test_shards_refuse_and_clip_together_as_one_server_does() -> None:
+    """Three shards (threads with a summing barrier) take the decisions one server takes: the
+    norms are the whole model's, so the refusals and clippings agree, and the joined models
+    match the single server's to float32 rounding."""
+    import threading
+
+    from aggsrv.sharding import ShardLayout, ShardMap
+
+    whole = ModelLayout.from_named_shapes([("a.weight", (7, 13)), ("a.bias", (7,))])
+    D, shards = whole.numel, 3
+    gen = torch.Generator().manual_seed(21)
+    initial = torch.randn(D, generator=gen)
+    scales = [0.1, 0.1, 0.1, 0.25, 100.0, 0.1, 0.3, 0.1, 80.0, 0.1, 0.1, 0.2]
+    deltas = [torch.randn(D, generator=gen) * s for s in scales]
+    spec = "norm:warmup=3 > centered_clip:factor=1.5,warmup=3"
+    config = {"alpha": 0.5, "staleness": "constant", "update_filter": spec}
+    shard_map = ShardMap.even(D, shards, align=8)
+
+    def run(strategy, local) -> list[tuple]:
+        strategy.on_register("c", 0.0)
+        out = []
+        for n, d in enumerate(deltas):
+            o = push(strategy, local(d).contiguous(), n)
+            out.append((o.status, o.version, o.reason, o.clipped))
+        return out
+
+    single = make_strategy("fedasync", layout=whole, initial=initial, config=config)
+    want = run(single, lambda t: t)
+    assert {w[0] for w in want} == {Status.APPLIED, Status.FILTERED} and any(w[3] for w in want)
+    parts: list = [None] * shards
+    barrier = threading.Barrier(shards)
+    results: list = [None] * shards
+    strategies = []
+    for r in range(shards):
+        layout = ShardLayout(whole, shard_map, r)
+        strategies.append(make_strategy(
+            "fedasync", layout=layout, initial=layout.local(initial).clone(), config=config,
+            reducer=_ThreadReducer(parts, barrier, r),
+        ))  # fmt: skip
+
+    def shard(r: int) -> None:
+        layout = ShardLayout(whole, shard_map, r)
+        results[r] = run(strategies[r], layout.local)
+
+    threads = [threading.Thread(target=shard, args=(r,)) for r in range(shards)]
+    # One intra-op thread: the shards' OpenMP workers spinning at the barriers starve each
+    # other on a small machine (seconds instead of milliseconds).
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch.set_num_threads(intra)
+    assert results == [want] * shards
+    joined = shard_map.join([s.global_model() for s in strategies])
+    want_model = single.global_model()
+    assert float((joined - want_model).abs().max()) <= 1e-6 * (1.0 + float(want_model.abs().max()))

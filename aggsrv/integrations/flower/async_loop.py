@@ -406,9 +406,10 @@ class _AsyncLoop:
         mean_s = sum(staleness) / len(staleness) if staleness else math.nan
         log.info(
             "async %s stopped (%s) at version %d after %.1fs: %d updates applied, %d refused, "
-            "%d jobs sent, %d failed, %d timed out, %d unanswered; mean staleness %.2f",
+            "%d filtered, %d jobs sent, %d failed, %d timed out, %d unanswered; mean staleness "
+            "%.2f",
             self.adapter.name, reason, r.version, r.elapsed, r.updates_applied,
-            r.updates_refused, r.jobs_sent, r.jobs_failed, r.jobs_timed_out, r.outstanding,
-            mean_s,
+            r.updates_refused, r.updates_filtered, r.jobs_sent, r.jobs_failed, r.jobs_timed_out,
+            r.outstanding, mean_s,
         )  # fmt: skip
         return r
