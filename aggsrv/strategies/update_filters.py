@@ -29,8 +29,9 @@ sum squared norms over the shards), so every shard decides alike.
 
 The chain changes no state while it screens (:meth:`UpdateFilters.screen`): the strategy folds
 the update in first and then calls :meth:`UpdateFilters.commit`, or, for a refusal,
-:meth:`UpdateFilters.count_refusal`. Memory: ``centered_clip`` keeps ``v`` ([D] float64) and one
-[D] float64 scratch (``u - v``), plus a [D] float32 buffer for the clipped update.
+:meth:`UpdateFilters.count_refusal`. Memory: ``centered_clip`` keeps ``v`` ([D] float64), one
+[D] float64 scratch (``u - v``) and a [D] float32 buffer for the clipped update, and makes two
+[D] float64 temporaries while it screens (the delta, and u' when it clips).
 """
 
 from __future__ import annotations
