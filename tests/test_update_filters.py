@@ -555,3 +555,25 @@ def test_shards_refuse_and_clip_together_as_one_server_does() -> None:
     joined = shard_map.join([s.global_model() for s in strategies])
     want_model = single.global_model()
     assert float((joined - want_model).abs().max()) <= 1e-6 * (1.0 + float(want_model.abs().max()))
+
+
+# ----------------------------------------------------------------------------- simulator
+
+
+def test_inproc_simulation_counts_filtered_updates_apart(tmp_path) -> None:
+    """A filter that refuses above 0.9 x the median norm leaves about half the honest updates
+    out: the simulator counts them as filtered, not applied and not rejected."""
+    from aggsrv.sim import SimConfig, run
+
+    config = SimConfig.from_mapping({
+        "strategy": "fedasync", "dataset": "digits", "clients": 3, "model": "mlp",
+        "strategy_config": {"alpha": 0.6, "learning_rate": 0.05, "batch_size": 16,
+                            "update_filter": "norm:factor=0.9,window=8,warmup=2"},
+        "budget": "4v", "eval_every": "4v", "transport": "inproc", "seed": 5,
+        "out": str(tmp_path / "run"),
+    })  # fmt: skip
+    result = run(config, progress=False)
+    s = result.summary
+    assert s["versions"] == 4 and s["updates_applied"] == 4, s
+    assert s["updates_filtered"] >= 1 and s["updates_rejected"] == 0, s
+    assert result.metrics[-1]["updates_filtered"] == s["updates_filtered"]
