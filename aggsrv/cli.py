@@ -190,7 +190,10 @@ def format_status(s) -> str:
         ("clients", f"{s.clients_known} known, {s.clients_active} active"),
         ("updates", f"{s.updates_accepted} accepted ({s.updates_applied} applied), "
                     f"{s.updates_duplicate} duplicate, {s.updates_rejected} rejected"
-                    + (f" {dict(s.rejected_by_code)}" if s.rejected_by_code else "")),
+                    + (f" {dict(s.rejected_by_code)}" if s.rejected_by_code else "")
+                    + (f", {sum(s.filtered_by_reason.values())} filtered "
+                       f"{dict(s.filtered_by_reason)}" if s.filtered_by_reason else "")
+                    + (f", {s.updates_clipped} clipped" if s.updates_clipped else "")),
         ("queue", f"{s.queue_depth} waiting, {s.uploads_in_progress} uploading"),
         ("durability", s.durability + (f", {s.wal_bytes / 1e6:.1f} MB logged since the last "
                                        "checkpoint" if s.durability == "on" else "")),

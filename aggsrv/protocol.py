@@ -12,7 +12,7 @@ from aggsrv.layout import ModelLayout
 from aggsrv.transport import Crc32c, Encoder, Encoding, WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
-from aggsrv.values import ProjectionMode, Recipe, Status, UpdateKind
+from aggsrv.values import FilterReason, ProjectionMode, Recipe, Status, UpdateKind
 
 WIRE_TO_PB = {
     WireDtype.FLOAT32: tpb.WIRE_DTYPE_FLOAT32,
@@ -33,8 +33,12 @@ STATUS_TO_PB = {
     Status.APPLIED: pb.OUTCOME_APPLIED,
     Status.BUFFERED: pb.OUTCOME_BUFFERED,
     Status.DUPLICATE: pb.OUTCOME_DUPLICATE,
+    Status.FILTERED: pb.OUTCOME_FILTERED,
 }
 PB_TO_STATUS = {v: k for k, v in STATUS_TO_PB.items()}
+# FilterReason's numbers are the wire's (values.FilterReason), so the value travels as is.
+FILTER_REASON_TO_PB = {r: int(r) for r in FilterReason}
+PB_TO_FILTER_REASON = {int(r): r for r in FilterReason if r is not FilterReason.UNSPECIFIED}
 PROJECTION_TO_PB = {
     ProjectionMode.NONE: pb.PROJECTION_MODE_NONE,
     ProjectionMode.WHOLE: pb.PROJECTION_MODE_WHOLE,

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "Outcome", "PendingReason", "ProjectionMode", "Recipe", "Status", "Update", "UpdateKind",
+    "FilterReason", "Outcome", "PendingReason", "ProjectionMode", "Recipe", "Status", "Update",
+    "UpdateKind",
 ]  # fmt: skip
 
 
@@ -31,11 +32,22 @@ class UpdateKind(enum.Enum):
 
 
 class Status(enum.Enum):
-    """How an accepted update was folded in (docs/design.md "Outcome of an update")."""
+    """How an update the strategy took was handled (docs/design.md "Outcome of an update"):
+    folded in (APPLIED, BUFFERED), a replay (DUPLICATE), or its job consumed but the update
+    left out by the strategy's update filter (FILTERED, with a :class:`FilterReason`)."""
 
     APPLIED = "APPLIED"
     BUFFERED = "BUFFERED"
     DUPLICATE = "DUPLICATE"
+    FILTERED = "FILTERED"
+
+
+class FilterReason(enum.IntEnum):
+    """Why an update filter left an update out (Status.FILTERED). The numbers are the wire's
+    (aggregation.proto ``FilterReason``; docs/wire.md "Filtered updates")."""
+
+    UNSPECIFIED = 0
+    NORM_OUTLIER = 1  # its delta's norm is far above the recent accepted updates' (norm filter)
 
 
 class ProjectionMode(enum.Enum):
@@ -159,26 +171,42 @@ _PENDING_TEXT = {
 
 @dataclass(frozen=True)
 class Outcome:
-    """The answer to an update: APPLIED(version), BUFFERED(version) or DUPLICATE(original).
+    """The answer to an update: APPLIED(version), BUFFERED(version), FILTERED(version, reason)
+    or DUPLICATE(original).
 
     For DUPLICATE, ``original`` is the status the update got first and ``version`` its version.
     ``staleness`` is the update's staleness when it was accepted (:meth:`Strategy.on_update`
     fills it in; a DUPLICATE repeats the original's); it does not take part in comparisons.
+    FILTERED (and a DUPLICATE of one) carries the filter's ``reason`` and ``detail`` (a
+    sentence for people); ``version`` is then the version current when it was left out.
+    ``clipped``: an update filter clipped the update before it was folded in (APPLIED or
+    BUFFERED; not repeated by a DUPLICATE).
     """
 
     status: Status
     version: int
     original: Status | None = None
     staleness: int | None = field(default=None, compare=False)
+    reason: FilterReason | None = None
+    detail: str = field(default="", compare=False)
+    clipped: bool = field(default=False, compare=False)
 
-    def to_tuple(self) -> tuple[str, int, str | None, int | None]:
-        """Plain values for state dicts."""
+    def to_tuple(self) -> tuple[Any, ...]:
+        """Plain values for state dicts: (status, version, original, staleness[, reason,
+        detail]); the filter's fields only when there is a reason, so other outcomes keep the
+        4-tuples earlier states hold."""
         original = self.original and self.original.value
-        return (self.status.value, self.version, original, self.staleness)
+        plain = (self.status.value, self.version, original, self.staleness)
+        if self.reason is None:
+            return plain
+        return (*plain, int(self.reason), self.detail)
 
     @classmethod
     def from_tuple(cls, t: tuple[Any, ...] | list[Any]) -> Outcome:
         """Inverse of :meth:`to_tuple` (also reads the 3-tuples of states saved before the
         staleness was recorded)."""
         staleness = int(t[3]) if len(t) > 3 and t[3] is not None else None
-        return cls(Status(t[0]), int(t[1]), Status(t[2]) if t[2] is not None else None, staleness)
+        reason = FilterReason(int(t[4])) if len(t) > 4 and t[4] is not None else None
+        detail = str(t[5]) if len(t) > 5 else ""
+        original = Status(t[2]) if t[2] is not None else None
+        return cls(Status(t[0]), int(t[1]), original, staleness, reason, detail)

@@ -37,7 +37,7 @@ from aggsrv.transport import (
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
-from aggsrv.values import PendingReason, Recipe, Status, UpdateKind
+from aggsrv.values import FilterReason, PendingReason, Recipe, Status, UpdateKind
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,13 +78,21 @@ class Pending:
 
 @dataclass(frozen=True)
 class PushResult:
-    """The server's answer to an update."""
+    """The server's answer to an update.
+
+    ``status`` FILTERED (or DUPLICATE with ``original`` FILTERED): the server's update filter
+    left the update out; ``reason`` says why and ``message`` explains it. The job is consumed:
+    fetch a new one (docs/wire.md "Filtered updates"). ``clipped``: the update was clipped by
+    the filter before it was folded in."""
 
     status: Status
     version: int
     staleness: int
     update_id: str
     original: Status | None = None
+    reason: FilterReason | None = None
+    message: str = ""
+    clipped: bool = False
 
 
 class Client:
@@ -467,6 +475,9 @@ class Client:
             staleness=int(resp.staleness),
             update_id=resp.update_id,
             original=P.PB_TO_STATUS.get(resp.original_outcome),
+            reason=P.PB_TO_FILTER_REASON.get(resp.filter_reason),
+            message=resp.message,
+            clipped=resp.clipped,
         )
 
     def _push_streams(

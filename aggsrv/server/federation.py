@@ -165,7 +165,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         return self.shards is not None and not self.shards.is_coordinator
 
     def count_accepted(self, outcome: Outcome) -> None:
-        """Count an accepted update (served or replayed from the log)."""
+        """Count an accepted update (served or replayed from the log). A FILTERED one is not
+        accepted: the strategy's update filters count those (in its state)."""
+        if outcome.status is Status.FILTERED:
+            return
         self.counters["accepted"] += 1
         if outcome.status is Status.APPLIED:
             self.counters["applied"] += 1

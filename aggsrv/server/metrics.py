@@ -34,6 +34,14 @@ class ServerMetrics:
             "aggsrv_updates", "Updates by outcome: applied, buffered, duplicate, or the gRPC "
             "status code of a refusal (lower case)", ["outcome"], registry=r,
         )  # fmt: skip
+        self.filtered = Counter(
+            "aggsrv_updates_filtered", "Updates the strategy's update filter left out (answered "
+            "FILTERED), by reason (FilterReason name, lower case)", ["reason"], registry=r,
+        )  # fmt: skip
+        self.clipped = Counter(
+            "aggsrv_updates_clipped", "Updates the strategy's update filter clipped before "
+            "folding them in (APPLIED or BUFFERED)", registry=r,
+        )  # fmt: skip
         self.received_bytes = Counter(
             "aggsrv_received_bytes", "Payload bytes received in update and model uploads",
             registry=r,
@@ -79,8 +87,18 @@ class ServerMetrics:
         g.set_function(read)
         self._gauges[name] = g
 
-    def record_update(self, outcome: str, staleness: int | None = None) -> None:
+    def record_update(
+        self,
+        outcome: str,
+        staleness: int | None = None,
+        filter_reason: str | None = None,
+        clipped: bool = False,
+    ) -> None:
         self.updates.labels(outcome=outcome.lower()).inc()
+        if filter_reason is not None:
+            self.filtered.labels(reason=filter_reason.lower()).inc()
+        if clipped:
+            self.clipped.inc()
         if staleness is not None:
             self.staleness.observe(staleness)
 

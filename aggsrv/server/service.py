@@ -40,6 +40,7 @@ from aggsrv.server.requests import (
 from aggsrv.server.versions import LeaseHandoff, Snapshot
 from aggsrv.strategies import (
     Job,
+    Status,
     Strategy,
     StrategyError,
     Update,
@@ -467,7 +468,19 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
         label = "duplicate" if outcome.original is not None else outcome.status.name
-        fed.metrics.record_update(label, None if outcome.original else max(0, staleness))
+        filtered = outcome.status is Status.FILTERED
+        fed.metrics.record_update(
+            label,
+            None if outcome.original or filtered else max(0, staleness),
+            filter_reason=outcome.reason.name if filtered and outcome.reason else None,
+            clipped=outcome.clipped,
+        )
+        if filtered:
+            log.warning(
+                "update %s of %s filtered: %s", h.update_id, h.client_id, outcome.detail,
+                extra={"event": "update_filtered", "client_id": h.client_id,
+                       "update_id": h.update_id, "reason": label.lower()},
+            )  # fmt: skip
         log.info(
             "update %s of %s: %s at v%d (staleness %d)",
             h.update_id, h.client_id, label.lower(), outcome.version, staleness,
@@ -481,6 +494,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             original_outcome=P.STATUS_TO_PB.get(outcome.original, pb.OUTCOME_UNSPECIFIED),
             staleness=max(0, staleness),
             update_id=h.update_id,
+            message=outcome.detail,
+            filter_reason=P.FILTER_REASON_TO_PB.get(outcome.reason, pb.FILTER_REASON_UNSPECIFIED),
+            clipped=outcome.clipped,
         )
 
     # ------------------------------------------------------------------ GetModel
@@ -592,6 +608,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     async def GetStatus(self, request, context):  # noqa: N802
         await self._authorize(context)
         fed = self.fed
+        filters = fed.strategy.update_filters if fed.strategy is not None else None
         resp = pb.StatusResponse(
             has_model=fed.strategy is not None,
             version=fed.published_version,
@@ -603,6 +620,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             updates_rejected=fed.counters["rejected"],
             updates_duplicate=fed.counters["duplicate"],
             rejected_by_code=dict(fed.rejected_by_code),
+            filtered_by_reason=dict(filters.filtered) if filters is not None else {},
+            updates_clipped=filters.clipped if filters is not None else 0,
             queue_depth=fed.queue_depth(),
             uploads_in_progress=fed.uploads_in_progress,
             server_time=P.timestamp(fed.clock()),

@@ -220,7 +220,9 @@ class GrpcRun:
                     ok = res.status in (Status.APPLIED, Status.BUFFERED)
                     with self._lock:
                         self.counters.applied += ok
-                        self.counters.bytes_received += result.payload_bytes if ok else 0
+                        self.counters.filtered += res.status is Status.FILTERED
+                        received = ok or res.status is Status.FILTERED  # as inproc counts
+                        self.counters.bytes_received += result.payload_bytes if received else 0
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                         if self._stop.is_set():

@@ -20,7 +20,7 @@ from typing import Any
 from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
-from aggsrv.strategies import Job, StrategyError, Update, UpdateKind, make_strategy
+from aggsrv.strategies import Job, Status, StrategyError, Update, UpdateKind, make_strategy
 
 __all__ = ["InprocRun", "is_round_based"]
 
@@ -47,6 +47,7 @@ class _InFlight:
 class Counters:
     applied: int = 0  # accepted updates (APPLIED or BUFFERED)
     rejected: int = 0
+    filtered: int = 0  # left out by the strategy's update filter (FILTERED): not in `applied`
     lost: int = 0  # updates of clients that dropped out mid-job
     bytes_received: int = 0
     train_seconds: float = 0.0
@@ -75,6 +76,7 @@ class Counters:
             "test_loss": loss,
             "updates_applied": self.applied,
             "updates_rejected": self.rejected,
+            "updates_filtered": self.filtered,
             "bytes_received": self.bytes_received,
             "rounds": rounds,
         }
@@ -239,10 +241,13 @@ class InprocRun:
         self._sent[c] += 1
         accepted = False
         try:
-            self.strategy.on_update(update, t)
-            accepted = True
-            self.counters.applied += 1
+            outcome = self.strategy.on_update(update, t)
             self.counters.bytes_received += result.payload_bytes
+            if outcome.status is Status.FILTERED:
+                self.counters.filtered += 1
+            else:
+                self.counters.applied += 1
+                accepted = True
         except StrategyError as exc:
             self.counters.rejected += 1
             name = type(exc).__name__

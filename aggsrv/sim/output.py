@@ -25,6 +25,7 @@ METRIC_FIELDS = (
     "test_loss",
     "updates_applied",
     "updates_rejected",
+    "updates_filtered",
     "bytes_received",
 )
 _PACKAGES = ("aggsrv", "torch", "numpy", "numba", "grpcio", "protobuf", "scikit-learn")

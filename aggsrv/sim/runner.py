@@ -91,6 +91,7 @@ def _summary(config: SimConfig, setup, engine, metrics, wall: float) -> dict[str
         "versions": metrics[-1]["version"] if metrics else 0,
         "updates_applied": c.applied,
         "updates_rejected": c.rejected,
+        "updates_filtered": c.filtered,
         "rejected_by": dict(c.rejected_by),
         "updates_lost_to_dropouts": c.lost,
         "bytes_received": c.bytes_received,

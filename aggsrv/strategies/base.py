@@ -30,8 +30,13 @@ Conventions every strategy here follows (the server is written against them):
 * **Refusals.** Everything that can make an update fail is checked before any state changes, so a
   refused update leaves :meth:`Strategy.state_dict` bit-identical. Errors subclass
   :class:`StrategyError` and carry the gRPC status name the server maps them to.
+* **Update filters.** A config with ``update_filter`` (the strategies that take one update at a
+  time; :mod:`aggsrv.strategies.update_filters`) screens each update that passed every check:
+  a refused one consumes its job and is answered ``FILTERED(version, reason)`` (recorded in the
+  ledger, nothing else of the strategy changes); a clipped one is folded in as a DELTA holding
+  the clipped delta. The filters' state is part of the state dict.
 * **Duplicates.** :class:`UpdateLedger` remembers the outcome of the last 1,024 accepted updates
-  of each client. :meth:`Strategy.on_update` answers a replayed update id with
+  of each client (FILTERED ones too). :meth:`Strategy.on_update` answers a replayed update id with
   ``DUPLICATE(original)`` without applying it again; the server may also consult
   ``strategy.ledger`` as soon as an update's header arrives and skip receiving the payload. The
   ledger is part of the strategy's state dict, so it survives checkpoints.
@@ -76,6 +81,7 @@ from aggsrv.strategies.float_buffers import FloatBuffers
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
 from aggsrv.strategies.state_copy import SharedCopies, clone_tensors, restore_tensor
+from aggsrv.strategies.update_filters import Screening, UpdateFilters
 from aggsrv.values import (
     Outcome,
     PendingReason,
@@ -211,8 +217,26 @@ class Strategy(ABC):
         self.reducer: Reducer = reducer if reducer is not None else LocalReducer()
         # What kernels get as reduce=: None on one server keeps their single-pass results.
         self.reduce = self.reducer.sum_ if self.reducer.world_size > 1 else None
+        # The config's update_filter chain (only the configs of FilteredConfig have the key).
+        text = getattr(self.config, "update_filter", None)
+        self.update_filters = UpdateFilters(text, self.dim, self.device) if text else None
 
     # --------------------------------------------------------------------------- public API
+
+    def delta_norm(self, update: Update, job: Job) -> float:
+        """The L2 norm (float64) of the update's delta, client weights minus the job's start
+        weights (on a shard the whole model's, summed over the shards); chunk by chunk for a
+        WEIGHTS update, so no [D] temporary."""
+        if update.kind is UpdateKind.DELTA:
+            return self.whole_norm(update.tensor)
+        u, w, step = update.tensor, job.weights, 1 << 18
+        sq = sum(
+            float((u[i : i + step].double() - w[i : i + step]).square().sum())
+            for i in range(0, self.dim, step)
+        )
+        if self.reduce is not None:
+            sq = float(self.reduce(torch.tensor([sq], dtype=torch.float64)))
+        return math.sqrt(sq)
 
     def whole_norm(self, t: torch.Tensor) -> float:
         """The L2 norm (float64) of the whole-model vector whose slice ``t`` is: on one server
@@ -280,8 +304,15 @@ class Strategy(ABC):
         self._agree_on_update(prior is not None, refused=False)
         if prior is not None:
             return Outcome(
-                Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness
-            )
+                Status.DUPLICATE, prior.version, original=prior.status, staleness=prior.staleness,
+                reason=prior.reason, detail=prior.detail,
+            )  # fmt: skip
+        screening = None
+        if self.update_filters is not None:
+            screening = self.update_filters.screen(update, job, self.delta_norm, self.whole_norm)
+            if screening.refusal is not None:
+                return self._filter_out(update, job, s, now, screening)
+            update = screening.update
         # The job's start weights are read while the next version is written: held until then
         # (retiring the job gives up its own lease).
         with self._versions.lease(*job.tensors.values()):
@@ -295,9 +326,35 @@ class Strategy(ABC):
                 self.float_buffers.discard()
                 raise
         outcome = dataclasses.replace(outcome, staleness=s)
+        if screening is not None:
+            assert self.update_filters is not None
+            self.update_filters.commit(screening)
+            outcome = dataclasses.replace(outcome, clipped=screening.clipped)
         self._now = float(now)
         self.ledger.record(update.client_id, update.update_id, outcome)
         self._completed_job[update.client_id] = job.job_id
+        return outcome
+
+    def _filter_out(
+        self, update: Update, job: Job, staleness: int, now: float, screening: Screening
+    ) -> Outcome:
+        """An update the filters refused: its job is consumed (the client asks for a new one)
+        and the answer, FILTERED(current version, reason), is remembered like an accepted
+        update's; the model and the strategy's own state stay as they were."""
+        assert self.update_filters is not None and screening.refusal is not None
+        reason, detail = screening.refusal
+        self._retire_job(job)
+        self.update_filters.count_refusal(screening)
+        outcome = Outcome(
+            Status.FILTERED, self.version, staleness=staleness, reason=reason, detail=detail
+        )
+        self._now = float(now)
+        self.ledger.record(update.client_id, update.update_id, outcome)
+        self._completed_job[update.client_id] = job.job_id
+        logger.info(
+            "%s: update %s of %s filtered (%s): %s", self.name, update.update_id,
+            update.client_id, reason.name, detail,
+        )  # fmt: skip
         return outcome
 
     def _agree_on_update(self, duplicate: bool, refused: bool) -> None:
@@ -700,17 +757,7 @@ class Strategy(ABC):
         bound = self.config.max_update_norm
         if bound is None:
             return
-        if update.kind is UpdateKind.DELTA:
-            norm = self.whole_norm(update.tensor)
-        else:  # ||u - w||, chunk by chunk in float64: no [D] temporary
-            u, w, step = update.tensor, job.weights, 1 << 18
-            sq = sum(
-                float((u[i : i + step].double() - w[i : i + step]).square().sum())
-                for i in range(0, self.dim, step)
-            )
-            if self.reduce is not None:
-                sq = float(self.reduce(torch.tensor([sq], dtype=torch.float64)))
-            norm = math.sqrt(sq)
+        norm = self.delta_norm(update, job)
         if not norm <= bound:
             raise UpdateNormTooLarge(
                 f"the update's delta has L2 norm {norm:.6g}, above max_update_norm={bound:g}; "
@@ -785,6 +832,8 @@ class Strategy(ABC):
             "float_buffers": self.float_buffers.state_dict(),
             "extra": self._extra_state(),
         }
+        if self.update_filters is not None:
+            state["update_filter"] = self.update_filters.state_dict()
         return clone_tensors(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -840,6 +889,8 @@ class Strategy(ABC):
         self.ledger.load_state_dict(state["ledger"])
         self.float_buffers.load_state_dict(state["float_buffers"], self._copy_saved)
         self._load_extra_state(state["extra"])
+        if self.update_filters is not None:
+            self.update_filters.load_state_dict(state.get("update_filter"))
         del self._copy_saved
         # The loaded jobs (a subclass may have given them tensors of its own) hold theirs.
         for lease in self._job_leases.values():

@@ -25,10 +25,10 @@ from aggsrv.strategies.base import (
     Outcome,
     Status,
     Strategy,
-    StrategyConfig,
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.update_filters import FilteredConfig
 
 __all__ = ["FedAsync", "FedAsyncConfig", "staleness_weight"]
 
@@ -51,7 +51,7 @@ def staleness_weight(
 
 
 @dataclass
-class FedAsyncConfig(StrategyConfig):
+class FedAsyncConfig(FilteredConfig):
     """FedAsync settings: mixing weight ``alpha`` and the staleness function with its knobs."""
 
     HELP: ClassVar[Mapping[str, str]] = {

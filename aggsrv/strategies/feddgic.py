@@ -69,13 +69,13 @@ from aggsrv.strategies.base import (
     PendingReason,
     Status,
     Strategy,
-    StrategyConfig,
     Update,
     UpdateKind,
 )
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
 from aggsrv.strategies.row_cache import with_room
+from aggsrv.strategies.update_filters import FilteredConfig
 
 __all__ = ["FedDGIC", "FedDGICConfig", "FedFG", "FedFGConfig"]
 
@@ -85,7 +85,7 @@ LAYER_NORMS = ("per_layer_mean", "none", "param_weighted")
 
 
 @dataclass
-class FedDGICConfig(StrategyConfig):
+class FedDGICConfig(FilteredConfig):
     """FedDGIC settings; defaults are docs/algorithms/feddgic.md section 2.1 (module docstring)."""
 
     HELP: ClassVar[Mapping[str, str]] = {

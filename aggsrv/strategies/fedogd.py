@@ -80,6 +80,7 @@ from aggsrv.strategies.base import (
     UpdateKind,
 )
 from aggsrv.strategies.row_cache import capacity_after, with_room
+from aggsrv.strategies.update_filters import FilteredConfig
 
 __all__ = ["CachedEpochConfig", "CachedEpochs", "FedOGD", "FedOGDConfig"]
 
@@ -159,7 +160,7 @@ FEDOGD_PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
-class FedOGDConfig(CachedEpochConfig):
+class FedOGDConfig(CachedEpochConfig, FilteredConfig):
     """Fed-OGD settings (module docstring). The defaults are the paper's algorithm (group_sum,
     whole-model conditional projection, plain SGD) with eta_l = eta_g = 0.05.
 
@@ -202,6 +203,11 @@ class FedOGDConfig(CachedEpochConfig):
             raise ValueError(
                 "send_differences needs fixed groups: set detect = false (clients missing from "
                 "tiers are then always active)"
+            )
+        if self.send_differences and self.update_filter and "centered_clip" in self.update_filter:
+            raise ValueError(
+                "update_filter 'centered_clip' clips deltas, but with send_differences clients "
+                "upload differences of deltas: use the 'norm' filter only, or plain uploads"
             )
 
     @property

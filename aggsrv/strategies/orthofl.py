@@ -91,11 +91,11 @@ from aggsrv.strategies.base import (
     Outcome,
     Status,
     Strategy,
-    StrategyConfig,
     Update,
     UpdateKind,
 )
 from aggsrv.strategies.buffers import Lease
+from aggsrv.strategies.update_filters import FilteredConfig
 
 __all__ = ["SHIFT_SOURCES", "OrthoFL", "OrthoFLConfig"]
 
@@ -105,7 +105,7 @@ SHIFT_SOURCES = ("ma_global", "client_chain")
 
 
 @dataclass
-class OrthoFLConfig(StrategyConfig):
+class OrthoFLConfig(FilteredConfig):
     """ORTHOFL settings (spec section 2.2 and gaps G1-G6).
 
     ``beta`` and ``a``: ``beta_t = beta * (t - tau)^(-a)`` (paper: 0.6 and 0.5).

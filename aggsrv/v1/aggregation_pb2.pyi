@@ -24,6 +24,12 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTCOME_APPLIED: _ClassVar[Outcome]
     OUTCOME_BUFFERED: _ClassVar[Outcome]
     OUTCOME_DUPLICATE: _ClassVar[Outcome]
+    OUTCOME_FILTERED: _ClassVar[Outcome]
+
+class FilterReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILTER_REASON_UNSPECIFIED: _ClassVar[FilterReason]
+    FILTER_REASON_NORM_OUTLIER: _ClassVar[FilterReason]
 
 class ProjectionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -66,6 +72,9 @@ OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_APPLIED: Outcome
 OUTCOME_BUFFERED: Outcome
 OUTCOME_DUPLICATE: Outcome
+OUTCOME_FILTERED: Outcome
+FILTER_REASON_UNSPECIFIED: FilterReason
+FILTER_REASON_NORM_OUTLIER: FilterReason
 PROJECTION_MODE_UNSPECIFIED: ProjectionMode
 PROJECTION_MODE_NONE: ProjectionMode
 PROJECTION_MODE_WHOLE: ProjectionMode
@@ -397,20 +406,24 @@ class UpdateHeader(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., job_id: _Optional[str] = ..., base_version: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., work: _Optional[_Union[WorkDone, _Mapping]] = ..., kind: _Optional[_Union[UpdateKind, str]] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., layout_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorInfo, _Mapping]]] = ..., shard_rank: _Optional[int] = ...) -> None: ...
 
 class PushUpdateResponse(_message.Message):
-    __slots__ = ("outcome", "version", "original_outcome", "staleness", "update_id", "message")
+    __slots__ = ("outcome", "version", "original_outcome", "staleness", "update_id", "message", "filter_reason", "clipped")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ORIGINAL_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FILTER_REASON_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
     outcome: Outcome
     version: int
     original_outcome: Outcome
     staleness: int
     update_id: str
     message: str
-    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., version: _Optional[int] = ..., original_outcome: _Optional[_Union[Outcome, str]] = ..., staleness: _Optional[int] = ..., update_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    filter_reason: FilterReason
+    clipped: bool
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., version: _Optional[int] = ..., original_outcome: _Optional[_Union[Outcome, str]] = ..., staleness: _Optional[int] = ..., update_id: _Optional[str] = ..., message: _Optional[str] = ..., filter_reason: _Optional[_Union[FilterReason, str]] = ..., clipped: _Optional[bool] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("version", "dtype", "include_buffers", "client_id", "max_receive_message_bytes")
@@ -491,7 +504,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes", "shard_rank", "shard_map")
+    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes", "shard_rank", "shard_map", "filtered_by_reason", "updates_clipped")
     class RejectedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -506,6 +519,13 @@ class StatusResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class FilteredByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     HAS_MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OLDEST_RETAINED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +556,8 @@ class StatusResponse(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANK_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     has_model: bool
     version: int
     oldest_retained_version: int
@@ -566,7 +588,9 @@ class StatusResponse(_message.Message):
     cache_bytes: int
     shard_rank: int
     shard_map: ShardMap
-    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ..., shard_rank: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+    filtered_by_reason: _containers.ScalarMap[str, int]
+    updates_clipped: int
+    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ..., shard_rank: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., filtered_by_reason: _Optional[_Mapping[str, int]] = ..., updates_clipped: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -65,11 +65,14 @@ class AggregationStub:
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
     | GetModel: version no longer retained                             | NOT_FOUND            |
-    | A replayed update id (already APPLIED or BUFFERED)               | OK, outcome DUPLICATE |
+    | A replayed update id (already APPLIED, BUFFERED or FILTERED)     | OK, outcome DUPLICATE |
     |   with its original outcome and version; applied only once       |                      |
+    | The strategy's update filter left a valid update out (an outlier)| OK, outcome FILTERED  |
+    |   with filter_reason; the job is consumed                        |                      |
 
     Which errors to retry: UNAVAILABLE and DATA_LOSS (the same update again, same update id);
-    ABORTED means "fetch a new job"; the others need a change on the client's side.
+    ABORTED means "fetch a new job"; the others need a change on the client's side. FILTERED is not
+    an error: the update arrived whole and its job is consumed, so do not retry it; fetch a new job.
     """
 
     def __init__(self, channel):
@@ -160,11 +163,14 @@ class AggregationServicer:
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
     | GetModel: version no longer retained                             | NOT_FOUND            |
-    | A replayed update id (already APPLIED or BUFFERED)               | OK, outcome DUPLICATE |
+    | A replayed update id (already APPLIED, BUFFERED or FILTERED)     | OK, outcome DUPLICATE |
     |   with its original outcome and version; applied only once       |                      |
+    | The strategy's update filter left a valid update out (an outlier)| OK, outcome FILTERED  |
+    |   with filter_reason; the job is consumed                        |                      |
 
     Which errors to retry: UNAVAILABLE and DATA_LOSS (the same update again, same update id);
-    ABORTED means "fetch a new job"; the others need a change on the client's side.
+    ABORTED means "fetch a new job"; the others need a change on the client's side. FILTERED is not
+    an error: the update arrived whole and its job is consumed, so do not retry it; fetch a new job.
     """
 
     def Register(self, request_iterator, context):
@@ -342,11 +348,14 @@ class Aggregation:
     | GetJob: the client's deadline passed with no job for it          | DEADLINE_EXCEEDED    |
     | GetModel: version newer than the latest                          | OUT_OF_RANGE         |
     | GetModel: version no longer retained                             | NOT_FOUND            |
-    | A replayed update id (already APPLIED or BUFFERED)               | OK, outcome DUPLICATE |
+    | A replayed update id (already APPLIED, BUFFERED or FILTERED)     | OK, outcome DUPLICATE |
     |   with its original outcome and version; applied only once       |                      |
+    | The strategy's update filter left a valid update out (an outlier)| OK, outcome FILTERED  |
+    |   with filter_reason; the job is consumed                        |                      |
 
     Which errors to retry: UNAVAILABLE and DATA_LOSS (the same update again, same update id);
-    ABORTED means "fetch a new job"; the others need a change on the client's side.
+    ABORTED means "fetch a new job"; the others need a change on the client's side. FILTERED is not
+    an error: the update arrived whole and its job is consumed, so do not retry it; fetch a new job.
     """
 
     @staticmethod

@@ -72,7 +72,8 @@ class UpdateRecord:
 class AsyncResult:
     """What :func:`run_async` reached: the final model, counts, per-update outcomes, evaluations.
 
-    ``updates_applied`` counts accepted updates (APPLIED or BUFFERED); ``jobs_failed`` counts error
+    ``updates_applied`` counts accepted updates (APPLIED or BUFFERED), ``updates_filtered`` the
+    ones the strategy's update filter left out (FILTERED); ``jobs_failed`` counts error
     replies and messages the Grid did not take, ``jobs_timed_out`` jobs given up after
     ``job_timeout``; ``outstanding`` the messages still unanswered when the loop stopped.
     """
@@ -82,6 +83,7 @@ class AsyncResult:
     start_version: int
     updates_applied: int = 0
     updates_refused: int = 0
+    updates_filtered: int = 0
     jobs_sent: int = 0
     jobs_failed: int = 0
     jobs_timed_out: int = 0
@@ -336,6 +338,8 @@ class _AsyncLoop:
                 if outcome.status in (Status.APPLIED, Status.BUFFERED):
                     self.result.updates_applied += 1
                     self.waiting.clear()
+                elif outcome.status is Status.FILTERED:
+                    self.result.updates_filtered += 1
             self.result.outcomes.append(
                 UpdateRecord(
                     sent.node, sent.job.job_id, status, version, staleness, now - self.start
@@ -402,9 +406,10 @@ class _AsyncLoop:
         mean_s = sum(staleness) / len(staleness) if staleness else math.nan
         log.info(
             "async %s stopped (%s) at version %d after %.1fs: %d updates applied, %d refused, "
-            "%d jobs sent, %d failed, %d timed out, %d unanswered; mean staleness %.2f",
+            "%d filtered, %d jobs sent, %d failed, %d timed out, %d unanswered; mean staleness "
+            "%.2f",
             self.adapter.name, reason, r.version, r.elapsed, r.updates_applied,
-            r.updates_refused, r.jobs_sent, r.jobs_failed, r.jobs_timed_out, r.outstanding,
-            mean_s,
+            r.updates_refused, r.updates_filtered, r.jobs_sent, r.jobs_failed, r.jobs_timed_out,
+            r.outstanding, mean_s,
         )  # fmt: skip
         return r
