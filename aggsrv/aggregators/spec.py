@@ -181,7 +181,8 @@ def parse_aggregator(text: Any, what: str = "aggregator") -> Aggregator:
         step.name,
         {k: None if k in derived and v == "auto" else v for k, v in step.params.items()},
     )
-    given = check_params(what, step, {k: t for k, (t, _) in table.items()})
+    # None passes the type check here; only the derived values may be None (checked next).
+    given = check_params(what, step, {k: (t, type(None)) for k, (t, _) in table.items()})
     for key, value in given.items():
         if value is None and table[key][1] is not None:
             raise ValueError(f"{what} {step.name!r}: {key} must be a number, got none")
