@@ -54,7 +54,8 @@ def krum_scores_np(X: np.ndarray, f: int) -> np.ndarray:
 def bulyan_np(X: np.ndarray, f: int) -> np.ndarray:
     """El Mhamdi et al.: theta = K - 2f rows, each the Krum choice among those left (once fewer
     than f + 3 are left, Krum has no neighbours: the row with the least summed squared distance
-    to the others), then each coordinate's mean without its f smallest and f largest values."""
+    to the others), then per coordinate the mean of the beta = theta - 2f selected values
+    closest to the coordinate's median (a tie between two equally close values: the lower)."""
     left = list(range(X.shape[0]))
     chosen = []
     for _ in range(X.shape[0] - 2 * f):
@@ -63,8 +64,14 @@ def bulyan_np(X: np.ndarray, f: int) -> np.ndarray:
         else:
             scores = ((X[left][:, None] - X[left][None]) ** 2).sum((1, 2))
         chosen.append(left.pop(int(np.argmin(scores))))
-    S = np.sort(X[chosen], axis=0)
-    return S[f : len(chosen) - f].mean(axis=0)
+    S = X[chosen]
+    beta = len(chosen) - 2 * f
+    med = np.median(S, axis=0)
+    out = np.empty(S.shape[1])
+    for d in range(S.shape[1]):
+        order = np.lexsort((S[:, d], np.abs(S[:, d] - med[d])))  # by distance, then value
+        out[d] = S[order[:beta], d].mean()
+    return out
 
 
 def centered_clip_np(X, w, center, tau, iters):

@@ -148,7 +148,9 @@ def _run(
     elif rule == "bulyan":
         f = p["f"]
         sel = kernels.bulyan_select(kernels.pairwise_sq_distances(X, reduce=reduce), f)
-        kernels.trimmed_mean(X.index_select(0, sel.to(X.device)), cut=f, out=out)
+        # beta = theta - 2f of each coordinate's values nearest its median (El Mhamdi et al.).
+        chosen = X.index_select(0, sel.to(X.device))
+        kernels.mean_around_median(chosen, chosen.shape[0] - 2 * f, out=out)
         return AggregateInfo(rule, K, selected=tuple(sel.tolist()))
     elif rule == "geometric_median":
         gm = kernels.geometric_median(
