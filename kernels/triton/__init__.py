@@ -9,12 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
+from .order import coordinate_median, trimmed_mean
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
 
 __all__ = [
     "average_linkage",
+    "coordinate_median",
     "cosine_matrix",
     "gram_matrix",
     "group_means",
@@ -25,6 +27,7 @@ __all__ = [
     "pairwise_sq_distances",
     "project_out",
     "sparse_accumulate",
+    "trimmed_mean",
     "weighted_sum",
 ]
 
