@@ -12,9 +12,10 @@ sums the values whose rank lies in cut..K-cut-1, rows in index order, in the acc
 
 The median is the case cut = (K - 1) // 2 (one middle value for odd K; for even K the two, added
 in the accumulation dtype and halved, then rounded once into the output dtype). Ranking costs
-K * K_pow2 comparisons per column, all in registers; unlike `tl.sort`, whose bitonic stages
-took tens of seconds per call under the interpreter at K = 33, it is a few array operations per
-row there.
+K * K_pow2 comparisons per column, all in registers. Measured on an H200 (float32, D = 4M,
+2026-11-26): 0.49 ms at K = 16, 6.6 ms at K = 64, 26 ms at K = 128 (torch.median(X, dim=0):
+4.4, 13.8, 65 ms); `tl.sort` of the same tile was slower there (2.2, 20, 41 ms) and takes tens
+of seconds per call under the interpreter. Compute-bound: one read of X would take 0.1-0.5 ms.
 
 Rows beyond MAX_SORT_ROWS would not fit in registers: such calls sort column chunks with torch
 on the device instead (same arithmetic, bounded temporary memory), correct but not fused.
