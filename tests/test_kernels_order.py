@@ -203,6 +203,31 @@ def test_trimmed_count_floor_rule(backend: str, seed: int) -> None:
         assert float((got.double().cpu() - wrong).abs().max()) > 1e-3
 
 
+def test_cpu_networks_select_the_middle(seed: int) -> None:
+    """The pruned, paired networks of the CPU backend, run here with numpy (min/max per row
+    pair over many columns): the rows they name hold the middle order statistics' multiset."""
+    rng = np.random.default_rng(seed)
+    for K in range(1, 40):
+        X = rng.integers(-3, 4, size=(K, 64)).astype(np.float64)  # ties too
+        X[:, 32:] = rng.standard_normal((K, 32))
+        for cut in {0, 1, K // 5, (K - 1) // 2}:
+            if 2 * cut >= K:
+                continue
+            net, rows = _cpu_order.order_network(K, cut, K - cut)
+            steps = _cpu_order.paired(net)
+            assert (
+                steps.shape[0] <= net.shape[0]
+                and (steps[:, :2].size + (steps[:, 2] >= 0).sum() * 2) == net.size
+            )
+            T = X.copy()
+            for a, b, c, d in steps:
+                for p, q in ((a, b), (c, d)) if c >= 0 else ((a, b),):
+                    T[p], T[q] = np.minimum(T[p], T[q]), np.maximum(T[p], T[q])
+            want = np.sort(X, axis=0)[cut : K - cut]
+            got = T[rows]
+            assert np.array_equal(np.sort(got, axis=0), want), f"seed={seed} K={K} cut={cut}"
+
+
 # --------------------------------------------------------------------------------------------
 # out=, shapes, errors
 
