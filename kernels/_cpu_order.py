@@ -1,19 +1,19 @@
 """CPU order statistics per coordinate: `coordinate_median` and `trimmed_mean` of [K, D] rows.
 
 One pass over X. The columns are cut into blocks of `block_width(K)` columns; a block's K row
-slices are copied, row by row (sequential reads), into a [K, B] scratch tile that stays in L1/L2,
-and each of the block's B columns is ordered there:
+slices are copied, row by row (sequential reads), into a [K, B] scratch tile that stays in L2,
+and each of the block's B columns is ordered there. The median is the trimmed mean that keeps
+one (odd K) or two (even K) middle values, cut = (K - 1) // 2, so both share one path:
 
 * K <= NETWORK_MAX_K: a sorting network applied to the tile's rows. Each compare-exchange (a, b)
   is ``row_a, row_b = min(row_a, row_b), max(row_a, row_b)`` over the B columns at once:
-  branch-free and vectorised (B columns per instruction stream). The network is Batcher's
-  odd-even merge sort on the next power of two, with the padding (+inf wires) folded away and
-  every compare-exchange that cannot change the result pruned (`order_network`): the median needs
-  one or two output wires, the trimmed mean only the *set* of middle wires.
+  branch-free and vectorised. The network is Batcher's odd-even merge sort on the next power of
+  two, with the padding (+inf wires) folded away and every compare-exchange that cannot change
+  the result pruned (`order_network`: only the *set* of middle wires is needed), then paired
+  into steps of two independent compare-exchanges (`paired`).
 * larger K: each column is gathered from the tile into a [K] buffer and partially ordered by
-  quickselect (Wirth's selection): the median is the element at K // 2 (for even K also the
-  largest element left of it); the trimmed mean selects position `cut`, then the `K - 2 cut`
-  smallest of the rest, and sums them.
+  quickselect (Wirth's selection): position `cut` first (the cut smallest before it), then the
+  K - 2 cut smallest of the rest, which are summed.
 
 The result of a column is ``sum of the chosen values / count``, summed and divided in float64:
 the median of odd K is the middle value itself, of even K (a + b) / 2 rounded once into the
@@ -37,9 +37,10 @@ import torch
 # D = 4M gives 256 tasks for the 2 threads.
 TASK_COLUMNS = 16384
 # Above this many rows the sorting network (O(K log^2 K) compare-exchanges per column) gives
-# way to quickselect (O(K) expected per column). Measured at D = 4M float32: the network is
-# still ahead at K = 128 (bench/test_bench_robust_order.py).
-NETWORK_MAX_K = 128
+# way to quickselect (O(K) expected per column, but branchy and scalar). Medians of D = 256K
+# float32 columns, 2 threads: network 16.5 / 38.7 / 102 ms against quickselect 163 / 307 /
+# 605 ms at K = 64 / 128 / 256.
+NETWORK_MAX_K = 256
 # Bytes of one scratch tile (in L2). Wide rows amortise each compare-exchange's loop overhead:
 # at K = 64, D = 1M, B = 256 columns took 49 ms against 77 ms with B = 64.
 TILE_BYTES = 65536
