@@ -216,6 +216,21 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
         diff = X.to(acc) - point.to(acc)
         c = (0.5 * bound / diff.norm(dim=1)).clamp(max=1.0) / K
         return (point[0].to(acc) + c @ diff).to(dtype)
+    cut = max(1, K // 10)  # the trimmed mean's rows cut at each end (trim 0.1)
+
+    def t_order(fn, *args) -> torch.Tensor:
+        fn(X, *args, out_s)
+        return out_s
+
+    def r_order(fn, *args) -> torch.Tensor:
+        o = torch.empty_like(out_s)
+        fn(X, *args, o)
+        return o
+
+    def torch_order(c: int) -> torch.Tensor:
+        # A sort, not torch.median: that returns the lower middle value for even K.
+        srt = X.to(acc).sort(dim=0).values
+        return srt[c : K - c].mean(dim=0).to(dtype)
 
     n_rows = int((groups >= 0).sum())
     gram_flops = 2 * K * K * D
@@ -310,6 +325,20 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             lambda: api.krum_scores(torch.cdist(X.to(acc), X.to(acc)).square(), f),
             lambda: api.krum_scores(ref.pairwise_sq_distances(X, None), f),
             flops=gram_flops,
+        ),
+        Case(
+            "coordinate_median",
+            lambda: t_order(tk.coordinate_median),
+            lambda: torch_order((K - 1) // 2),
+            lambda: r_order(ref.coordinate_median),
+            nbytes=(K + 1) * D * esz,
+        ),
+        Case(
+            "trimmed_mean",
+            lambda: t_order(tk.trimmed_mean, cut),
+            lambda: torch_order(cut),
+            lambda: r_order(ref.trimmed_mean, cut),
+            nbytes=(K + 1) * D * esz,
         ),
     ]
 

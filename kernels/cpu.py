@@ -24,7 +24,7 @@ import numba as nb
 import numpy as np
 import torch
 
-from . import _cpu_distance
+from . import _cpu_distance, _cpu_order
 from ._cpu_median_window import mean_around_median  # noqa: F401 - a backend function
 from ._partials import Reduce, mirror_upper, summed, summed_grams
 from ._tiles import offsets_key, tile_table
@@ -844,16 +844,12 @@ def average_linkage(condensed: np.ndarray) -> np.ndarray:
 
 
 def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
-    srt = _as_work(X).sort(dim=0).values
-    K = srt.shape[0]
-    med = srt[K // 2] if K % 2 else (srt[K // 2 - 1] + srt[K // 2]) / 2
-    out.copy_(med)
+    """One fused numba pass (_cpu_order.py), as trimmed_mean."""
+    _cpu_order.coordinate_median(X, out)
 
 
 def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
-    srt = _as_work(X).sort(dim=0).values
-    K = srt.shape[0]
-    out.copy_(srt[cut : K - cut].sum(dim=0, dtype=torch.float64) / (K - 2 * cut))
+    _cpu_order.trimmed_mean(X, cut, out)
 
 
 def sq_distances_to(

@@ -10,6 +10,7 @@ import numpy as np
 
 from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
+from .order import coordinate_median, trimmed_mean
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -17,6 +18,7 @@ from .sparse import nnz_per_layer, sparse_accumulate
 __all__ = [
     "average_linkage",
     "clip_rows",
+    "coordinate_median",
     "cosine_matrix",
     "gram_matrix",
     "group_means",
@@ -28,6 +30,7 @@ __all__ = [
     "project_out",
     "sparse_accumulate",
     "sq_distances_to",
+    "trimmed_mean",
     "weighted_sum",
 ]
 
