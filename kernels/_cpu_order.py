@@ -108,13 +108,15 @@ def _sorting_network(K: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ..
 
 
 @functools.lru_cache(maxsize=256)
-def order_network(K: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+def order_network(K: int, lo: int, hi: int, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The compare-exchanges that put the *set* of order statistics lo..hi-1 (0-based) of K
     values on known rows, and those rows: (int64 [C, 2] (min row, max row) pairs in execution
     order, int64 [hi - lo] rows).
 
     Only the sum of those order statistics is wanted (a trimmed mean; the median keeps one or
-    two), so the network need not order them among themselves. Pruned backwards from the
+    two), so the network need not order them among themselves (with `exact`, it does: the
+    rows then hold order statistics lo..hi-1 in order, for `mean_around_median`'s walk). Pruned
+    backwards from the
     output: a wire is dead (its value reaches no output), summed (it goes untouched into the
     summed set) or live (its exact value matters). A compare-exchange of two dead wires, or of
     two summed ones (it only swaps two terms of the sum), is dropped; any other is kept and
@@ -123,7 +125,7 @@ def order_network(K: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     pairs, final = _sorting_network(K)
     label = [_DEAD] * K
     for r in range(lo, hi):
-        label[final[r]] = _SUMMED
+        label[final[r]] = _LIVE if exact else _SUMMED
     kept = []
     for a, b in reversed(pairs):
         la, lb = label[a], label[b]
@@ -268,6 +270,78 @@ def _select_pass(X, cut, B, out):  # pragma: no cover - compiled
                 out[s + i] = acc / (K - 2 * cut)
 
 
+@functools.partial(_jit, fastmath=_FINITE)
+def _sort_tile(tile, steps, n):  # pragma: no cover - compiled
+    """Apply the network's compare-exchanges (`paired` steps) to columns :n of the tile."""
+    for c in range(steps.shape[0]):
+        ra = tile[steps[c, 0]]
+        rb = tile[steps[c, 1]]
+        if steps[c, 2] < 0:
+            for i in range(n):
+                x = ra[i]
+                y = rb[i]
+                ra[i] = -max(-x, -y)
+                rb[i] = max(x, y)
+        else:
+            rc = tile[steps[c, 2]]
+            rd = tile[steps[c, 3]]
+            for i in range(n):
+                x = ra[i]
+                y = rb[i]
+                u = rc[i]
+                v = rd[i]
+                ra[i] = -max(-x, -y)
+                rb[i] = max(x, y)
+                rc[i] = -max(-u, -v)
+                rd[i] = max(u, v)
+
+
+@_pjit
+def _window_pass(X, steps, rows, lo, keep, B, out):  # pragma: no cover - compiled
+    """out[i] = mean of the `keep` values of column i nearest its median: the network puts order
+    statistics lo.. on `rows` in order, then the greedy walk of kernels/robust.py, in float64
+    (the median of two float32 values and every distance to it are exact there, so the walk
+    takes the reference's choices)."""
+    K, D = X.shape
+    half = K // 2
+    n_tasks = (D + TASK_COLUMNS - 1) // TASK_COLUMNS
+    for task in nb.prange(n_tasks):
+        tile = np.empty((K, B), dtype=X.dtype)
+        t_end = min(D, (task + 1) * TASK_COLUMNS)
+        for s in range(task * TASK_COLUMNS, t_end, B):
+            n = min(B, t_end - s)
+            for k in range(K):
+                tile[k, :n] = X[k, s : s + n]
+            _sort_tile(tile, steps, n)
+            for i in range(n):
+                if K % 2:
+                    m = np.float64(tile[rows[half - lo], i])
+                    a, b, total = half, half + 1, m
+                else:
+                    m = (np.float64(tile[rows[half - 1 - lo], i])
+                         + np.float64(tile[rows[half - lo], i])) / 2.0  # fmt: skip
+                    a, b, total = half, half, 0.0
+                while b - a < keep:
+                    right = np.float64(tile[rows[b - lo], i]) if b < K else 0.0
+                    if b >= K or (a > 0 and m - np.float64(tile[rows[a - 1 - lo], i]) <= right - m):
+                        a -= 1
+                        total += np.float64(tile[rows[a - lo], i])
+                    else:
+                        total += right
+                        b += 1
+                out[s + i] = total / keep
+
+
+def _walk_sorted(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    """The walk on torch-sorted columns, for K above the networks (bounded chunks)."""
+    from ._cpu_median_window import mean_around_median as walk
+
+    K, D = X.shape
+    step = max(1, (1 << 26) // max(1, K))
+    for s in range(0, D, step):
+        walk(X[:, s : s + step], keep, out[s : s + step])
+
+
 # --------------------------------------------------------------------------------------------
 # Backend functions (kernels/BACKENDS.md)
 # --------------------------------------------------------------------------------------------
@@ -299,3 +373,22 @@ def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
 
 def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
     _run(X, cut, out)
+
+
+def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    """out = mean of each column's `keep` values nearest its median (Bulyan's step)."""
+    K, D = X.shape
+    if D == 0:
+        return
+    if K > NETWORK_MAX_K:
+        _walk_sorted(X, keep, out)
+        return
+    Xw = X if X.dtype in (torch.float32, torch.float64) else X.to(torch.float32)
+    target = out if out.dtype == Xw.dtype else torch.empty(D, dtype=torch.float64)
+    # The walk visits sorted positions within keep of the middle.
+    lo, hi = max(0, K // 2 - keep), min(K, K // 2 + keep + 1)
+    net, rows = order_network(K, lo, hi, exact=True)
+    B = block_width(K, Xw.element_size())
+    _window_pass(Xw.detach().numpy(), paired(net), rows, lo, keep, B, target.detach().numpy())
+    if target is not out:
+        out.copy_(target)

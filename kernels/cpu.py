@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from . import _cpu_distance, _cpu_order
-from ._cpu_median_window import mean_around_median  # noqa: F401 - a backend function
 from ._partials import Reduce, mirror_upper, summed, summed_grams
 from ._tiles import offsets_key, tile_table
 
@@ -846,6 +845,11 @@ def average_linkage(condensed: np.ndarray) -> np.ndarray:
 def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
     """One fused numba pass (_cpu_order.py), as trimmed_mean."""
     _cpu_order.coordinate_median(X, out)
+
+
+def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    """The sorting network's exact order around the middle, then the walk (_cpu_order.py)."""
+    _cpu_order.mean_around_median(X, keep, out)
 
 
 def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:

@@ -286,3 +286,77 @@ def test_errors() -> None:
         kernels.coordinate_median(X, out=torch.empty(7, dtype=torch.float64))
     with pytest.raises(ValueError, match="out must have shape"):
         kernels.trimmed_mean(X, 0.1, out=torch.empty(8))
+
+
+# --------------------------------------------------------------------------------------------
+# mean_around_median: Bulyan's coordinate-wise step
+# --------------------------------------------------------------------------------------------
+
+
+def around_median_oracle(X: torch.Tensor, keep: int) -> np.ndarray:
+    """Per column, the mean of the keep values nearest the median, ordered by (distance, value):
+    the greedy walk's choice written as a sort (a tie in distance takes the lower value)."""
+    x = X.double().cpu().numpy()
+    med = np.median(x, axis=0)
+    out = np.empty(x.shape[1])
+    for d in range(x.shape[1]):
+        col = x[:, d]
+        order = np.lexsort((col, np.abs(col - med[d])))
+        out[d] = col[order[:keep]].mean()
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("K", "keep"), [(1, 1), (2, 1), (2, 2), (3, 1), (5, 3), (6, 2), (11, 3), (16, 9), (23, 15)]
+)
+def test_mean_around_median_takes_the_values_nearest_the_median(backend, K, keep, seed) -> None:
+    D = width(backend) if backend != "cpu" else 3001
+    X = normal(K, D, torch.float32, seed)
+    X[:, : D // 4] = small_ints(K, D // 4, torch.float32, seed + 1)  # ties in value and distance
+    got = kernels.mean_around_median(strided(X, device(backend)), keep, backend=backend)
+    want = around_median_oracle(X, keep)
+    # The chosen set is the oracle's (distances are exact in float64); only the float32
+    # rounding of the sum's result differs.
+    np.testing.assert_allclose(got.double().cpu().numpy(), want, rtol=2e-7, atol=1e-7,
+                               err_msg=f"seed {seed}")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_mean_around_median_is_the_trimmed_mean_on_symmetric_columns(backend, seed) -> None:
+    # Columns symmetric about their median: the window is centred, a trim of (K - keep) / 2.
+    half = normal(6, 257, torch.float64, seed).abs() + 0.1
+    centre = normal(1, 257, torch.float64, seed + 1)
+    X = torch.cat([centre - half, centre, centre + half])  # K = 13
+    got = kernels.mean_around_median(X, 7, backend=backend)
+    torch.testing.assert_close(got, kernels.trimmed_mean(X, cut=3, backend="reference"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_mean_around_median_above_the_register_rows(backend, seed) -> None:
+    K = (_cpu_order.NETWORK_MAX_K if backend == "cpu" else triton_order.MAX_SORT_ROWS) + 3
+    X = normal(K, 67, torch.float32, seed)
+    got = kernels.mean_around_median(X.to(device(backend)), K // 3, backend=backend)
+    np.testing.assert_allclose(got.double().cpu().numpy(), around_median_oracle(X, K // 3),
+                               rtol=2e-7, atol=1e-7, err_msg=f"seed {seed}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_mean_around_median_other_dtypes(dtype, seed) -> None:
+    X = normal(9, 301, dtype, seed)
+    got = kernels.mean_around_median(X, 5, backend="cpu")
+    assert got.dtype == dtype
+    want = torch.from_numpy(around_median_oracle(X, 5)).to(dtype)
+    # Rounded once from float64 (half inputs are exact in float32): at most one unit apart.
+    tol = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_mean_around_median_refuses_a_bad_keep() -> None:
+    X = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match="keep=5 values of 4 rows"):
+        kernels.mean_around_median(X, 5)
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        kernels.mean_around_median(X, 0)
+    with pytest.raises(ValueError, match="zero rows"):
+        kernels.mean_around_median(torch.zeros(0, 5), 1)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
-from .order import coordinate_median, trimmed_mean
+from .order import coordinate_median, mean_around_median, trimmed_mean
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -24,6 +24,7 @@ __all__ = [
     "group_means",
     "layer_dots",
     "layer_normalized_cosine",
+    "mean_around_median",
     "nnz_per_layer",
     "orthogonal_calibrate",
     "pairwise_sq_distances",

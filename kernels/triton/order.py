@@ -74,6 +74,42 @@ def _order_kernel(
     tl.store(out_ptr + cols, res.to(out_ptr.dtype.element_ty), mask=cm)
 
 
+@triton.jit
+def _window_kernel(
+    x_ptr, med_ptr, out_ptr, K, D, stride_x, keep,
+    KP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[cols] = mean of the `keep` values of each column nearest its median `med` (float64):
+    a value is kept when fewer than `keep` values of its column come before it in the order
+    (distance to the median, value, row), the greedy walk's choices (kernels/robust.py)."""
+    pb = tl.program_id(0)
+    cols = pb * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.arange(0, KP)
+    cm = cols < D
+    rm = rows < K
+    tile = tl.load(
+        x_ptr + rows[None, :].to(tl.int64) * stride_x + cols[:, None],
+        mask=cm[:, None] & rm[None, :],
+        other=0.0,
+    ).to(tl.float64)
+    med = tl.load(med_ptr + cols, mask=cm, other=0.0)
+    dist = tl.abs(tile - med[:, None])
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    x_row = x_ptr
+    for i in range(0, K):
+        xi = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float64)
+        di = tl.abs(xi - med)
+        nearer = dist < di[:, None]
+        same = dist == di[:, None]
+        before = nearer | (same & (tile < xi[:, None]))
+        before = before | (same & (tile == xi[:, None]) & (rows[None, :] < i))
+        rank = tl.sum((before & rm[None, :]).to(tl.int32), axis=1)
+        total += tl.where(rank < keep, xi, 0.0)
+        x_row += stride_x
+    res = total / keep
+    tl.store(out_ptr + cols, res.to(out_ptr.dtype.element_ty), mask=cm)
+
+
 def _sorted_chunks(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
     """The fallback for K > MAX_SORT_ROWS: torch sorts of column chunks, same arithmetic."""
     K, D = X.shape
@@ -108,3 +144,29 @@ def coordinate_median(X: torch.Tensor, out: torch.Tensor) -> None:
 def trimmed_mean(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
     """out = mean of each column's order statistics cut..K-cut-1."""
     _run(X, cut, out)
+
+
+def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
+    """out = mean of each column's `keep` values nearest its median, ranked in float64 (the
+    median of two float32 values and the distances to it are exact there)."""
+    K, D = X.shape
+    if D == 0:
+        return
+    if K > MAX_SORT_ROWS:
+        from .._cpu_median_window import mean_around_median as walk
+
+        step = max(1, FALLBACK_BYTES // (K * 8))
+        for s in range(0, D, step):
+            walk(X[:, s : s + step], keep, out[s : s + step])
+        return
+    med = torch.empty(D, dtype=torch.float64, device=X.device)
+    KP = next_pow2(K)
+    tile = TILE_ELEMENTS_CUDA if X.is_cuda else TILE_ELEMENTS_INTERP
+    block = max(16, tile // KP)
+    grid = (triton.cdiv(D, block),)
+    warps = config(X).num_warps
+    _order_kernel[grid](
+        X, med, K, D, X.stride(0), (K - 1) // 2, ACC_F64=True, KP=KP, BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip
+    _window_kernel[grid](X, med, out, K, D, X.stride(0), keep, KP=KP, BLOCK=block, num_warps=warps)
