@@ -216,6 +216,7 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
         diff = X.to(acc) - point.to(acc)
         c = (0.5 * bound / diff.norm(dim=1)).clamp(max=1.0) / K
         return (point[0].to(acc) + c @ diff).to(dtype)
+
     cut = max(1, K // 10)  # the trimmed mean's rows cut at each end (trim 0.1)
 
     def t_order(fn, *args) -> torch.Tensor:
