@@ -43,7 +43,8 @@ AGGREGATORS = [
 # (label, attack spec or None). The fraction comes from the setting.
 ATTACKS = [
     ("none", None),
-    ("sign_flip", "sign_flip:scale=1"),
+    # Scale 10: five clients at -10x their honest delta outweigh twenty honest ones in a mean.
+    ("sign_flip", "sign_flip:scale=10"),
     ("gaussian", "gaussian"),
     ("scale", "scale:factor=10"),
     ("alie", "alie"),
