@@ -11,13 +11,17 @@ not run again, so an interrupted table resumes); at the end the script writes OU
 OUT/table.png (a heat map of the final accuracy: aggregators down, attacks across), and prints
 the table.
 
-The grids are below; ``--aggregators`` / ``--attacks`` pick a subset by label. ``--jobs N`` runs N
+The grids are below: the aggregators for the strategies that combine rows, the update filters
+for those that apply one update at a time (FedAsync, ORTHOFL, FedDGIC, Fed-OGD); f, the
+Byzantine rows a rule assumes, is 20 % of the clients, or of the buffer rounded up for a
+buffered strategy. ``--aggregators`` / ``--attacks`` pick a subset by label. ``--jobs N`` runs N
 simulations at once, each on one thread (``threads = 1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -27,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from aggsrv.sim import SimConfig, run
+from aggsrv.strategies import strategy_class
 
 # (label, aggregator spec): f is the setting's Byzantine count (20 % of 25 clients = 5); the
 # rules that need it get it, the others do not assume it.
@@ -39,6 +44,14 @@ AGGREGATORS = [
     ("bulyan", "bulyan:f={f}"),
     ("geometric_median", "geometric_median"),
     ("centered_clipping", "centered_clipping"),
+]
+# Strategies that apply one update at a time take per-update filters instead (docs/robust.md,
+# "Asynchronous strategies"): (label, update_filter spec or None).
+FILTERS = [
+    ("none", None),
+    ("norm", "norm:factor=3"),
+    ("centered_clip", "centered_clip"),
+    ("norm>centered_clip", "norm:factor=3 > centered_clip"),
 ]
 # (label, attack spec or None). The fraction comes from the setting.
 ATTACKS = [
@@ -60,21 +73,35 @@ def _one(config: dict) -> tuple[str, float, float]:
     return str(cfg.out), float(result.final_accuracy), time.perf_counter() - t0
 
 
-def plan(base: SimConfig, seeds: list[int], aggregators, attacks, fraction: float, out: Path):
+def byzantine_rows(base: SimConfig, fraction: float) -> int:
+    """The f the rules assume: the Byzantine clients among all (one row each per round), or,
+    for a buffer of M arrivals, the expected count in a buffer rounded up."""
+    buffer = base.strategy_config.get("buffer_size")
+    if buffer is not None:
+        return math.ceil(fraction * buffer)
+    return round(fraction * base.clients)
+
+
+def defence_key(base: SimConfig) -> str:
+    """The strategy's key for the defence: `update_filter` for the one-at-a-time strategies."""
+    known = {f.name for f in dataclasses.fields(strategy_class(base.strategy).config_class)}
+    return "update_filter" if "update_filter" in known else "aggregator"
+
+
+def plan(base: SimConfig, seeds: list[int], defences, attacks, fraction: float, out: Path):
     """The run configs of the grid (as mappings), skipping runs already finished."""
-    f = round(fraction * base.clients)
+    f = byzantine_rows(base, fraction)
+    key = defence_key(base)
     configs = []
-    for a_label, a_spec in aggregators:
+    for a_label, a_spec in defences:
         for k_label, k_spec in attacks:
             for seed in seeds:
                 run_dir = out / f"{a_label}__{k_label}-s{seed}"
                 if (run_dir / "summary.json").exists():
                     continue
                 cfg = base.to_dict()
-                cfg["strategy_config"] = {
-                    **base.strategy_config,
-                    "aggregator": a_spec.format(f=f),
-                }
+                own = {} if a_spec is None else {key: a_spec.format(f=f)}
+                cfg["strategy_config"] = {**base.strategy_config, **own}
                 sep = "," if k_spec and ":" in k_spec else ":"
                 cfg["attack"] = None if k_spec is None else f"{k_spec}{sep}fraction={fraction}"
                 cfg.update(seed=seed, out=str(run_dir), label=a_label, scenario=k_label,
@@ -177,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the setting: bench/experiments/robust_*.toml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--aggregators", nargs="*", help="labels (default: all)")
+    parser.add_argument("--aggregators", nargs="*", help="defence labels (default: all)")
     parser.add_argument("--attacks", nargs="*", help="labels (default: all)")
     parser.add_argument("--fraction", type=float, default=0.2, help="Byzantine clients")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once")
@@ -185,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     base = SimConfig.load(Path(args.config))
-    aggregators = _pick(AGGREGATORS, args.aggregators)
+    grid = FILTERS if defence_key(base) == "update_filter" else AGGREGATORS
+    aggregators = _pick(grid, args.aggregators)
     attacks = _pick(ATTACKS, args.attacks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
