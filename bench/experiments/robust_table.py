@@ -6,8 +6,8 @@
 Each run is the setting (data, split, model, clients, budget, recipe) with one aggregator (the
 strategy's ``aggregator`` key, docs/robust.md) and one attack (the simulator's ``attack`` key,
 or none). Runs go to OUT/<aggregator>__<attack>-s<seed> (a run whose summary.json exists is
-not run again, so an interrupted table resumes); at the end the script writes OUT/table.md
-(final accuracy, mean ± sd over the seeds, and the virtual time to ``--target``) and
+not run again, so an interrupted table resumes); at the end the script writes OUT/table.txt
+(Markdown: final accuracy, mean ± sd over the seeds, and the virtual time to ``--target``) and
 OUT/table.png (a heat map of the final accuracy: aggregators down, attacks across), and prints
 the table.
 
@@ -228,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.perf_counter() - t0:.0f} s in all)", flush=True)  # fmt: skip
     cells = collect(out, args.target)
     text = table(cells, aggregators, attacks, args.target)
-    (out / "table.md").write_text(text + "\n")
+    (out / "table.txt").write_text(text + "\n")
     heat_map(cells, aggregators, attacks, out / "table.png")
     print(text)
-    print(f"\nwritten: {out / 'table.md'}, {out / 'table.png'}")
+    print(f"\nwritten: {out / 'table.txt'}, {out / 'table.png'}")
     return 0
 
 
