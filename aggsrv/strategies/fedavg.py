@@ -64,7 +64,12 @@ from aggsrv.strategies.base import (
     StrategyConfig,
     Update,
 )
-from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
+from aggsrv.strategies.robust import (
+    RobustCombiner,
+    check_aggregator,
+    check_pending_rows,
+    load_kept_rows,
+)
 
 __all__ = ["FedAvg", "FedAvgConfig"]
 
@@ -525,12 +530,7 @@ class FedAvg(Strategy):
         check_pending_rows(self, robust, int(state["acc_count"]))
         if self._rows is not None:
             assert self._robust is not None
-            self._rows.load(robust, "rows")
-            self._row_absmax = [self._checked_absmax(r, "a saved row") for r in self._rows.rows]
-            self._robust.load(
-                robust, lambda t: self._restore(t, shared=False),
-                lambda t: self._checked_absmax(t, "the saved centre"),
-            )  # fmt: skip
+            self._row_absmax = load_kept_rows(self, self._rows, self._robust, robust)
             self._moment_absmax = None
         if state["acc"] is not None:
             self._acc.copy_(state["acc"])

@@ -38,7 +38,12 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
-from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
+from aggsrv.strategies.robust import (
+    RobustCombiner,
+    check_aggregator,
+    check_pending_rows,
+    load_kept_rows,
+)
 
 __all__ = ["BufferedConfig", "FedBuff", "FedBuffConfig"]
 
@@ -211,12 +216,7 @@ class FedBuff(Strategy):
         check_pending_rows(self, robust, len(weights))
         if self._rows is not None:
             assert self._robust is not None
-            self._rows.load(robust, "rows")
-            self._row_absmax = [self._checked_absmax(r, "a saved row") for r in self._rows.rows]
-            self._robust.load(
-                robust, lambda t: self._restore(t, shared=False),
-                lambda t: self._checked_absmax(t, "the saved centre"),
-            )  # fmt: skip
+            self._row_absmax = load_kept_rows(self, self._rows, self._robust, robust)
             self._weights = weights
             return
         if weights and tuple(total.shape) != (self.dim,):

@@ -116,6 +116,24 @@ class RobustCombiner:
         self.fallbacks = int(state.get("fallbacks", 0))
 
 
+def load_kept_rows(
+    strategy: Any,
+    rows: Any,
+    combiner: RobustCombiner,
+    robust: Mapping[str, Any] | None,
+    what: str = "rows",
+) -> list[float]:
+    """Restore a strategy's kept rows (a :class:`~aggsrv.aggregators.RowBuffer`) and its
+    combiner from a saved ``robust`` state; returns each row's max |value| (checked finite),
+    what the strategy's overflow bound needs."""
+    rows.load(robust, what)
+    combiner.load(
+        robust, lambda t: strategy._restore(t, shared=False),
+        lambda t: strategy._checked_absmax(t, "the saved centre"),
+    )  # fmt: skip
+    return [strategy._checked_absmax(r, "a saved row") for r in rows.rows]
+
+
 def check_pending_rows(strategy: Any, robust: Mapping[str, Any] | None, pending: int) -> None:
     """Refuse (ValueError) a state saved part-way through an aggregation with the mean (a
     running sum) into a strategy with a robust rule (it needs the rows), or the other way
