@@ -41,12 +41,9 @@ ours.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 import random
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -58,25 +55,24 @@ from conftest import (
     fmt_time,
     interleaved,
     median_ratio,
-    rescale_sizes,
-    resnet18_sizes,
     scaled,
 )
-from ingest_helpers import proc_status_kb, reset_peak_rss
 
 flwr = pytest.importorskip("flwr")
 
+from flower_replies import (  # noqa: E402
+    WEIGHT_KEY,
+    flower_quiet_and_identified,  # noqa: F401 - an autouse fixture
+    make_replies,
+    peak_over_current_mb,
+)
 from flwr.app import (  # noqa: E402
-    Array,
     ArrayRecord,
     Message,
-    MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp.strategy import Krum  # noqa: E402
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from aggsrv import kernels  # noqa: E402
 from aggsrv.integrations.flower.arrays import (  # noqa: E402
@@ -92,22 +88,7 @@ D_FULL = 4 * 2**20
 NUM_MALICIOUS = 3  # Krum's f: the planted outliers
 OUTLIER_SHIFT = 5.0
 BEST_SCALE = 0.25  # noise scale of the planted Krum choice; the others 0.75..1.5
-WEIGHT_KEY = "num-examples"
 RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _flower_quiet_and_identified(monkeypatch):
-    """Messages need a run identity (a real ServerApp sets it); Flower's INFO logs per
-    aggregate_train call would flood the output."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    logger = logging.getLogger("flwr")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    yield
-    logger.setLevel(level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,43 +97,13 @@ def _flower_quiet_and_identified(monkeypatch):
 
 
 def _replies(D: int, seed: int) -> tuple[list[Message], int, list[int]]:
-    """K train replies with a planted Krum choice; returns (replies, best, outliers).
-
-    Made one client at a time (no [K, D] source), each array encoded by Flower's own ``Array``
-    (``np.save`` bytes), as a ClientApp would send them."""
+    """K train replies with a planted Krum choice; returns (replies, best, outliers)."""
     rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    sizes = rescale_sizes(resnet18_sizes(), D)
-    names = [f"layer{i:02d}" for i in range(len(sizes))]
     perm = rng.permutation(K)
     best, outliers = int(perm[0]), sorted(int(i) for i in perm[1 : 1 + NUM_MALICIOUS])
     noise_scale = rng.uniform(0.75, 1.5, size=K)
     noise_scale[best] = BEST_SCALE
-    centre = torch.empty(D).uniform_(-1.0, 1.0, generator=gen)
-    row = torch.empty(D)
-    replies = []
-    for k in range(K):
-        row.uniform_(-1.0, 1.0, generator=gen).mul_(float(noise_scale[k])).add_(centre)
-        if k in outliers:
-            row.add_(OUTLIER_SHIFT)
-        values = row.numpy()
-        arrays, start = {}, 0
-        for name, n in zip(names, sizes.tolist(), strict=True):
-            arrays[name] = Array(values[start : start + n])
-            start += n
-        node = 1000 + k
-        msg = Message(
-            content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN, group_id="1"
-        )
-        TaskIdentity.node_id = node
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord(array_dict=arrays, keep_input=True),
-                "metrics": MetricRecord({WEIGHT_KEY: int(rng.integers(100, 1000))}),
-            }
-        )
-        replies.append(Message(content, reply_to=msg))
-    TaskIdentity.node_id = 0
+    replies = make_replies(D, noise_scale, outliers, seed, OUTLIER_SHIFT, rng)
     return replies, best, outliers
 
 
@@ -193,17 +144,6 @@ def krum_ours(
 # --------------------------------------------------------------------------------------------
 
 
-def _peak_over_current_mb(fn: Any) -> tuple[Any, float]:
-    """fn()'s result and the peak RSS during it above the RSS before it (MB; nan if /proc
-    refuses the reset)."""
-    pid = os.getpid()
-    before = proc_status_kb(pid)["VmRSS"]
-    ok = reset_peak_rss(pid)
-    out = fn()
-    peak = proc_status_kb(pid)["VmHWM"]
-    return out, ((peak - before) / 1e3 if ok else math.nan)
-
-
 def test_bench_flower_krum(benchmark) -> None:
     D = scaled(D_FULL)
     seed = random.randrange(1 << 31)
@@ -214,10 +154,10 @@ def test_bench_flower_krum(benchmark) -> None:
     krum_scores(X[:, :4096], NUM_MALICIOUS)  # numba compile / cache load outside the peaks
 
     # One call of each, with its peak memory; then the correctness checks.
-    (f_arrays, f_metrics), flower_mb = _peak_over_current_mb(
+    (f_arrays, f_metrics), flower_mb = peak_over_current_mb(
         lambda: strategy.aggregate_train(1, replies)
     )
-    (o_arrays, o_metrics, best), ours_mb = _peak_over_current_mb(
+    (o_arrays, o_metrics, best), ours_mb = peak_over_current_mb(
         lambda: krum_ours(replies, X, layout, NUM_MALICIOUS)
     )
     assert list(o_arrays) == list(f_arrays) == list(layout.names)

@@ -32,9 +32,6 @@ to float32 rounding of the mean of the middle values).
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -51,24 +48,22 @@ from conftest import (
     fmt_time,
     interleaved,
     median_ratio,
-    rescale_sizes,
-    resnet18_sizes,
     scaled,
 )
-from ingest_helpers import proc_status_kb, reset_peak_rss
 
 flwr = pytest.importorskip("flwr")
 
+from flower_replies import (  # noqa: E402
+    flower_quiet_and_identified,  # noqa: F401 - an autouse fixture
+    make_replies,
+    peak_over_current_mb,
+)
 from flwr.app import (  # noqa: E402
-    Array,
     ArrayRecord,
     Message,
-    MessageType,
-    MetricRecord,
     RecordDict,
 )
 from flwr.serverapp import strategy as flower  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from aggsrv.aggregators import Aggregator  # noqa: E402
 from aggsrv.integrations.flower.arrays import layout_of, record_to_flat  # noqa: E402
@@ -77,7 +72,6 @@ from aggsrv.integrations.flower.robust import robust  # noqa: E402
 F32 = 4
 D_FULL = 4 * 2**20
 OUTLIER_SHIFT = 5.0
-WEIGHT_KEY = "num-examples"
 RTOL = 1e-5
 TRIM = 0.1
 # A Flower call slower than this gets 2 interleaved rounds instead of REPS.
@@ -101,54 +95,12 @@ def _cases(K: int) -> list[tuple[str, Callable[[], Any], str]]:
     ]
 
 
-@pytest.fixture(autouse=True)
-def _flower_quiet_and_identified(monkeypatch):
-    """Messages need a run identity (a real ServerApp sets it); Flower's INFO logs per call
-    would flood the output."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    logger = logging.getLogger("flwr")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    yield
-    logger.setLevel(level)
-
-
 def _replies(K: int, D: int, f: int, seed: int) -> tuple[list[Message], list[int]]:
-    """K train replies, f of them outliers (returned), made one client at a time."""
+    """K train replies, f of them outliers (returned)."""
     rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    sizes = rescale_sizes(resnet18_sizes(), D)
-    names = [f"layer{i:02d}" for i in range(len(sizes))]
     outliers = sorted(int(i) for i in rng.permutation(K)[:f])
-    noise_scale = rng.uniform(0.75, 1.5, size=K)
-    centre = torch.empty(D).uniform_(-1.0, 1.0, generator=gen)
-    row = torch.empty(D)
-    replies = []
-    for k in range(K):
-        row.uniform_(-1.0, 1.0, generator=gen).mul_(float(noise_scale[k])).add_(centre)
-        if k in outliers:
-            row.add_(OUTLIER_SHIFT)
-        values = row.numpy()
-        arrays, start = {}, 0
-        for name, n in zip(names, sizes.tolist(), strict=True):
-            arrays[name] = Array(values[start : start + n])
-            start += n
-        node = 1000 + k
-        msg = Message(
-            content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN, group_id="1"
-        )
-        TaskIdentity.node_id = node
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord(array_dict=arrays, keep_input=True),
-                "metrics": MetricRecord({WEIGHT_KEY: int(rng.integers(100, 1000))}),
-            }
-        )
-        replies.append(Message(content, reply_to=msg))
-    TaskIdentity.node_id = 0
-    return replies, outliers
+    scales = rng.uniform(0.75, 1.5, size=K)
+    return make_replies(D, scales, outliers, seed, OUTLIER_SHIFT, rng), outliers
 
 
 def _fresh(replies: list[Message]) -> list[Message]:
@@ -165,15 +117,6 @@ def _fresh(replies: list[Message]) -> list[Message]:
     return out
 
 
-def _peak_over_current_mb(fn: Callable[[], Any]) -> tuple[Any, float]:
-    pid = os.getpid()
-    before = proc_status_kb(pid)["VmRSS"]
-    ok = reset_peak_rss(pid)
-    out = fn()
-    peak = proc_status_kb(pid)["VmHWM"]
-    return out, ((peak - before) / 1e3 if ok else math.nan)
-
-
 @pytest.mark.parametrize("K", [16, 64])
 def test_bench_flower_robust(benchmark, K: int) -> None:
     D = scaled(D_FULL)
@@ -188,11 +131,11 @@ def test_bench_flower_robust(benchmark, K: int) -> None:
         theirs = make_flower()
         ours.aggregate_train(1, _fresh(replies))  # compile/cache-load and size the buffer
         t0 = time.perf_counter()
-        (f_arrays, _), flower_mb = _peak_over_current_mb(
+        (f_arrays, _), flower_mb = peak_over_current_mb(
             lambda t=theirs: t.aggregate_train(1, _fresh(replies))
         )
         flower_s = time.perf_counter() - t0
-        (o_arrays, _), ours_mb = _peak_over_current_mb(
+        (o_arrays, _), ours_mb = peak_over_current_mb(
             lambda o=ours: o.aggregate_train(1, _fresh(replies))
         )
         f_flat, o_flat = record_to_flat(f_arrays, layout), record_to_flat(o_arrays, layout)
