@@ -175,7 +175,7 @@ def heat_map(cells, aggregators, attacks, path: Path) -> None:
             if (a, k) in cells:
                 grid[i, j] = statistics.mean(float(r["final_accuracy"]) for r in cells[(a, k)])
     fig, ax = plt.subplots(figsize=(1.3 * len(k_labels) + 2.5, 0.5 * len(a_labels) + 1.5))
-    im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis")
+    im = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(k_labels)), k_labels, rotation=30, ha="right")
     ax.set_yticks(range(len(a_labels)), a_labels)
     for i in range(len(a_labels)):
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attacks", nargs="*", help="labels (default: all)")
     parser.add_argument("--fraction", type=float, default=0.2, help="Byzantine clients")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once")
-    parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     base = SimConfig.load(Path(args.config))
