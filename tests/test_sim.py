@@ -331,3 +331,18 @@ def test_batchnorm_model_runs_with_its_statistics_on_both_transports(tmp_path) -
     for v, loss in curves["inproc"].items():
         assert abs(curves["grpc"][v] - loss) < 1e-4, (v, curves)
     assert curves["inproc"][3] < curves["inproc"][0]
+
+
+def test_a_run_whose_every_update_is_refused_ends_as_stalled(tmp_path) -> None:
+    # A budget in rounds counts accepted updates: with every update refused (here a norm bound
+    # no delta meets; in practice a diverged model whose updates overflow) it is never reached,
+    # and the run must end, marked stalled, instead of training forever.
+    out = tmp_path / "run"
+    p = _cli("--transport", "inproc", "--clients", "3", "--budget", "3r", "--out", str(out),
+             "--set", "strategy_config.max_update_norm=1e-30", "--no-progress",
+             timeout=90)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stalled"] is True
+    assert summary["updates_applied"] == 0 and summary["updates_rejected"] > 0
+    assert "every update" in p.stderr

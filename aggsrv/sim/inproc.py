@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # Event kinds, in the order they are handled when they fall on the same virtual time.
 ARRIVE, TIMER, READY, EVAL = 0, 1, 2, 3
+# A run ends as stalled after this many arrivals in a row without an accepted update (and at
+# least STALL_ROUNDS per client): no budget in rounds or versions can be reached then.
+STALL_ARRIVALS = 200
+STALL_ROUNDS = 20
 
 
 def is_round_based(strategy_config) -> bool:
@@ -124,6 +128,7 @@ class InprocRun:
         self.wall0 = time.perf_counter()
         self.metrics: list[dict[str, Any]] = []
         self.stalled = False
+        self._refused_in_a_row = 0  # arrivals since the last accepted update
 
     # ------------------------------------------------------------------ event queue
 
@@ -248,10 +253,13 @@ class InprocRun:
             else:
                 self.counters.applied += 1
                 accepted = True
+                self._refused_in_a_row = 0
         except StrategyError as exc:
             self.counters.rejected += 1
             name = type(exc).__name__
             self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
+        if not accepted:
+            self._refused_in_a_row += 1
         if self.setup.attack is not None and self.setup.attack.is_attacker(c):
             self.counters.count_crafted(client_id(c), accepted)
         self._after_state_change(t)
@@ -296,6 +304,17 @@ class InprocRun:
                 continue
             self._maybe_evaluate_by_count()
             if self._budget_reached():
+                break
+            if self._refused_in_a_row >= max(STALL_ARRIVALS, STALL_ROUNDS * self.n):
+                # A budget in rounds or versions counts accepted updates: when none is
+                # accepted any more (a diverged model whose updates overflow, a bound no
+                # update meets) it is never reached.
+                self.stalled = True
+                log.warning(
+                    "the run stalled at virtual time %.3f: every update of the last %d "
+                    "arrivals was refused or filtered",
+                    self.now, self._refused_in_a_row,
+                )  # fmt: skip
                 break
         else:
             self.stalled = self.budget.unit != "seconds" and not self._budget_reached()
