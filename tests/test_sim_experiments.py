@@ -18,9 +18,9 @@ MAX_RUN_CLIENTS = 100
 EXPERIMENTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "experiments").glob("*.toml"))
 
 
-def test_there_is_one_config_per_paper() -> None:
+def test_there_is_one_config_per_paper_and_the_robust_table() -> None:
     names = {p.stem.split("_")[0] for p in EXPERIMENTS}
-    assert names == {"fedogd", "orthofl", "feddgic", "fedhist", "feden"}
+    assert names == {"fedogd", "orthofl", "feddgic", "fedhist", "feden", "robust"}
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
