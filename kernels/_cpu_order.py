@@ -167,13 +167,38 @@ def _steps(K: int, cut: int) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.partial(_jit, fastmath=_FINITE)
+def _sort_tile(tile, steps, n):  # pragma: no cover - compiled
+    """Apply the network's compare-exchanges (`paired` steps) to columns :n of the tile."""
+    for c in range(steps.shape[0]):
+        ra = tile[steps[c, 0]]
+        rb = tile[steps[c, 1]]
+        if steps[c, 2] < 0:
+            for i in range(n):
+                x = ra[i]
+                y = rb[i]
+                ra[i] = -max(-x, -y)
+                rb[i] = max(x, y)
+        else:
+            rc = tile[steps[c, 2]]
+            rd = tile[steps[c, 3]]
+            for i in range(n):
+                x = ra[i]
+                y = rb[i]
+                u = rc[i]
+                v = rd[i]
+                ra[i] = -max(-x, -y)
+                rb[i] = max(x, y)
+                rc[i] = -max(-u, -v)
+                rd[i] = max(u, v)
+
+
 @functools.partial(_pjit, fastmath=_FINITE)
 def _network_pass(X, steps, rows, div, B, out):  # pragma: no cover - compiled
     """out[i] = (sum over r in rows of T[r, i]) / div, T = the columns of X ordered by the
     network's `steps` (`paired`)."""
     K, D = X.shape
     n_tasks = (D + TASK_COLUMNS - 1) // TASK_COLUMNS
-    C = steps.shape[0]
     R = rows.shape[0]
     for task in nb.prange(n_tasks):
         tile = np.empty((K, B), dtype=X.dtype)
@@ -183,29 +208,7 @@ def _network_pass(X, steps, rows, div, B, out):  # pragma: no cover - compiled
             n = min(B, t_end - s)
             for k in range(K):
                 tile[k, :n] = X[k, s : s + n]
-            for c in range(C):
-                ra = tile[steps[c, 0]]
-                rb = tile[steps[c, 1]]
-                # min as -max(-x, -y): `min(x, y)` stored back where x came from compiles to a
-                # masked store of y (slow); this compiles to vminps.
-                if steps[c, 2] < 0:
-                    for i in range(n):
-                        x = ra[i]
-                        y = rb[i]
-                        ra[i] = -max(-x, -y)
-                        rb[i] = max(x, y)
-                else:
-                    rc = tile[steps[c, 2]]
-                    rd = tile[steps[c, 3]]
-                    for i in range(n):
-                        x = ra[i]
-                        y = rb[i]
-                        u = rc[i]
-                        v = rd[i]
-                        ra[i] = -max(-x, -y)
-                        rb[i] = max(x, y)
-                        rc[i] = -max(-u, -v)
-                        rd[i] = max(u, v)
+            _sort_tile(tile, steps, n)
             first = tile[rows[0]]
             for i in range(n):
                 acc[i] = np.float64(first[i])
@@ -268,32 +271,6 @@ def _select_pass(X, cut, B, out):  # pragma: no cover - compiled
                 for k in range(cut, K - cut):
                     acc += np.float64(buf[k])
                 out[s + i] = acc / (K - 2 * cut)
-
-
-@functools.partial(_jit, fastmath=_FINITE)
-def _sort_tile(tile, steps, n):  # pragma: no cover - compiled
-    """Apply the network's compare-exchanges (`paired` steps) to columns :n of the tile."""
-    for c in range(steps.shape[0]):
-        ra = tile[steps[c, 0]]
-        rb = tile[steps[c, 1]]
-        if steps[c, 2] < 0:
-            for i in range(n):
-                x = ra[i]
-                y = rb[i]
-                ra[i] = -max(-x, -y)
-                rb[i] = max(x, y)
-        else:
-            rc = tile[steps[c, 2]]
-            rd = tile[steps[c, 3]]
-            for i in range(n):
-                x = ra[i]
-                y = rb[i]
-                u = rc[i]
-                v = rd[i]
-                ra[i] = -max(-x, -y)
-                rb[i] = max(x, y)
-                rc[i] = -max(-u, -v)
-                rd[i] = max(u, v)
 
 
 @_pjit
