@@ -14,8 +14,9 @@ the table.
 The grids are below: the aggregators for the strategies that combine rows, the update filters
 for those that apply one update at a time (FedAsync, ORTHOFL, FedDGIC, Fed-OGD); f, the
 Byzantine rows a rule assumes, is 20 % of the clients, or of the buffer rounded up for a
-buffered strategy. ``--aggregators`` / ``--attacks`` pick a subset by label. ``--jobs N`` runs N
-simulations at once, each on one thread (``threads = 1``).
+buffered strategy. ``--aggregators`` / ``--attacks`` pick a subset by label; ``--attacks`` also
+takes the stronger ALIE variants of EXTRA_ATTACKS, which the default grid leaves out.
+``--jobs N`` runs N simulations at once, each on one thread (``threads = 1``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ ATTACKS = [
     ("alie", "alie"),
     ("ipm", "ipm:eps=0.1"),
     ("label_flip", "label_flip"),
+]
+# Stronger forms of ALIE, run only when named in --attacks: the attackers see every client's
+# honest delta (view=all, the paper's threat model), with the paper's z_max or a larger z.
+EXTRA_ATTACKS = [
+    ("alie_all", "alie:view=all"),
+    ("alie_all_z1", "alie:view=all,z=1.0"),
+    ("alie_all_z2", "alie:view=all,z=2.0"),
 ]
 
 
@@ -214,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     base = SimConfig.load(Path(args.config))
     grid = FILTERS if defence_key(base) == "update_filter" else AGGREGATORS
     aggregators = _pick(grid, args.aggregators)
-    attacks = _pick(ATTACKS, args.attacks)
+    attacks = (
+        _pick(ATTACKS, args.attacks)
+        if not args.attacks
+        else _pick(ATTACKS + EXTRA_ATTACKS, args.attacks)
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = plan(base, args.seeds, aggregators, attacks, args.fraction, out)
