@@ -142,7 +142,10 @@ def collect(out: Path, target: float) -> dict[tuple[str, str], list[dict]]:
 def _cell(runs: list[dict]) -> str:
     accs = [float(r["final_accuracy"]) for r in runs]
     sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-    return f"{statistics.mean(accs):.3f} ± {sd:.3f}"
+    # A run whose every late update was refused (a diverged model) ended before its budget.
+    stalled = sum(bool(r.get("stalled")) for r in runs)
+    note = f" ({stalled} stalled)" if stalled else ""
+    return f"{statistics.mean(accs):.3f} ± {sd:.3f}{note}"
 
 
 def table(cells, aggregators, attacks, target: float) -> str:
