@@ -4,6 +4,8 @@ grpc against inproc, and the CLI's errors."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -333,16 +335,56 @@ def test_batchnorm_model_runs_with_its_statistics_on_both_transports(tmp_path) -
     assert curves["inproc"][3] < curves["inproc"][0]
 
 
-def test_a_run_whose_every_update_is_refused_ends_as_stalled(tmp_path) -> None:
-    # A budget in rounds counts accepted updates: with every update refused (here a norm bound
-    # no delta meets; in practice a diverged model whose updates overflow) it is never reached,
-    # and the run must end, marked stalled, instead of training forever.
+# The two ways the strategy turns an update down: a refusal (a gRPC error; the norm bound no
+# delta meets, in practice a diverged model whose updates overflow) and the update filter's
+# FILTERED answer (after the first accepted update, a bound of 1e-30 times its norm).
+STALL_SCENARIOS = {
+    "refused": ("strategy_config.max_update_norm=1e-30", 0),
+    "filtered": ('strategy_config.update_filter="norm:factor=1e-30,warmup=1"', 1),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(STALL_SCENARIOS))
+@pytest.mark.parametrize("transport", ["inproc", "grpc"])
+def test_a_run_whose_every_update_is_refused_ends_as_stalled(tmp_path, transport, refusal) -> None:
+    """A budget in rounds counts accepted updates: with every update turned down it is never
+    reached, and the run must end, marked stalled, instead of training forever: after
+    max(STALL_ARRIVALS, STALL_ROUNDS * clients) = max(200, 20 * 3) = 200 arrivals in a row
+    with none accepted, on either transport (grpc: a few clients' pushes already under way
+    when the run stops may still arrive, at most one each)."""
+    setting, accepted = STALL_SCENARIOS[refusal]
     out = tmp_path / "run"
-    p = _cli("--transport", "inproc", "--clients", "3", "--budget", "3r", "--out", str(out),
-             "--set", "strategy_config.max_update_norm=1e-30", "--no-progress",
-             timeout=90)  # fmt: skip
-    assert p.returncode == 0, p.stderr
+    # One local step of logistic regression per job: 200 arrivals in a few seconds. Its own
+    # session, so that a run that hangs is killed with its server process.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggsrv.cli", "simulate", "--transport", transport,
+         "--clients", "3", "--budget", "3r", "--model", "logreg", "--threads", "1",
+         "--time-scale", "0.001", "--out", str(out), "--set", setting,
+         "--set", "strategy_config.local_steps=1", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the {transport} run with every update {refusal} did not end in 120 s")
+    assert proc.returncode == 0, stderr
+    assert "every update of the last 200 arrivals was refused or filtered" in stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stalled"] is True
-    assert summary["updates_applied"] == 0 and summary["updates_rejected"] > 0
-    assert "every update" in p.stderr
+    assert summary["stalled"] is True and summary["transport"] == transport
+    assert summary["updates_applied"] == accepted
+    turned_down = summary["updates_rejected"] + summary["updates_filtered"]
+    in_flight = 0 if transport == "inproc" else 2  # the other clients' pushes
+    assert 200 <= turned_down <= 200 + in_flight, summary
+    if refusal == "refused":
+        code = "UpdateNormTooLarge" if transport == "inproc" else "INVALID_ARGUMENT"
+        assert summary["rejected_by"] == {code: summary["updates_rejected"]}, summary
+        assert summary["updates_filtered"] == 0
+    else:
+        assert summary["updates_rejected"] == 0, summary
+    # The run ended with an evaluation of the model it had (the initial one, or the one update).
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert metrics[-1]["version"] == summary["versions"] == accepted
+    assert metrics[-1]["updates_applied"] == accepted

@@ -8,6 +8,10 @@ trains, sleeps until its update is due, and pushes it. Virtual time is wall time
 divided by ``time_scale``. This transport proves the service end to end; it is not
 deterministic (thread scheduling decides arrival order at equal times).
 
+A run in which no update is accepted any more ends as stalled after the same count of arrivals
+in a row as on `inproc` (``STALL_ARRIVALS``, ``STALL_ROUNDS`` per client): the clients stop, the
+model is evaluated once more, and the summary says ``stalled``.
+
 Strategy settings measured in seconds (FedAvg's ``round_timeout``) are virtual seconds in the
 config and are scaled to the server's wall clock here.
 """
@@ -37,7 +41,7 @@ from aggsrv.server.auth import (
     save_secret,
 )
 from aggsrv.server.config import ServerConfig
-from aggsrv.sim.inproc import Counters, is_round_based
+from aggsrv.sim.inproc import STALL_ARRIVALS, STALL_ROUNDS, Counters, is_round_based
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
 from aggsrv.strategies import Status, UpdateKind, strategy_class
@@ -79,6 +83,9 @@ class GrpcRun:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
+        self.stalled = False
+        self._refused_in_a_row = 0  # arrivals since the last accepted update, all clients
+        self._stall_after = max(STALL_ARRIVALS, STALL_ROUNDS * self.n)
         settings = strategy_class(cfg.strategy).config_class.from_dict(cfg.strategy_config)
         self.round_based = is_round_based(settings)
         self.t0 = 0.0
@@ -237,10 +244,28 @@ class GrpcRun:
                     with self._lock:
                         self.counters.count_crafted(client_id(c), ok)
                 sent += 1
+                self._note_arrival(ok)
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             if not self._stop.is_set():
                 self._errors.append(exc)
                 self._stop.set()
+
+    def _note_arrival(self, accepted: bool) -> None:
+        """Count an update the server answered; stop the run as stalled once
+        ``max(STALL_ARRIVALS, STALL_ROUNDS * clients)`` in a row were not accepted (refused,
+        filtered): a budget in rounds or versions counts accepted updates, so it is never
+        reached then (a diverged model whose updates overflow, a bound no update meets)."""
+        with self._lock:
+            self._refused_in_a_row = 0 if accepted else self._refused_in_a_row + 1
+            if self.stalled or self._refused_in_a_row < self._stall_after:
+                return
+            self.stalled = True
+        log.warning(
+            "the run stalled at virtual time %.3f: every update of the last %d arrivals was "
+            "refused or filtered",
+            self.vnow(), self._stall_after,
+        )  # fmt: skip
+        self._stop.set()
 
     # ------------------------------------------------------------------ evaluation
 
@@ -304,6 +329,8 @@ class GrpcRun:
                 t.start()
                 threads.append(t)
             self._drive_evaluations(evaluator, observer)
+            if self.stalled:  # the clients stopped early: the model the run ended with
+                self._evaluate(evaluator, observer)
         finally:
             self._stop.set()
             for t in threads:
