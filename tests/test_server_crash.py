@@ -137,8 +137,23 @@ class Pusher(threading.Thread):
             client.close()
 
 
-@pytest.mark.parametrize("strategy", ["fedasync", "fedbuff"])
-def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, strategy: str) -> None:
+# (strategy, [strategy_config] lines): the plain ones, and the robust forms whose extra state
+# (FedBuff's kept buffer rows under a robust rule; the filters' accepted norms and momentum) must
+# come back from the checkpoint and the log as well.
+CRASH_CASES = {
+    "fedasync": ("fedasync", ""),
+    "fedbuff": ("fedbuff", "buffer_size = 3\n"),
+    "fedbuff-median": ("fedbuff", 'buffer_size = 3\naggregator = "median"\n'),
+    "fedasync-filters": (
+        "fedasync",
+        'update_filter = "norm:factor=3,warmup=2 > centered_clip:warmup=2"\n',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASH_CASES))
+def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, case: str) -> None:
+    strategy, strategy_lines = CRASH_CASES[case]
     rng = random.Random()
     torch.manual_seed(rng.randrange(1 << 30))
     model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
@@ -148,7 +163,7 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, strategy: str) -> 
         f'host = "127.0.0.1"\nstrategy = "{strategy}"\nauth = "none"\n'
         # Small checkpoint interval: kills land before, during and after checkpoints.
         "checkpoint_every_updates = 9\ncheckpoint_keep = 1000\nrate_limit_per_second = 0.0\n"
-        "[strategy_config]\n" + ("buffer_size = 3\n" if strategy == "fedbuff" else "")
+        "[strategy_config]\n" + strategy_lines
     )
     sup = Supervisor(tmp_path, config)
     pushers: list[Pusher] = []
@@ -202,7 +217,7 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, strategy: str) -> 
     assert torch.equal(oracle["model"], served), "recovered model differs from the log's replay"
     errors = {k: sum(p.errors.get(k, 0) for p in pushers) for k in ("ABORTED", "NOT_FOUND")}
     print(
-        f"{strategy}: {kills} SIGKILLs, {len(acked)} acknowledged updates, {len(logged)} logged "
+        f"{case}: {kills} SIGKILLs, {len(acked)} acknowledged updates, {len(logged)} logged "
         f"({len(logged) - len(acked)} applied but unacknowledged at a kill), records {kinds}, "
         f"final version {version}, refusals {errors}, lost 0"
     )

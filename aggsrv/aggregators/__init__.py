@@ -12,6 +12,7 @@ from __future__ import annotations
 from aggsrv.aggregators.combine import AggregateInfo, combine
 from aggsrv.aggregators.rows import RowBuffer
 from aggsrv.aggregators.spec import NORM_BOUND, RULES, WEIGHTED, Aggregator, parse_aggregator
+from aggsrv.aggregators.warm import warm_up
 
 __all__ = [
     "AGGREGATOR_HELP",
@@ -23,6 +24,7 @@ __all__ = [
     "RowBuffer",
     "combine",
     "parse_aggregator",
+    "warm_up",
 ]
 
 # The HELP line of every strategy config that takes the key.

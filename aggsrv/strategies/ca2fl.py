@@ -96,8 +96,10 @@ class CA2FL(Strategy):
         # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
         # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
         # the spare row, then swapped in), each with its own centre.
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
-        self._robust_cache = None if spec.is_mean else RobustCombiner(spec, self.name + " cache")
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
+        self._robust_cache = (
+            None if spec.is_mean else RobustCombiner(spec, f"{self.name} cache", self.device)
+        )
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []  # derived from the rows, not saved
         self._hbar: torch.Tensor | None = None  # the buffer's robust h_bar (while _count > 0)

@@ -165,7 +165,7 @@ class FedAvg(Strategy):
         super().__init__(*args, **kwargs)
         # A robust aggregator (None for the mean) keeps rows instead of the running sum.
         spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
         summed = self.dim if self._robust is None else 0
         self._acc = torch.zeros(summed, dtype=torch.float32, device=self.device)
         self._spare: torch.Tensor | None = None  # the next running sum, before it is checked

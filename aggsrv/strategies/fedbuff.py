@@ -95,7 +95,7 @@ class FedBuff(Strategy):
         super().__init__(*args, **kwargs)
         # A robust aggregator (None for the mean): the rows w_i delta_i replace the sum.
         spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name)
+        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
         summed = self.dim if self._robust is None else 0
         self._sum = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._weights: list[float] = []  # one per buffered delta, in arrival order

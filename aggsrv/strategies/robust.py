@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from aggsrv.aggregators import AggregateInfo, Aggregator, parse_aggregator
+from aggsrv.aggregators import AggregateInfo, Aggregator, parse_aggregator, warm_up
 from aggsrv.kernels import Reduce
 
 __all__ = ["RobustCombiner", "check_aggregator", "check_pending_rows"]
@@ -41,9 +41,15 @@ class RobustCombiner:
     without changing anything, :meth:`commit` keeps what the aggregation changes (the centre
     of centered clipping: the last aggregate, zero before the first; the fallback count)."""
 
-    def __init__(self, aggregator: Aggregator, name: str) -> None:
+    def __init__(
+        self, aggregator: Aggregator, name: str, device: torch.device | str | None = None
+    ) -> None:
+        """With ``device``, the rule's kernels are compiled now (:func:`warm_up`), not inside
+        the first aggregation."""
         self.aggregator = aggregator
         self.name = name  # for logs and error messages
+        if device is not None:
+            warm_up(aggregator, device)
         self.center: torch.Tensor | None = None
         self.center_absmax = 0.0  # max |centre| (0 for the zero centre); derived, not saved
         self.fallbacks = 0  # aggregations that fell back to the median (too few rows)

@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from aggsrv import kernels
-from aggsrv.aggregators import Aggregator
+from aggsrv.aggregators import Aggregator, warm_up
 from aggsrv.integrations.flower.arrays import (
     flat_to_record,
     layout_of,
@@ -58,6 +58,7 @@ class RobustAggregation(FedAvg):
         self._rows = torch.empty(0, 0)
         self._centre: torch.Tensor | None = None
         self.last_info: Any = None  # what the aggregator reported on the last round
+        warm_up(self.aggregator, "cpu")  # compiled now, not inside the first round
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
