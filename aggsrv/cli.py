@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -377,6 +378,34 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from aggsrv.sim.sweep import load_sweep, report_sweep, run_sweep
+
+    try:
+        sweep = load_sweep(args.file)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"aggsrv sweep: {exc}\n")
+        return 2
+    if args.seeds:
+        sweep.seeds = list(args.seeds)
+    out = Path(args.out)
+    failed = 0
+    if not args.report_only:
+        if args.jobs < 1:
+            sys.stderr.write(f"aggsrv sweep: --jobs must be >= 1, got {args.jobs}\n")
+            return 2
+        phases = ("main",) if args.no_ablations else ("main", "ablations")
+        failed = run_sweep(sweep, out, jobs=args.jobs, progress=args.progress, phases=phases)
+    text, plots = report_sweep(sweep, out, plot=args.plot)
+    sys.stdout.write(text)
+    sys.stdout.write(f"\ntables: {out / 'sweep.md'}" + "".join(f"\nplot: {p}" for p in plots))
+    sys.stdout.write("\n")
+    if failed:
+        sys.stderr.write(f"aggsrv sweep: {failed} runs failed (in the table; rerun to retry)\n")
+        return 1
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     import torch
 
@@ -431,6 +460,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="no FedDGIC grouping dendrograms (PLOT_STEM-dendrogram-LABEL-sSEED.png by default)",
     )  # fmt: skip
     rep.set_defaults(func=_report)
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="run a grid of settings, every method against its baselines; heat maps of margins",
+        description="Runs what OUT/results.jsonl lacks (an interrupted sweep resumes), then "
+        "writes OUT/sweep.md and OUT/heatmap-ARM.png. The sweep file format: docs/sweeps.md.",
+    )
+    sweep.add_argument("file", help="a sweep TOML (e.g. bench/experiments/sweeps/*.toml)")
+    sweep.add_argument("--out", required=True, help="folder for the table, runs and report")
+    sweep.add_argument("--jobs", type=int, default=1, help="simulations at once (1 thread each)")
+    sweep.add_argument("--seeds", type=int, nargs="+", help="instead of the file's seeds")
+    sweep.add_argument(
+        "--report-only", action="store_true", help="report the table as it is; run nothing"
+    )
+    sweep.add_argument(
+        "--no-ablations", action="store_true", help="run the methods and baselines only"
+    )
+    sweep.add_argument(
+        "--no-plot", dest="plot", action="store_false", help="tables only, no heat maps"
+    )
+    sweep.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="draw the progress bar (default: when stderr is a terminal)",
+    )  # fmt: skip
+    sweep.set_defaults(func=_sweep)
 
     serve = sub.add_parser(
         "serve",

@@ -1,0 +1,145 @@
+"""Run a sweep: every (cell, arm, seed) not already in the results table, ``jobs`` at a time,
+each finished run appended to the table at once (so a sweep killed at any point resumes).
+
+Two phases: the methods and baselines of every cell first; then each ablation in the cells
+where its method wins clearly (``margins.verdict``), or everywhere with ``where = "all"``, so the
+map says which part of a method earns its margin without paying for ablations where there is
+no margin to explain.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from aggsrv.sim.sweep.definition import RunSpec, Sweep
+from aggsrv.sim.sweep.margins import summarize
+from aggsrv.sim.sweep.table import append_result, load_results, result_record
+
+__all__ = ["pending", "plan", "run_sweep"]
+
+
+def plan(sweep: Sweep, out: Path, phase: str) -> list[RunSpec]:
+    """Every run of a phase ("main": methods and baselines; "ablations"), in grid order."""
+    cells = sweep.cells()
+    if phase == "main":
+        arms = [a for a in sweep.arms if a.role != "ablation"]
+        return [sweep.run_spec(c, a, s, out) for c in cells for a in arms for s in sweep.seeds]
+    summaries = summarize(sweep, load_results(out), out)
+    specs = []
+    for summary in summaries:
+        for arm in sweep.arms:
+            if arm.role != "ablation":
+                continue
+            margin = summary.margins.get(arm.of)
+            if arm.where == "all" or (margin is not None and margin.verdict == "wins"):
+                specs += [sweep.run_spec(summary.cell, arm, s, out) for s in sweep.seeds]
+    return specs
+
+
+def pending(specs: list[RunSpec], out: Path) -> list[RunSpec]:
+    """The runs the table does not hold yet with the same digest (or that failed)."""
+
+    def key(cell: dict[str, str], arm: str, seed: int, digest: str) -> tuple:
+        return (tuple(sorted(cell.items())), arm, seed, digest)
+
+    done = {
+        key(r["cell"], r["arm"], r["seed"], r["digest"])
+        for r in load_results(out)
+        if r["error"] is None
+    }
+    return [s for s in specs if key(s.cell.as_dict(), s.arm.label, s.seed, s.digest()) not in done]
+
+
+def _execute(config: dict[str, Any]) -> tuple[dict[str, Any] | None, list[float], str | None]:
+    """Run one simulation (in a worker process): (summary, test losses, error)."""
+    from aggsrv.sim import SimConfig, run
+
+    try:
+        result = run(SimConfig.from_mapping(config), progress=False)
+    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
+        detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return None, [], detail
+    out = Path(config["out"])
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [
+        json.loads(line)["test_loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if line
+    ]
+    del result
+    return summary, losses, None
+
+
+def _describe(spec: RunSpec, record: dict[str, Any]) -> str:
+    if record["error"]:
+        return f"{spec.cell.key()} | {spec.arm.label} s{spec.seed}: FAILED {record['error']}"
+    flag = " DIVERGED" if record["diverged"] else ""
+    return (
+        f"{spec.cell.key()} | {spec.arm.label} s{spec.seed}: final "
+        f"{record['final_accuracy']:.3f}{flag} ({record['wall_time']:.0f} s)"
+    )
+
+
+def _run_phase(
+    specs: list[RunSpec], out: Path, jobs: int, log: Callable[[str], None], progress: bool | None
+) -> int:
+    from tqdm import tqdm
+
+    if not specs:
+        return 0
+    enabled = sys.stderr.isatty() if progress is None else progress
+    bar = tqdm(total=len(specs), unit="run", disable=not enabled, file=sys.stderr)
+    failed = done = 0
+
+    def finish(spec: RunSpec, outcome) -> None:
+        nonlocal failed, done
+        summary, losses, error = outcome
+        record = result_record(spec, summary, losses, error)
+        append_result(out, record)
+        failed += error is not None
+        done += 1
+        bar.update(1)
+        log(f"[{done}/{len(specs)}] {_describe(spec, record)}")
+
+    try:
+        if jobs <= 1:
+            for spec in specs:
+                finish(spec, _execute(spec.config))
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = {pool.submit(_execute, s.config): s for s in specs}
+                for future in as_completed(futures):
+                    finish(futures[future], future.result())
+    finally:
+        bar.close()
+    return failed
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: Path,
+    jobs: int = 1,
+    log: Callable[[str], None] = print,
+    progress: bool | None = None,
+    phases: tuple[str, ...] = ("main", "ablations"),
+) -> int:
+    """Run what the table lacks; returns the number of runs that failed (recorded as such)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for phase in phases:
+        specs = plan(sweep, out, phase)
+        todo = pending(specs, out)
+        log(f"{phase}: {len(specs)} runs, {len(specs) - len(todo)} already in the table")
+        t0 = time.perf_counter()
+        failed += _run_phase(todo, out, jobs, log, progress)
+        if todo:
+            log(f"{phase}: {len(todo)} runs in {time.perf_counter() - t0:.0f} s")
+    return failed

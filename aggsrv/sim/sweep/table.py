@@ -1,0 +1,120 @@
+"""The sweep's results table: ``results.jsonl``, one line per finished run, appended as runs end,
+so an interrupted sweep resumes where it stopped and a partial table can be reported.
+
+A line is a JSON object with the fields of ``FIELDS``. A run is done when the table holds a line
+with its (cell, arm, seed) and the same config ``digest``: edit a cell's overrides or an arm's
+keys and exactly those runs run again; the newest line for a run wins when reporting. A torn
+last line (the process killed mid-write) is ignored and its run runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FIELDS", "TABLE_NAME", "append_result", "health", "load_results", "result_record"]
+
+TABLE_NAME = "results.jsonl"
+FIELDS = (
+    "cell",  # {axis name: point label}
+    "arm",
+    "role",
+    "strategy",
+    "seed",
+    "digest",
+    "final_accuracy",
+    "best_accuracy",
+    "final_loss",
+    "min_loss",
+    "diverged",
+    "virtual_time",
+    "versions",
+    "updates_applied",
+    "stalled",
+    "wall_time",
+    "run_dir",
+    "error",  # None, or why the run failed (a failed run is run again on resume)
+)
+
+
+def health(losses: Iterable[float]) -> tuple[float, float, bool]:
+    """(final loss, lowest loss, diverged) from a run's test losses in order.
+
+    Diverged: the last loss is not finite, or it is above both twice the run's lowest loss and
+    the first (the untrained model's): the run ended worse than where it started and far from
+    its best. Overfitting by a few tenths does not count."""
+    values = [float(v) for v in losses]
+    if not values:
+        return math.nan, math.nan, False
+    finite = [v for v in values if math.isfinite(v)]
+    final = values[-1]
+    lowest = min(finite) if finite else math.nan
+    if not math.isfinite(final):
+        return final, lowest, True
+    return final, lowest, final > 2 * lowest and final > values[0]
+
+
+def result_record(spec, summary: dict[str, Any] | None, losses: list[float], error=None) -> dict:
+    """The table line of one run (``spec`` is a RunSpec; ``summary`` its summary.json)."""
+    final_loss, min_loss, diverged = health(losses)
+    s = summary or {}
+    return {
+        "cell": spec.cell.as_dict(),
+        "arm": spec.arm.label,
+        "role": spec.arm.role,
+        "strategy": spec.arm.strategy,
+        "seed": spec.seed,
+        "digest": spec.digest(),
+        "final_accuracy": s.get("final_accuracy"),
+        "best_accuracy": s.get("best_accuracy"),
+        "final_loss": None if math.isnan(final_loss) else final_loss,
+        "min_loss": None if math.isnan(min_loss) else min_loss,
+        "diverged": diverged,
+        "virtual_time": s.get("virtual_time"),
+        "versions": s.get("versions"),
+        "updates_applied": s.get("updates_applied"),
+        "stalled": s.get("stalled"),
+        "wall_time": s.get("wall_time"),
+        "run_dir": spec.config["out"],
+        "error": error,
+    }
+
+
+def append_result(out: Path, record: dict[str, Any]) -> None:
+    """Append one line and make it durable before the next run starts."""
+    missing = [f for f in FIELDS if f not in record]
+    if missing:
+        raise ValueError(f"a results line needs {missing}")
+    out.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({f: record[f] for f in FIELDS}, allow_nan=True) + "\n"
+    path = out / TABLE_NAME
+    with open(path, "ab") as fh:
+        # A line torn by a kill has no newline; start on a fresh line so it stays one bad line.
+        if fh.tell() > 0:
+            with open(path, "rb") as rd:
+                rd.seek(-1, os.SEEK_END)
+                if rd.read(1) != b"\n":
+                    fh.write(b"\n")
+        fh.write(line.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def load_results(out: Path) -> list[dict[str, Any]]:
+    """Every complete line of the table (torn or foreign lines are skipped), oldest first."""
+    path = Path(out) / TABLE_NAME
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and all(f in record for f in FIELDS):
+            records.append(record)
+    return records
