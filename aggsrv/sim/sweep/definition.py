@@ -250,7 +250,7 @@ def _arm(path: Path, i: int, raw: Any) -> Arm:
         _fail(path, f"[[arm]] {i + 1} needs a label and a strategy")
     try:
         strategy_class(strategy)
-    except NotImplementedError as exc:
+    except (ValueError, NotImplementedError) as exc:
         _fail(path, f"arm {label!r}: {exc}")
     role = raw.get("role", "baseline")
     if role not in ROLES:

@@ -162,7 +162,8 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                     if s.baselines_broken:
                         text += " !"
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
-                    ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight)
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
+                            bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})  # fmt: skip
                     if m.verdict in ("noise", "n<2"):
                         ax.add_patch(
                             plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
