@@ -84,7 +84,15 @@ def prepare(config: SimConfig) -> RunSetup:
     initial_buffers = (
         layout.flatten_buffers(model, dtype=torch.float32).clone() if layout.buffer_numel else None
     )
-    profile = make_profile(config.profile, config.clients, config.seed, base_time=config.base_time)
+    # The split's label counts: dropout:choose=label drops the clients holding the most of one.
+    label_counts = np.array([row["labels"] for row in summary], dtype=np.int64)
+    profile = make_profile(
+        config.profile,
+        config.clients,
+        config.seed,
+        base_time=config.base_time,
+        label_counts=label_counts.reshape(config.clients, ds.num_classes),
+    )
     attack = make_attack(config.attack, config.clients, config.seed, ds.num_classes)
     return RunSetup(
         config=config,

@@ -48,6 +48,12 @@ Presets (``PROFILES``) and what they model:
 * ``dropout`` (FedDGIC, docs/algorithms/feddgic.md 2.2 and 5 #29): ``fraction`` 0.25 of the clients
   (5 of 20) leave after a number of their own updates drawn from 4..20 (after the n_cal = 3 grouping
   rounds, within the first 20% of 100 epochs), permanently unless ``return_after`` is set.
+  Keys: who leaves, as ``count``, ``fraction`` or an explicit ``clients`` list; ``choose`` (with
+  ``count``/``fraction``) = ``random`` (the default: drawn uniformly) or ``label`` (a label L is
+  drawn, and the clients holding the most of L leave, so L becomes rare: ``dropout.py`` gives the
+  exact rule; it needs the data split, which the simulator passes as ``label_counts``); when, as
+  ``at_time`` (virtual seconds) or ``after_updates`` (the client's own updates), a value or a
+  ``lo..hi`` range drawn per client; ``return_after`` (virtual seconds away, or never).
 * ``partial_work`` (FedEN, docs/algorithms/feden.md 1.8 and 2): a ``fraction`` 0.1 of the clients
   are stragglers in each round and do E_i ~ UniformInt{1..E-1} of E = ``units`` = 10 epochs; they
   still take the full job time (they are not late, they stop early).

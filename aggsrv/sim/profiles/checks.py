@@ -62,6 +62,24 @@ def value_range(where: str, key: str, value: Any, *, integer: bool) -> tuple[flo
     return v, v
 
 
+def count_matrix(key: str, value: Any, rows: int) -> np.ndarray:
+    """A read-only int64 copy of ``value``, a 2-D array of integers >= 0 with ``rows`` rows
+    and at least one column."""
+    arr = np.asarray(value)
+    if arr.ndim != 2 or arr.shape[0] != rows or arr.shape[1] < 1:
+        raise ValueError(
+            f"{key} must have shape [num_clients, num_classes] = [{rows}, >= 1], "
+            f"got {list(arr.shape)}"
+        )
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{key} must hold integers (example counts), got dtype {arr.dtype}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"{key} must be >= 0, got a minimum of {arr.min()}")
+    out = arr.astype(np.int64, copy=True)
+    out.setflags(write=False)
+    return out
+
+
 def fraction_count(where: str, fraction: float, n: int) -> int:
     """round(fraction * n), halves up, so 0.25 of 20 is 5 and 0.5 of 1 is 1."""
     if not 0 <= fraction <= 1:

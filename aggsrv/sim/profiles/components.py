@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 
 @dataclass
 class Context:
@@ -13,6 +15,9 @@ class Context:
     num_clients: int
     seed: int
     index: int  # position among the profile's components of the same kind
+    # [num_clients, num_classes] training examples per client and label, when the caller knows
+    # the data split (the simulator does); dropouts that choose by label need it.
+    label_counts: np.ndarray | None = None
 
 
 class Component:

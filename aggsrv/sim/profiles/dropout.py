@@ -1,4 +1,21 @@
-"""Dropouts: clients that leave at a virtual time or after N updates, and may come back."""
+"""Dropouts: clients that leave at a virtual time or after N updates, and may come back.
+
+Which clients leave: an explicit ``clients`` list, or ``k`` of them (``count``, or
+``round(fraction * n)``) chosen by ``choose``:
+
+* ``random`` (the default): ``k`` distinct clients drawn uniformly from the seed's
+  ``STREAM_DROP_CHOICE`` generator.
+* ``label``: the holders of one label leave, so that label becomes rare among the clients that
+  stay (the case where compensating for dropped clients should matter). The label ``L`` is drawn
+  uniformly, from the same generator, among the labels the split holds (column sum > 0 of the
+  ``[num_clients, num_classes]`` label counts the simulator passes in); the clients are ranked by
+  their count of ``L``, descending, ties (clients without ``L`` included) by client index, and the
+  first ``k`` leave. ``describe`` records ``L`` and ``label_share``, the fraction of ``L``'s
+  examples the leavers hold.
+
+Either way each leaver's leave and return times are drawn per client (``STREAM_DROP_LEAVE``,
+``STREAM_DROP_RETURN``), so they do not depend on how the client was chosen.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +23,42 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .checks import fraction_count, int_at_least, number, value_range
+import numpy as np
+
+from .checks import choice, fraction_count, int_at_least, number, value_range
 from .components import Component, Context
 from .streams import STREAM_DROP_CHOICE, STREAM_DROP_LEAVE, STREAM_DROP_RETURN, job_rng
+
+CHOICES = ("random", "label")
+
+
+def holders_of_a_label(
+    where: str, counts: np.ndarray | None, k: int, rng: np.random.Generator
+) -> tuple[list[int], int, float]:
+    """``choose=label``: the ``k`` clients holding the most of a drawn label (sorted), the
+    label, and the share of its examples they hold."""
+    if counts is None:
+        raise ValueError(
+            f"{where}: choose='label' needs the data split (the per-client label counts); "
+            "make_profile was called without label_counts"
+        )
+    totals = counts.sum(axis=0)
+    held = np.flatnonzero(totals > 0)
+    if held.size == 0:
+        raise ValueError(f"{where}: choose='label' needs training examples; label_counts is all 0")
+    label = int(held[rng.integers(held.size)])
+    column = counts[:, label]
+    # lexsort's last key is the primary one: most examples of the label first, then index.
+    order = np.lexsort((np.arange(len(column)), -column))[:k]
+    share = float(column[order].sum() / totals[label])
+    return sorted(int(c) for c in order), label, share
 
 
 class Dropout(Component):
     """Clients that leave at a virtual time or after N updates, and may come back."""
 
     kind = "dropout"
-    keys = ("count", "fraction", "clients", "at_time", "after_updates", "return_after")
+    keys = ("count", "fraction", "clients", "choose", "at_time", "after_updates", "return_after")
 
     def __init__(self, ctx: Context, p: Mapping[str, Any]) -> None:
         where = "dropout"
@@ -23,6 +66,12 @@ class Dropout(Component):
         chosen = [k for k in ("count", "fraction", "clients") if k in p]
         if len(chosen) > 1:
             raise ValueError(f"{where}: give one of count, fraction, clients, not {chosen}")
+        how = choice(where, "choose", p.get("choose", "random"), CHOICES)
+        if "clients" in p and "choose" in p:
+            raise ValueError(
+                f"{where}: choose applies to count or fraction; give choose or clients, not both"
+            )
+        chosen_by: dict[str, Any] = {}
         if "clients" in p:
             clients = p["clients"]
             if isinstance(clients, str) or not isinstance(clients, Sequence):
@@ -38,7 +87,12 @@ class Dropout(Component):
             else:
                 k = fraction_count(where, number(where, "fraction", p.get("fraction", 0.25)), n)
             rng = job_rng(ctx.seed, 0, 0, STREAM_DROP_CHOICE)
-            ids = sorted(int(c) for c in rng.choice(n, k, replace=False))
+            chosen_by["choose"] = how
+            if how == "label":
+                ids, label, share = holders_of_a_label(where, ctx.label_counts, k, rng)
+                chosen_by.update(label=label, label_share=share)
+            else:
+                ids = sorted(int(c) for c in rng.choice(n, k, replace=False))
         if "at_time" in p and "after_updates" in p:
             raise ValueError(f"{where}: give at_time or after_updates, not both")
         self.by_time = "at_time" in p
@@ -50,7 +104,11 @@ class Dropout(Component):
         ret = p.get("return_after")
         ret_range = None if ret is None else value_range(where, "return_after", ret, integer=False)
         shown = list(leave) if self.by_time else [int(v) for v in leave]
-        self.spec = {key: shown, "return_after": None if ret_range is None else list(ret_range)}
+        self.spec = {
+            **chosen_by,
+            key: shown,
+            "return_after": None if ret_range is None else list(ret_range),
+        }
         # Per client: when it leaves (virtual time, or its number of updates) and for how long.
         self.leave: dict[int, float] = {}
         self.away_for: dict[int, float | None] = {}

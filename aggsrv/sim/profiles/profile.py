@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .checks import choice, plain, positive
+from .checks import choice, count_matrix, plain, positive
 from .client_factors import Tiers
 from .components import ClientFactor, Component, Context, JobDraw
 from .distributions import DISTRIBUTIONS
@@ -52,6 +52,7 @@ class Profile:
         seed: int,
         base_time: float,
         parts: Sequence[tuple[str, Mapping[str, Any]]],
+        label_counts: np.ndarray | None = None,
     ) -> None:
         self.num_clients, self.seed, self.base_time = num_clients, seed, base_time
         self._factors: list[ClientFactor] = []
@@ -67,7 +68,7 @@ class Profile:
             cls = KINDS[preset.kind]
             if cls.once and preset.kind in seen:
                 raise ValueError(f"profile: {preset.kind!r} appears twice; give it once")
-            ctx = Context(num_clients, seed, seen.get(preset.kind, 0))
+            ctx = Context(num_clients, seed, seen.get(preset.kind, 0), label_counts)
             seen[preset.kind] = seen.get(preset.kind, 0) + 1
             merged = {**preset.defaults, **params}
             if preset.kind == "delay":
@@ -199,17 +200,21 @@ def make_profile(
     num_clients: int,
     seed: int,
     base_time: float = 1.0,
+    label_counts: Any = None,
 ) -> Profile:
     """Build the profile ``spec`` (see the module docstring) for ``num_clients`` clients.
 
     ``base_time`` is the virtual seconds of one full job of a tier-1 client; a ``base_time``
-    key in ``spec`` overrides it. Raises ValueError naming the known presets or keys when the
-    spec has an unknown one, and for any out-of-range value.
+    key in ``spec`` overrides it. ``label_counts``: the data split as a ``[num_clients,
+    num_classes]`` array of non-negative integers (training examples per client and label),
+    needed only by ``dropout:choose=label``. Raises ValueError naming the known presets or keys
+    when the spec has an unknown one, and for any out-of-range value.
     """
     n = Profile._count("num_clients", num_clients)
     if n < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients!r}")
     s = Profile._count("seed", seed)
+    counts = None if label_counts is None else count_matrix("label_counts", label_counts, n)
     parts = []
     times: list[float] = []
     for name, params in parse_spec(spec):
@@ -228,4 +233,4 @@ def make_profile(
     if len(set(times)) > 1:
         raise ValueError(f"profile: conflicting base_time values {times}")
     base = times[0] if times else positive("profile", "base_time", base_time)
-    return Profile(num_clients=n, seed=s, base_time=base, parts=parts)
+    return Profile(num_clients=n, seed=s, base_time=base, parts=parts, label_counts=counts)
