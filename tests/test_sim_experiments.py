@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from aggsrv.sim import SimConfig, run
@@ -64,3 +65,25 @@ def test_comparisons_are_valid_configs() -> None:
                 base, strategy=strategy, strategy_config=settings, label=label
             )
             SimConfig.from_mapping(cfg.to_dict())  # validates the strategy's keys
+
+
+SWEEPS = sorted((EXPERIMENTS[0].parent / "sweeps").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
+def test_sweep_file_is_valid_in_every_cell(path: Path) -> None:
+    """Every (cell, arm) of a regime-map sweep makes a valid config whose split and straggler
+    profile resolve, so a sweep cannot fail an hour in; the header says how to run it."""
+    from aggsrv.data.partitions import parse_partition
+    from aggsrv.sim.profiles import make_profile
+    from aggsrv.sim.sweep import load_sweep
+
+    header = path.read_text().split("\n\n")[0]
+    assert f"aggsrv sweep bench/experiments/sweeps/{path.name}" in header and "issue" in header
+    sweep = load_sweep(path)  # checks every (cell, arm) config
+    assert len(sweep.seeds) >= 2 and 6 <= len(sweep.cells()) <= 12
+    for cell in sweep.cells():
+        cfg = SimConfig.from_mapping(sweep.run_spec(cell, sweep.arms[0], 0, Path(".")).config)
+        parse_partition(cfg.partition)
+        counts = np.ones((cfg.clients, 10), dtype=np.int64)  # choose=label needs the split
+        make_profile(cfg.profile, cfg.clients, 0, base_time=cfg.base_time, label_counts=counts)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from aggsrv.sim import SimConfig, run
 from aggsrv.sim.report import report
-from aggsrv.strategies import strategy_class
 
-RECIPE_KEYS = ("learning_rate", "batch_size", "local_epochs", "local_steps", "momentum")
+# The setting's client recipe plus a strategy's own keys: the same rule as `aggsrv sweep`.
+from aggsrv.sim.sweep.definition import arm_settings as strategy_settings
+
 COMMON = [("fedavg", "fedavg", {}), ("fedasync", "fedasync", {}), ("fedbuff", "fedbuff", {})]
 
 # (label, strategy, its own keys) per setting (the config file's stem).
@@ -108,14 +109,6 @@ COMPARISONS["orthofl_rpi_dirichlet_bn"] = [
     ("orthofl calibrate_norm", "orthofl", {"calibrate_norm": True}),
     *COMPARISONS["orthofl_rpi_dirichlet"][2:],
 ]
-
-
-def strategy_settings(base: SimConfig, strategy: str, own: dict) -> dict:
-    """The setting's client recipe plus the strategy's own keys (those its config knows)."""
-    known = {f.name for f in dataclasses.fields(strategy_class(strategy).config_class)}
-    settings = {k: v for k, v in base.strategy_config.items() if k in RECIPE_KEYS and k in known}
-    settings.update(own)
-    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
