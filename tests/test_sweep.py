@@ -16,7 +16,7 @@ import pytest
 from aggsrv.sim import SimConfig
 from aggsrv.sim.sweep import load_results, load_sweep, pending, plan, run_sweep, summarize
 from aggsrv.sim.sweep import runner as sweep_runner
-from aggsrv.sim.sweep.margins import verdict
+from aggsrv.sim.sweep.margins import ahead_from, verdict
 from aggsrv.sim.sweep.report import report_sweep
 from aggsrv.sim.sweep.table import FIELDS, TABLE_NAME, health
 
@@ -183,7 +183,13 @@ def _fake_execute(calls: list[dict]):
             "final_accuracy": final, "best_accuracy": final, "virtual_time": 4.0,
             "versions": 8, "updates_applied": 8, "stalled": False, "wall_time": 0.5,
         }  # fmt: skip
-        return summary, [2.3, 1.0, 0.9], None
+        # Every arm starts at 0.1; the last of three evaluations is the final accuracy.
+        metrics = [
+            {"virtual_time": t, "version": 2 * t, "rounds": t / 2, "test_accuracy": a,
+             "test_loss": loss}
+            for t, a, loss in ((0.0, 0.1, 2.3), (2.0, 0.1 + final / 2, 1.0), (4.0, final, 0.9))
+        ]  # fmt: skip
+        return summary, metrics, None
 
     return execute
 
@@ -204,8 +210,12 @@ def test_the_table_has_one_line_per_run_and_a_rerun_runs_nothing(tmp_path, monke
     assert len(lines) == len(calls)
     for line in lines:
         record = json.loads(line)
-        assert list(record) == list(FIELDS)
+        assert list(record) == [*FIELDS, "curve"]
         assert set(record["cell"]) == {"split", "stragglers"}
+        final = record["final_accuracy"]
+        assert record["curve"] == {
+            "x": "virtual_time", "points": [[0.0, 0.1], [2.0, 0.1 + final / 2], [4.0, final]],
+        }  # fmt: skip
     calls.clear()
     assert run_sweep(sweep, out, log=lambda _: None) == 0
     assert calls == []
@@ -294,6 +304,30 @@ def test_verdict_needs_every_seed_to_agree_and_the_mean_beyond_one_sd():
         assert verdict(m.tolist()) == want
 
 
+def test_ahead_from_is_where_the_mean_paired_lead_turns_positive_for_good():
+    def c(xs, accs):
+        return np.array([xs, accs], dtype=np.float64).T
+
+    xs = [0, 10, 20, 30, 40]
+    # The baseline is evaluated elsewhere: 0.3 at 10 and 0.6 at 30 by interpolation.
+    base = {0: c([0, 20, 40], [0.1, 0.5, 0.7]), 1: c([0, 20, 40], [0.1, 0.5, 0.7])}
+    seed0 = c(xs, [0.1, 0.25, 0.55, 0.62, 0.80])  # leads -0.05, +0.05, +0.02, +0.10
+    seed1 = c(xs, [0.1, 0.20, 0.41, 0.66, 0.75])  # leads -0.10, -0.09, +0.06, +0.05
+    assert ahead_from({0: seed0}, base) == 20.0
+    assert ahead_from({0: seed0, 1: seed1}, base) == 30.0  # mean lead at 20: -0.02
+    assert ahead_from({1: seed1}, base) == 30.0
+    behind_at_end = c(xs, [0.1, 0.4, 0.6, 0.7, 0.69])
+    assert ahead_from({0: behind_at_end}, base) is None
+    always = c(xs, [0.1, 0.35, 0.6, 0.7, 0.8])
+    assert ahead_from({0: always}, base) == 10.0
+    dips = c(xs, [0.1, 0.35, 0.45, 0.65, 0.8])  # ahead, behind at 20, ahead again
+    assert ahead_from({0: dips}, base) == 30.0
+    assert ahead_from({2: always}, base) is None  # no seed in common
+    # Curves of different lengths (a stalled run) compare up to the shorter one.
+    short = c([0, 20], [0.1, 0.5])  # leads +0.05 at 10 and +0.10 at 20; 30 and 40 not compared
+    assert ahead_from({0: always}, {0: short}) == 10.0
+
+
 def _record(sweep, out, cell, arm, seed, acc, diverged=False):
     spec = sweep.run_spec(cell, sweep.arm(arm), seed, out)
     return {
@@ -374,7 +408,11 @@ def test_the_report_tables_and_heat_maps_show_the_margins(tmp_path, monkeypatch)
     # fedbuff: 0.70 vs fedavg 0.77 in the iid cells (loses by 7 points), 0.80 vs 0.77 elsewhere.
     grid = text.split("**fedbuff**")[1].split("**fedbuff lr2**")[0]
     assert "| iid | -7.0 ± 0.0 vs fedavg | -7.0 ± 0.0 vs fedavg |" in grid
-    assert "| dir0.3 | **+3.0 ± 0.0** vs fedavg | **+3.0 ± 0.0** vs fedavg |" in grid
+    # The fake curves are linear from 0.1: a higher final accuracy leads from the first point.
+    assert (
+        "| dir0.3 | **+3.0 ± 0.0** vs fedavg, ahead from 2 s | **+3.0 ± 0.0** vs fedavg, "
+        "ahead from 2 s |" in grid
+    )
     assert "| iid / none | 0.705 ± 0.007 | - |" in text
     assert (out / "sweep.md").read_text() == text
     assert [p.name for p in plots] == ["heatmap-fedbuff.png", "heatmap-fedbuff_lr2.png"]

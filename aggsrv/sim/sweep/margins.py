@@ -9,6 +9,13 @@ the same seed (the same data split, stragglers and initial model). Its verdict:
 * ``noise``: the seeds disagree on the sign, or the mean is within one standard deviation;
 * ``n<2``: fewer than two seeds in common, no verdict.
 
+``ahead_from``: where on the run's axis (virtual seconds, versions or rounds: the budget's
+unit) the arm goes ahead of that baseline for good. At each evaluation point of the arm's curve
+the baseline's accuracy is interpolated, the paired difference averaged over the seeds, and
+``ahead_from`` is the first point after which that mean difference stays above zero to the end
+(None: the arm ends behind or level). It answers "how long must a run be for the method to pay
+off", the question a single final accuracy hides.
+
 The best baseline of a cell is the baseline arm with the highest mean final accuracy among
 those that diverged on no seed (``table.health``); a method never "wins" against a broken
 baseline. If every baseline diverged in a cell, the best of them is used and the cell says so.
@@ -16,15 +23,21 @@ baseline. If every baseline diverged in a cell, the best of them is used and the
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from aggsrv.sim.sweep.definition import Cell, Sweep
+import numpy as np
 
-__all__ = ["ArmResult", "CellSummary", "Margin", "summarize", "verdict"]
+from aggsrv.sim.config import parse_budget
+from aggsrv.sim.sweep.definition import Cell, RunSpec, Sweep
+from aggsrv.sim.sweep.table import curve
+
+__all__ = ["ArmResult", "CellSummary", "Margin", "ahead_from", "summarize", "verdict"]
 
 
 @dataclass
@@ -37,6 +50,8 @@ class ArmResult:
     diverged: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     wall_time: float = 0.0
+    curves: dict[int, np.ndarray] = field(default_factory=dict)  # seed -> [[x, accuracy], ...]
+    curve_x: str | None = None  # the metrics column of x (virtual_time, version or rounds)
 
     @property
     def mean(self) -> float:
@@ -53,6 +68,8 @@ class Margin:
     baseline: str
     per_seed: dict[int, float]
     verdict: str
+    ahead_from: float | None = None
+    curve_x: str | None = None
 
     @property
     def mean(self) -> float:
@@ -83,19 +100,53 @@ def verdict(margins: Iterable[float]) -> str:
     return "noise"
 
 
-def _latest(sweep: Sweep, records: list[dict[str, Any]], out) -> dict[tuple, dict[str, Any]]:
-    """The newest line per (cell, arm, seed) whose digest matches the sweep as it is now."""
+def ahead_from(arm: dict[int, np.ndarray], base: dict[int, np.ndarray]) -> float | None:
+    """The first x of the arm's curve after which its mean paired lead stays above zero."""
+    seeds = sorted(set(arm) & set(base))
+    if not seeds:
+        return None
+    end = min(min(arm[s][-1, 0], base[s][-1, 0]) for s in seeds)
+    xs = arm[seeds[0]][:, 0]
+    xs = xs[(xs > 0) & (xs <= end)]
+    if xs.size == 0:
+        return None
+    lead = np.mean(
+        [np.interp(xs, arm[s][:, 0], arm[s][:, 1]) - np.interp(xs, base[s][:, 0], base[s][:, 1])
+         for s in seeds],
+        axis=0,
+    )  # fmt: skip
+    if lead[-1] <= 0:
+        return None
+    behind = np.nonzero(lead <= 0)[0]
+    return float(xs[0] if behind.size == 0 else xs[behind[-1] + 1])
+
+
+def _curve_of(record: dict[str, Any], spec: RunSpec) -> dict[str, Any] | None:
+    """The record's curve, or for a line written before curves were recorded, the run's."""
+    if record.get("curve"):
+        return record["curve"]
+    metrics = Path(record["run_dir"]) / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    return curve(rows, parse_budget(spec.config["budget"]).unit) if rows else None
+
+
+def _latest(sweep: Sweep, records: list[dict[str, Any]], out) -> dict[tuple, tuple]:
+    """The newest line per (cell, arm, seed) whose digest matches the sweep as it is now, with
+    its RunSpec."""
     wanted = {}
     for cell in sweep.cells():
         for arm in sweep.arms:
             for seed in sweep.seeds:
                 spec = sweep.run_spec(cell, arm, seed, out)
-                wanted[(cell.key(), arm.label, seed)] = spec.digest()
+                wanted[(cell.key(), arm.label, seed)] = spec
     latest = {}
     for r in records:
         key = (" / ".join(r["cell"].get(a.name, "?") for a in sweep.axes), r["arm"], r["seed"])
-        if wanted.get(key) == r["digest"]:
-            latest[key] = r
+        spec = wanted.get(key)
+        if spec is not None and spec.digest() == r["digest"]:
+            latest[key] = (r, spec)
     return latest
 
 
@@ -108,14 +159,19 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
         for arm in sweep.arms:
             result = ArmResult(arm.label, arm.role)
             for seed in sweep.seeds:
-                r = latest.get((cell.key(), arm.label, seed))
-                if r is None:
+                found = latest.get((cell.key(), arm.label, seed))
+                if found is None:
                     continue
+                r, spec = found
                 result.wall_time += r["wall_time"] or 0.0
                 if r["error"] is not None or r["final_accuracy"] is None:
                     result.errors[seed] = r["error"] or "no accuracy"
                     continue
                 result.accuracy[seed] = float(r["final_accuracy"])
+                points = _curve_of(r, spec)
+                if points and points["points"]:
+                    result.curves[seed] = np.asarray(points["points"], dtype=np.float64)
+                    result.curve_x = points["x"]
                 if r["diverged"]:
                     result.diverged.append(seed)
             arms[arm.label] = result
@@ -130,7 +186,10 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
                     continue
                 common = sorted(set(a.accuracy) & set(best.accuracy))
                 per_seed = {s: a.accuracy[s] - best.accuracy[s] for s in common}
-                margins[a.arm] = Margin(a.arm, best.arm, per_seed, verdict(per_seed.values()))
+                margins[a.arm] = Margin(
+                    a.arm, best.arm, per_seed, verdict(per_seed.values()),
+                    ahead_from(a.curves, best.curves), a.curve_x,
+                )  # fmt: skip
         summaries.append(
             CellSummary(cell, arms, best.arm if best else None, bool(baselines) and not healthy,
                         margins)

@@ -2,10 +2,10 @@
 ``heatmap-<arm>.png``: its margin over the best baseline per cell, in accuracy points.
 
 The first axis runs down the map, the second across; with more axes there is one panel per
-combination of the others. A cell shows the mean margin, its standard deviation over the seeds
-and the baseline it is measured against; cells within the seeds' noise are hatched and their
-number is prefixed with "~" (``margins.verdict``), and "!" marks a cell whose baselines all
-diverged.
+combination of the others. A cell shows the mean margin, its standard deviation over the seeds,
+the baseline it is measured against and where the arm goes ahead of it for good; cells within
+the seeds' noise are hatched and their number is prefixed with "~" (``margins.verdict``), and
+"!" marks a cell whose baselines all diverged.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from aggsrv.sim.sweep.table import load_results
 __all__ = ["format_report", "plot_heatmaps", "report_sweep"]
 
 _MARK = {"wins": "", "loses": "", "noise": "~", "n<2": "?"}
+_UNIT = {"virtual_time": " s", "version": " v", "rounds": " r"}
+
+
+def _ahead(m: Margin) -> str:
+    """Where the arm goes ahead for good, in the budget's unit ("" if it never does)."""
+    if m.ahead_from is None:
+        return ""
+    return f"ahead from {m.ahead_from:.4g}{_UNIT.get(m.curve_x or '', '')}"
 
 
 def _points(value: float) -> str:
@@ -93,6 +101,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
                         text = f"**{text}**"
                     if m is not None:
                         text += f" vs {m.baseline}" + (" !" if s.baselines_broken else "")
+                        text += f", {_ahead(m)}" if _ahead(m) else ""
                     cells.append(text)
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -121,7 +130,8 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
         f"{runs} runs, {wall / 60:.0f} core-minutes (the sum of the runs' wall times). "
         "*Italics*: the cell's best healthy baseline. Margins are paired by seed; **bold**: "
         "every seed agrees and the mean exceeds the sd; ~: within the seeds' noise; "
-        "?: fewer than two seeds; !: every baseline diverged in the cell."
+        '?: fewer than two seeds; !: every baseline diverged in the cell; "ahead from": '
+        "where the arm's mean lead over that baseline turns positive for good."
     )
     return "\n".join(lines) + "\n"
 
@@ -161,6 +171,8 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                     text = _margin_text(m) + f"\nvs {m.baseline}"
                     if s.baselines_broken:
                         text += " !"
+                    if _ahead(m):
+                        text += "\n" + _ahead(m)
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
                             bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})  # fmt: skip

@@ -57,8 +57,8 @@ def pending(specs: list[RunSpec], out: Path) -> list[RunSpec]:
     return [s for s in specs if key(s.cell.as_dict(), s.arm.label, s.seed, s.digest()) not in done]
 
 
-def _execute(config: dict[str, Any]) -> tuple[dict[str, Any] | None, list[float], str | None]:
-    """Run one simulation (in a worker process): (summary, test losses, error)."""
+def _execute(config: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict], str | None]:
+    """Run one simulation (in a worker process): (summary, metrics rows, error)."""
     from aggsrv.sim import SimConfig, run
 
     try:
@@ -68,13 +68,11 @@ def _execute(config: dict[str, Any]) -> tuple[dict[str, Any] | None, list[float]
         return None, [], detail
     out = Path(config["out"])
     summary = json.loads((out / "summary.json").read_text())
-    losses = [
-        json.loads(line)["test_loss"]
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-        if line
+    metrics = [
+        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line
     ]
     del result
-    return summary, losses, None
+    return summary, metrics, None
 
 
 def _describe(spec: RunSpec, record: dict[str, Any]) -> str:
@@ -100,8 +98,8 @@ def _run_phase(
 
     def finish(spec: RunSpec, outcome) -> None:
         nonlocal failed, done
-        summary, losses, error = outcome
-        record = result_record(spec, summary, losses, error)
+        summary, metrics, error = outcome
+        record = result_record(spec, summary, metrics, error)
         append_result(out, record)
         failed += error is not None
         done += 1

@@ -1,10 +1,14 @@
 """The sweep's results table: ``results.jsonl``, one line per finished run, appended as runs end,
 so an interrupted sweep resumes where it stopped and a partial table can be reported.
 
-A line is a JSON object with the fields of ``FIELDS``. A run is done when the table holds a line
-with its (cell, arm, seed) and the same config ``digest``: edit a cell's overrides or an arm's
-keys and exactly those runs run again; the newest line for a run wins when reporting. A torn
-last line (the process killed mid-write) is ignored and its run runs again.
+A line is a JSON object with the fields of ``FIELDS`` and, from runs recorded since it was added,
+``curve``: the test accuracy over the run, ``{"x": "virtual_time" | "version" | "rounds",
+"points": [[x, accuracy], ...]}`` with x in the budget's unit.
+
+A run is done when the table holds a line with its (cell, arm, seed) and the same config
+``digest``: edit a cell's overrides or an arm's keys and exactly those runs run again; the newest
+line for a run wins when reporting. A torn last line (the process killed mid-write) is ignored
+and its run runs again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FIELDS", "TABLE_NAME", "append_result", "health", "load_results", "result_record"]
+__all__ = [
+    "CURVE_X",
+    "FIELDS",
+    "TABLE_NAME",
+    "append_result",
+    "curve",
+    "health",
+    "load_results",
+    "result_record",
+]
 
 TABLE_NAME = "results.jsonl"
 FIELDS = (
@@ -39,6 +52,8 @@ FIELDS = (
     "run_dir",
     "error",  # None, or why the run failed (a failed run is run again on resume)
 )
+# The metrics.jsonl column a curve's x comes from, per budget unit.
+CURVE_X = {"seconds": "virtual_time", "versions": "version", "rounds": "rounds"}
 
 
 def health(losses: Iterable[float]) -> tuple[float, float, bool]:
@@ -58,9 +73,20 @@ def health(losses: Iterable[float]) -> tuple[float, float, bool]:
     return final, lowest, final > 2 * lowest and final > values[0]
 
 
-def result_record(spec, summary: dict[str, Any] | None, losses: list[float], error=None) -> dict:
-    """The table line of one run (``spec`` is a RunSpec; ``summary`` its summary.json)."""
-    final_loss, min_loss, diverged = health(losses)
+def curve(metrics: list[dict[str, Any]], unit: str) -> dict[str, Any]:
+    """The run's accuracy against the budget's unit, from its metrics.jsonl rows."""
+    x = CURVE_X[unit]
+    return {"x": x, "points": [[float(m[x]), float(m["test_accuracy"])] for m in metrics]}
+
+
+def result_record(
+    spec, summary: dict[str, Any] | None, metrics: list[dict[str, Any]], error=None
+) -> dict:
+    """The table line of one run (``spec`` is a RunSpec; ``summary`` its summary.json,
+    ``metrics`` its metrics.jsonl rows)."""
+    from aggsrv.sim.config import parse_budget
+
+    final_loss, min_loss, diverged = health([m["test_loss"] for m in metrics])
     s = summary or {}
     return {
         "cell": spec.cell.as_dict(),
@@ -81,6 +107,7 @@ def result_record(spec, summary: dict[str, Any] | None, losses: list[float], err
         "wall_time": s.get("wall_time"),
         "run_dir": spec.config["out"],
         "error": error,
+        "curve": curve(metrics, parse_budget(spec.config["budget"]).unit) if metrics else None,
     }
 
 
@@ -90,7 +117,8 @@ def append_result(out: Path, record: dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"a results line needs {missing}")
     out.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({f: record[f] for f in FIELDS}, allow_nan=True) + "\n"
+    keep = (*FIELDS, "curve")
+    line = json.dumps({f: record[f] for f in keep if f in record}, allow_nan=True) + "\n"
     path = out / TABLE_NAME
     with open(path, "ab") as fh:
         # A line torn by a kill has no newline; start on a fresh line so it stays one bad line.
