@@ -388,6 +388,9 @@ def _sweep(args: argparse.Namespace) -> int:
         return 2
     if args.seeds:
         sweep.seeds = list(args.seeds)
+        if len(set(sweep.seeds)) != len(sweep.seeds):
+            sys.stderr.write(f"aggsrv sweep: --seeds repeat: {sweep.seeds}\n")
+            return 2
     out = Path(args.out)
     failed = 0
     if not args.report_only:

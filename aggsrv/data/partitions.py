@@ -40,6 +40,7 @@ from aggsrv.imports import load_callable
 
 __all__ = [
     "PARTITIONS",
+    "check_partition_spec",
     "dirichlet_per_class",
     "dirichlet_per_client",
     "feden_mix",
@@ -542,6 +543,16 @@ def _check_params(name: str, fn: Partitioner, params: Mapping[str, Any]) -> None
         raise ValueError(
             f"partition {name!r}: unknown parameter(s) {', '.join(unknown)}; takes {takes}"
         )
+
+
+def check_partition_spec(spec: str | Mapping[str, Any]) -> None:
+    """Raise ValueError for an unknown scheme or a parameter it does not take, without data
+    (a sweep checks every cell's split before it runs anything)."""
+    if isinstance(spec, Mapping):
+        name, params = str(spec.get("name")), {k: v for k, v in spec.items() if k != "name"}
+    else:
+        name, params = parse_partition(spec)
+    _check_params(name, _resolve(name), params)
 
 
 def _as_labels(labels: Any) -> np.ndarray:

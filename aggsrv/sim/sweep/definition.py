@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from aggsrv.sim.config import SimConfig
 from aggsrv.strategies import strategy_class
 
@@ -60,7 +62,9 @@ __all__ = [
     "RunSpec",
     "Sweep",
     "arm_settings",
+    "check_sweep",
     "load_sweep",
+    "slug",
 ]
 
 RECIPE_KEYS = ("learning_rate", "batch_size", "local_epochs", "local_steps", "momentum")
@@ -73,7 +77,7 @@ _STRATEGY_PREFIX = "strategy_config."
 
 def arm_settings(base: SimConfig, strategy: str, own: Mapping[str, Any]) -> dict[str, Any]:
     """The setting's client recipe (the keys ``strategy`` knows) with the arm's keys on top."""
-    known = {f.name for f in dataclasses.fields(strategy_class(strategy).config_class)}
+    known = _strategy_keys(strategy)
     settings = {k: v for k, v in base.strategy_config.items() if k in RECIPE_KEYS and k in known}
     settings.update(own)
     return settings
@@ -115,7 +119,7 @@ class Cell:
         return dict(zip(self.axes, self.labels, strict=True))
 
     def slug(self) -> str:
-        return "__".join(_slug(label) for label in self.labels) or "cell"
+        return "__".join(slug(label) for label in self.labels) or "cell"
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ class Sweep:
             else:
                 config[key] = value
         base = SimConfig.from_mapping({**config, "strategy_config": self.base.strategy_config})
-        known = {f.name for f in dataclasses.fields(strategy_class(arm.strategy).config_class)}
+        known = _strategy_keys(arm.strategy)
         settings = arm_settings(base, arm.strategy, arm.config)
         settings.update({k: v for k, v in axis_strategy.items() if k in known})
         config.update(
@@ -180,13 +184,14 @@ class Sweep:
             seed=seed,
             label=arm.label,
             scenario=cell.key(),
-            out=str(out / "runs" / cell.slug() / f"{_slug(arm.label)}-s{seed}"),
+            out=str(out / "runs" / cell.slug() / f"{slug(arm.label)}-s{seed}"),
             threads=1,
         )
         return RunSpec(cell, arm, seed, config)
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """A label as a file name: letters, digits, '.', '_' and '-' kept, the rest '_'."""
     keep = [c if c.isalnum() or c in "._-" else "_" for c in text]
     return "".join(keep).strip("_") or "x"
 
@@ -295,12 +300,46 @@ def load_sweep(path: str | Path) -> Sweep:
         if arm.of is not None and arm.of not in methods:
             _fail(path, f"arm {arm.label!r}: of = {arm.of!r} is not a method arm")
     sweep = Sweep(path, base, list(seeds), axes, arms, str(raw.get("description", "")))
-    # Every run must make a valid config: fail now, not an hour into the sweep.
+    check_sweep(sweep)
+    return sweep
+
+
+def check_sweep(sweep: Sweep) -> None:
+    """Every run must make a valid config, with a split and a straggler profile that resolve,
+    and a run directory of its own: fail now, not an hour into the sweep."""
+    from aggsrv.data.partitions import check_partition_spec
+    from aggsrv.sim.profiles import make_profile
+
+    path = sweep.path
+    if len(set(sweep.seeds)) != len(sweep.seeds):
+        _fail(path, f"seeds repeat: {sweep.seeds}")
+    for what, labels in [("arm", [a.label for a in sweep.arms])] + [
+        (f"axis {a.name!r}", a.labels) for a in sweep.axes
+    ]:
+        slugs = [slug(label) for label in labels]
+        if len(set(slugs)) != len(slugs):
+            _fail(path, f"{what}: labels {labels} name the same directories {slugs}")
+    for axis in sweep.axes:
+        for label, overrides in axis.points:
+            for key in overrides:
+                name = key[len(_STRATEGY_PREFIX) :]
+                if key.startswith(_STRATEGY_PREFIX) and not any(
+                    name in _strategy_keys(arm.strategy) for arm in sweep.arms
+                ):
+                    _fail(path, f"axis {axis.name!r}, point {label!r}: no arm's strategy has "
+                                f"the key {name!r}")  # fmt: skip
     for cell in sweep.cells():
-        for arm in arms:
-            spec = sweep.run_spec(cell, arm, seeds[0], Path("."))
+        for arm in sweep.arms:
+            spec = sweep.run_spec(cell, arm, sweep.seeds[0], Path("."))
             try:
-                SimConfig.from_mapping(spec.config)
+                cfg = SimConfig.from_mapping(spec.config)
+                check_partition_spec(cfg.partition)
+                # The split's label counts are not known yet: any counts check a label choice.
+                counts = np.ones((cfg.clients, 2), dtype=np.int64)
+                make_profile(cfg.profile, cfg.clients, 0, cfg.base_time, label_counts=counts)
             except (ValueError, TypeError) as exc:
                 _fail(path, f"cell {cell.key()!r}, arm {arm.label!r}: {exc}")
-    return sweep
+
+
+def _strategy_keys(strategy: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(strategy_class(strategy).config_class)}

@@ -16,9 +16,11 @@ the baseline's accuracy is interpolated, the paired difference averaged over the
 (None: the arm ends behind or level). It answers "how long must a run be for the method to pay
 off", the question a single final accuracy hides.
 
-The best baseline of a cell is the baseline arm with the highest mean final accuracy among
-those that diverged on no seed (``table.health``); a method never "wins" against a broken
-baseline. If every baseline diverged in a cell, the best of them is used and the cell says so.
+The best baseline of a cell is the baseline arm with results on the most seeds and, among
+those, the highest mean final accuracy, chosen among the healthy ones: those that diverged
+(``table.health``) or stalled on no seed. A method never "wins" against a broken baseline: if
+every baseline of a cell is unhealthy, the margins against the best of them are shown with the
+verdict ``broken``, and no ablation runs there.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ArmResult:
     role: str
     accuracy: dict[int, float] = field(default_factory=dict)
     diverged: list[int] = field(default_factory=list)
+    stalled: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     wall_time: float = 0.0
     curves: dict[int, np.ndarray] = field(default_factory=dict)  # seed -> [[x, accuracy], ...]
@@ -60,6 +63,12 @@ class ArmResult:
     @property
     def sd(self) -> float:
         return statistics.stdev(self.accuracy.values()) if len(self.accuracy) > 1 else math.nan
+
+    @property
+    def healthy(self) -> bool:
+        """No seed diverged or stalled (a stalled run stopped before the budget: its final
+        accuracy is not one at equal virtual time)."""
+        return not self.diverged and not self.stalled
 
 
 @dataclass
@@ -140,10 +149,11 @@ def _latest(sweep: Sweep, records: list[dict[str, Any]], out) -> dict[tuple, tup
         for arm in sweep.arms:
             for seed in sweep.seeds:
                 spec = sweep.run_spec(cell, arm, seed, out)
-                wanted[(cell.key(), arm.label, seed)] = spec
+                wanted[(cell.labels, arm.label, seed)] = spec
     latest = {}
     for r in records:
-        key = (" / ".join(r["cell"].get(a.name, "?") for a in sweep.axes), r["arm"], r["seed"])
+        labels = tuple(r["cell"].get(a.name) for a in sweep.axes)
+        key = (labels, r["arm"], r["seed"])
         spec = wanted.get(key)
         if spec is not None and spec.digest() == r["digest"]:
             latest[key] = (r, spec)
@@ -159,13 +169,14 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
         for arm in sweep.arms:
             result = ArmResult(arm.label, arm.role)
             for seed in sweep.seeds:
-                found = latest.get((cell.key(), arm.label, seed))
+                found = latest.get((cell.labels, arm.label, seed))
                 if found is None:
                     continue
                 r, spec = found
                 result.wall_time += r["wall_time"] or 0.0
-                if r["error"] is not None or r["final_accuracy"] is None:
-                    result.errors[seed] = r["error"] or "no accuracy"
+                accuracy = r["final_accuracy"]
+                if r["error"] is not None or accuracy is None or not math.isfinite(accuracy):
+                    result.errors[seed] = r["error"] or f"final accuracy {accuracy}"
                     continue
                 result.accuracy[seed] = float(r["final_accuracy"])
                 points = _curve_of(r, spec)
@@ -174,11 +185,15 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
                     result.curve_x = points["x"]
                 if r["diverged"]:
                     result.diverged.append(seed)
+                if r["stalled"]:
+                    result.stalled.append(seed)
             arms[arm.label] = result
         baselines = [a for a in arms.values() if a.role == "baseline" and a.accuracy]
-        healthy = [a for a in baselines if not a.diverged]
+        healthy = [a for a in baselines if a.healthy]
         pool = healthy or baselines
-        best = max(pool, key=lambda a: a.mean) if pool else None
+        # Most seeds first: a baseline with one surviving seed is not "the best" by luck.
+        best = max(pool, key=lambda a: (len(a.accuracy), a.mean)) if pool else None
+        broken = bool(baselines) and not healthy
         margins = {}
         if best is not None:
             for a in arms.values():
@@ -187,11 +202,11 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
                 common = sorted(set(a.accuracy) & set(best.accuracy))
                 per_seed = {s: a.accuracy[s] - best.accuracy[s] for s in common}
                 margins[a.arm] = Margin(
-                    a.arm, best.arm, per_seed, verdict(per_seed.values()),
+                    a.arm, best.arm, per_seed,
+                    "broken" if broken else verdict(per_seed.values()),
                     ahead_from(a.curves, best.curves), a.curve_x,
                 )  # fmt: skip
         summaries.append(
-            CellSummary(cell, arms, best.arm if best else None, bool(baselines) and not healthy,
-                        margins)
+            CellSummary(cell, arms, best.arm if best else None, broken, margins)
         )  # fmt: skip
     return summaries

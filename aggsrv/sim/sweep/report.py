@@ -14,13 +14,13 @@ import itertools
 import math
 from pathlib import Path
 
-from aggsrv.sim.sweep.definition import Sweep
+from aggsrv.sim.sweep.definition import Sweep, slug
 from aggsrv.sim.sweep.margins import CellSummary, Margin, summarize
 from aggsrv.sim.sweep.table import load_results
 
 __all__ = ["format_report", "plot_heatmaps", "report_sweep"]
 
-_MARK = {"wins": "", "loses": "", "noise": "~", "n<2": "?"}
+_MARK = {"wins": "", "loses": "", "noise": "~", "n<2": "?", "broken": "!"}
 _UNIT = {"virtual_time": " s", "version": " v", "rounds": " r"}
 
 
@@ -99,13 +99,18 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
                     text = _margin_text(m)
                     if m is not None and m.verdict == "wins":
                         text = f"**{text}**"
-                    if m is not None:
-                        text += f" vs {m.baseline}" + (" !" if s.baselines_broken else "")
+                    if m is None:
+                        text = "not run"
+                    else:
+                        text += f" vs {m.baseline}"
                         text += f", {_ahead(m)}" if _ahead(m) else ""
                     cells.append(text)
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
             lines.append("")
-    lines.append("Final accuracy per cell, mean ± sd over the seeds (D: a seed diverged):")
+    lines.append(
+        "Final accuracy per cell, mean ± sd over the seeds (D: the seeds that diverged, S: "
+        "those that stalled):"
+    )
     lines.append("")
     arms = [a.label for a in sweep.arms]
     lines.append("| cell | " + " | ".join(arms) + " |")
@@ -117,6 +122,8 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
             text = _acc(r.mean, r.sd)
             if r.diverged:
                 text += " D" + ",".join(str(x) for x in r.diverged)
+            if r.stalled:
+                text += " S" + ",".join(str(x) for x in r.stalled)
             if r.errors:
                 text += f" ({len(r.errors)} failed)"
             if label == s.best_baseline:
@@ -130,7 +137,8 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
         f"{runs} runs, {wall / 60:.0f} core-minutes (the sum of the runs' wall times). "
         "*Italics*: the cell's best healthy baseline. Margins are paired by seed; **bold**: "
         "every seed agrees and the mean exceeds the sd; ~: within the seeds' noise; "
-        '?: fewer than two seeds; !: every baseline diverged in the cell; "ahead from": '
+        "?: fewer than two seeds; !: every baseline of the cell diverged or stalled (no "
+        'verdict); "ahead from": '
         "where the arm's mean lead over that baseline turns positive for good."
     )
     return "\n".join(lines) + "\n"
@@ -169,14 +177,12 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                         continue
                     grid[i, j] = 100 * m.mean
                     text = _margin_text(m) + f"\nvs {m.baseline}"
-                    if s.baselines_broken:
-                        text += " !"
                     if _ahead(m):
                         text += "\n" + _ahead(m)
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
                             bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})  # fmt: skip
-                    if m.verdict in ("noise", "n<2"):
+                    if m.verdict in ("noise", "n<2", "broken"):
                         ax.add_patch(
                             plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
                                           edgecolor="0.55", linewidth=0)
@@ -192,7 +198,7 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                 ax.set_title(_panel_title(names, panel), fontsize=8)
         fig.suptitle(f"{arm}: margin over the best baseline (accuracy points)", fontsize=9)
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
-        path = out / f"heatmap-{''.join(c if c.isalnum() else '_' for c in arm)}.png"
+        path = out / f"heatmap-{slug(arm)}.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
@@ -201,7 +207,7 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
 
 def report_sweep(sweep: Sweep, out: Path, plot: bool = True) -> tuple[str, list[Path]]:
     """Write OUT/sweep.md and the heat maps from the table as it is now (partial is fine)."""
-    out = Path(out)
+    out = Path(out).resolve()
     summaries = summarize(sweep, load_results(out), out)
     text = format_report(sweep, summaries)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,17 @@ no margin to explain.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import shutil
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -58,31 +63,105 @@ def pending(specs: list[RunSpec], out: Path) -> list[RunSpec]:
 
 
 def _execute(config: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict], str | None]:
-    """Run one simulation (in a worker process): (summary, metrics rows, error)."""
+    """Run one simulation: (summary, metrics rows, error). Whatever goes wrong, reading the
+    run's output included, becomes the run's error; the sweep goes on."""
     from aggsrv.sim import SimConfig, run
 
-    try:
-        result = run(SimConfig.from_mapping(config), progress=False)
-    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
-        detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return None, [], detail
     out = Path(config["out"])
-    summary = json.loads((out / "summary.json").read_text())
-    metrics = [
-        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line
-    ]
-    del result
+    try:
+        # A run not in the table has no result worth keeping: start its directory afresh (a
+        # killed or edited run would otherwise append to its old events.jsonl).
+        if out.exists():
+            shutil.rmtree(out)
+        run(SimConfig.from_mapping(config), progress=False)
+        summary = json.loads((out / "summary.json").read_text())
+        rows = (out / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in rows if line]
+    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
+        return None, [], traceback.format_exception_only(type(exc), exc)[-1].strip()
     return summary, metrics, None
+
+
+def _worker(config: dict[str, Any]):
+    """What the pool runs: ``_execute`` looked up when called, so tests can replace it."""
+    return _execute(config)
+
+
+def _worker_init() -> None:
+    """A worker dies with the sweep: Ctrl-C reaches the parent only (it stops the workers),
+    and on Linux a worker is killed when its parent dies, so a killed sweep leaves no
+    simulation running into a directory the resumed sweep will use."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+WORKER_DIED = "the worker process died (killed, or out of memory) during this run or beside it"
 
 
 def _describe(spec: RunSpec, record: dict[str, Any]) -> str:
     if record["error"]:
         return f"{spec.cell.key()} | {spec.arm.label} s{spec.seed}: FAILED {record['error']}"
     flag = " DIVERGED" if record["diverged"] else ""
+    flag += " STALLED" if record["stalled"] else ""
     return (
         f"{spec.cell.key()} | {spec.arm.label} s{spec.seed}: final "
         f"{record['final_accuracy']:.3f}{flag} ({record['wall_time']:.0f} s)"
     )
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers now (not after their runs)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.kill()
+
+
+def _in_pool(specs: list[RunSpec], jobs: int, finish: Callable) -> None:
+    """Run ``specs`` on ``jobs`` workers, submitting only as many as run at once (so stopping
+    loses at most ``jobs`` runs). A worker that dies (SIGKILL, the OOM killer) breaks the pool:
+    the runs it had in flight are recorded as failed and a new pool takes the rest."""
+    queue = list(reversed(specs))
+    while queue:
+        pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_init)
+        try:
+            running: dict[Future, RunSpec] = {}
+            broken = False
+            while (queue or running) and not broken:
+                while queue and len(running) < jobs and not broken:
+                    try:
+                        running[pool.submit(_worker, queue[-1].config)] = queue[-1]
+                        queue.pop()
+                    except BrokenProcessPool:  # broke since the last wait: not this run
+                        broken = True
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    spec = running.pop(future)
+                    try:
+                        outcome = future.result()
+                    except BrokenProcessPool:
+                        broken = True
+                        outcome = (None, [], WORKER_DIED)
+                    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result
+                        outcome = (None, [], f"{type(exc).__name__}: {exc}")
+                    finish(spec, outcome)
+            if broken:
+                for spec in running.values():
+                    finish(spec, (None, [], WORKER_DIED))
+        except BaseException:
+            _stop(pool)
+            raise
+        pool.shutdown(wait=True)
 
 
 def _run_phase(
@@ -111,10 +190,7 @@ def _run_phase(
             for spec in specs:
                 finish(spec, _execute(spec.config))
         else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                futures = {pool.submit(_execute, s.config): s for s in specs}
-                for future in as_completed(futures):
-                    finish(futures[future], future.result())
+            _in_pool(specs, jobs, finish)
     finally:
         bar.close()
     return failed
@@ -129,7 +205,7 @@ def run_sweep(
     phases: tuple[str, ...] = ("main", "ablations"),
 ) -> int:
     """Run what the table lacks; returns the number of runs that failed (recorded as such)."""
-    out = Path(out)
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for phase in phases:
