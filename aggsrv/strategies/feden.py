@@ -47,7 +47,17 @@ DEFAULT_EPOCHS = 10.0  # Table 2's E, used when neither local_epochs nor local_s
 
 @dataclass
 class FedENConfig(FedAvgConfig):
-    """FedAvg's settings plus the elastic net (see the module docstring for each key)."""
+    """FedAvg's settings plus the elastic net (see the module docstring for each key).
+
+    ``preset = "paper"``: the paper's Table 2 values (the defaults spelled out, with E = 10).
+    """
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "paper": {
+            "lam": 1e-3, "alpha": 0.5, "learning_rate": 0.01, "batch_size": 10,
+            "local_epochs": 10.0, "partial_work": "include",
+        },
+    }  # fmt: skip
 
     HELP: ClassVar[Mapping[str, str]] = {
         "local_epochs": "local epochs per job; unset = local_steps, or 10 epochs (Table 2)",

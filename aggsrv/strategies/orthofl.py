@@ -114,7 +114,21 @@ class OrthoFLConfig(FilteredConfig):
     paper reading; default False, as the code). ``eps``: a segment's coefficient is 0 where
     ``|dm|^2 <= eps`` (spec G3). ``first_update_alpha_one`` and ``zero_sum_skip``: the released
     code's quirks (spec G2, G4), default off.
+
+    Presets: ``paper`` is the defaults spelled out (variant P); ``released_code`` switches to
+    variant C, the shift source of the released code, which the regime map (issue 20,
+    bench/experiments/README.md "Regime maps") found ahead of variant P where job times
+    spread (per-client Raspberry-Pi speeds, or log-normal job times).
     """
+
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "paper": {"beta": 0.6, "a": 0.5, "shift_source": "ma_global", "calibrate_norm": False},
+        "released_code": {"beta": 0.6, "a": 0.5, "shift_source": "client_chain"},
+    }
+    PRESET_NOTES: ClassVar[Mapping[str, str]] = {
+        "released_code": "variant C (shift from the client's chain); ahead of the paper's "
+        "variant where job times spread (bench/experiments/README.md, regime maps)",
+    }
 
     HELP: ClassVar[Mapping[str, str]] = {
         "beta": "moving-average weight: beta_t = beta * (t - tau)^(-a), in (0, 1]",
