@@ -200,12 +200,17 @@ def _fail(path: Path, message: str) -> None:
     raise ValueError(f"sweep {path}: {message}")
 
 
-def _axis(path: Path, i: int, raw: Any) -> Axis:
+def _check_table(path: Path, where: str, raw: Any, known: set[str]) -> None:
+    """``raw`` is a TOML table with only ``known`` keys (``where``: "[[axis]] 2")."""
     if not isinstance(raw, Mapping):
-        _fail(path, f"[[axis]] {i + 1} must be a table")
-    unknown = sorted(set(raw) - _AXIS_KEYS)
+        _fail(path, f"{where} must be a table")
+    unknown = sorted(set(raw) - known)
     if unknown:
-        _fail(path, f"[[axis]] {i + 1}: unknown key(s) {unknown}; known: {sorted(_AXIS_KEYS)}")
+        _fail(path, f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+
+
+def _axis(path: Path, i: int, raw: Any) -> Axis:
+    _check_table(path, f"[[axis]] {i + 1}", raw, _AXIS_KEYS)
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         _fail(path, f"[[axis]] {i + 1} needs a name")
@@ -245,11 +250,7 @@ def _axis(path: Path, i: int, raw: Any) -> Axis:
 
 
 def _arm(path: Path, i: int, raw: Any) -> Arm:
-    if not isinstance(raw, Mapping):
-        _fail(path, f"[[arm]] {i + 1} must be a table")
-    unknown = sorted(set(raw) - _ARM_KEYS)
-    if unknown:
-        _fail(path, f"[[arm]] {i + 1}: unknown key(s) {unknown}; known: {sorted(_ARM_KEYS)}")
+    _check_table(path, f"[[arm]] {i + 1}", raw, _ARM_KEYS)
     label, strategy = raw.get("label"), raw.get("strategy")
     if not isinstance(label, str) or not label or not isinstance(strategy, str):
         _fail(path, f"[[arm]] {i + 1} needs a label and a strategy")

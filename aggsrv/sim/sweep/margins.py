@@ -42,6 +42,17 @@ from aggsrv.sim.sweep.table import curve
 __all__ = ["ArmResult", "CellSummary", "Margin", "ahead_from", "summarize", "verdict"]
 
 
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else math.nan
+
+
+def _sd(values: Iterable[float]) -> float:
+    """The sample standard deviation over the seeds (NaN for fewer than two)."""
+    values = list(values)
+    return statistics.stdev(values) if len(values) > 1 else math.nan
+
+
 @dataclass
 class ArmResult:
     """One arm in one cell: the final accuracy per seed and which seeds diverged."""
@@ -58,11 +69,11 @@ class ArmResult:
 
     @property
     def mean(self) -> float:
-        return statistics.fmean(self.accuracy.values()) if self.accuracy else math.nan
+        return _mean(self.accuracy.values())
 
     @property
     def sd(self) -> float:
-        return statistics.stdev(self.accuracy.values()) if len(self.accuracy) > 1 else math.nan
+        return _sd(self.accuracy.values())
 
     @property
     def healthy(self) -> bool:
@@ -82,11 +93,11 @@ class Margin:
 
     @property
     def mean(self) -> float:
-        return statistics.fmean(self.per_seed.values()) if self.per_seed else math.nan
+        return _mean(self.per_seed.values())
 
     @property
     def sd(self) -> float:
-        return statistics.stdev(self.per_seed.values()) if len(self.per_seed) > 1 else math.nan
+        return _sd(self.per_seed.values())
 
 
 @dataclass
