@@ -569,3 +569,28 @@ strategy = "fedasync"
     bad = subprocess.run([*cmd[:4], str(tmp_path / "missing.toml"), "--out", str(out)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "aggsrv sweep:" in bad.stderr
+
+
+@pytest.mark.parametrize("axes", [0, 1, 3])
+def test_the_report_draws_any_number_of_axes(tmp_path, monkeypatch, axes):
+    """One axis: a single column; three: one panel per point of the third; none: one cell."""
+    import matplotlib.image as mpimg
+
+    blocks = SWEEP.split("[[axis]]")
+    head, axis_blocks, arms = blocks[0], blocks[1:], ""
+    arms = "[[arm]]" + axis_blocks[-1].split("[[arm]]", 1)[1]
+    axis_blocks[-1] = axis_blocks[-1].split("[[arm]]", 1)[0]
+    third = '\nname = "lr"\nkey = "strategy_config.learning_rate"\nvalues = [0.05, 0.1]\n\n'
+    chosen = (axis_blocks + [third])[:axes]
+    text = head + "".join("[[axis]]" + b for b in chosen) + arms
+    sweep = load_sweep(_write(tmp_path, text))
+    assert len(sweep.cells()) == {0: 1, 1: 3, 3: 12}[axes]
+    out = tmp_path / "out"
+    monkeypatch.setattr(sweep_runner, "_execute", _fake_execute([]))
+    run_sweep(sweep, out, log=lambda _: None)
+    report, plots = report_sweep(sweep, out)
+    assert report.count("vs fedavg") >= len(sweep.cells())
+    if axes == 3:
+        assert "*lr = 0.05*" in report and "*lr = 0.1*" in report
+    width = mpimg.imread(plots[0]).shape[1]
+    assert width > (600 if axes == 3 else 100)
