@@ -427,6 +427,17 @@ def test_margins_are_paired_by_seed_against_the_best_healthy_baseline(tmp_path):
     assert second.margins["fedbuff"].verdict == "wins"
     assert "fedbuff lr2" not in second.margins  # not run there
     assert summaries[2].best_baseline is None and summaries[2].margins == {}
+    # A partial table: which cells may still change their best baseline.
+    assert [x.missing_baseline_runs for x in summaries[:3]] == [0, 0, 4]
+    partial = summarize(sweep, [r for r in records if (r["arm"], r["seed"]) != ("fedavg", 1)],
+                        out)  # fmt: skip
+    assert partial[0].missing_baseline_runs == 1
+    out.mkdir()
+    (out / TABLE_NAME).write_text(
+        "".join(json.dumps(r) + "\n" for r in records if (r["arm"], r["seed"]) != ("fedavg", 1))
+    )
+    text, _ = report_sweep(sweep, out, plot=False)
+    assert text.count("(partial: 1 baseline run to come)") == 2  # cells c0 and c1
 
 
 def test_a_cell_whose_baselines_all_diverged_says_so(tmp_path):

@@ -107,6 +107,8 @@ class CellSummary:
     best_baseline: str | None
     baselines_broken: bool  # every baseline diverged on some seed
     margins: dict[str, Margin]
+    # Baseline runs of the grid not in the table yet: the best baseline may still change.
+    missing_baseline_runs: int = 0
 
 
 def verdict(margins: Iterable[float]) -> str:
@@ -218,6 +220,10 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
                     ahead_from(a.curves, best.curves), a.curve_x,
                 )  # fmt: skip
         summaries.append(
-            CellSummary(cell, arms, best.arm if best else None, broken, margins)
+            CellSummary(
+                cell, arms, best.arm if best else None, broken, margins,
+                sum(len(sweep.seeds) - len(a.accuracy) - len(a.errors)
+                    for a in arms.values() if a.role == "baseline"),
+            )
         )  # fmt: skip
     return summaries

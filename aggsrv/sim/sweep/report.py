@@ -35,6 +35,12 @@ def _points(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:+.1f}"
 
 
+def _partial(summary: CellSummary) -> str:
+    """A cell whose baselines have not all run: its best baseline may still change."""
+    n = summary.missing_baseline_runs
+    return f" (partial: {n} baseline run{'s' * (n != 1)} to come)" if n else ""
+
+
 def _margin_text(m: Margin | None) -> str:
     if m is None:
         return "-"
@@ -104,6 +110,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
                     else:
                         text += f" vs {m.baseline}"
                         text += f", {_ahead(m)}" if _ahead(m) else ""
+                        text += _partial(s)
                     cells.append(text)
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -179,6 +186,7 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                     text = _margin_text(m) + f"\nvs {m.baseline}"
                     if _ahead(m):
                         text += "\n" + _ahead(m)
+                    text += _partial(s).replace(" (", "\n(")
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
                             bbox={"facecolor": "white", "alpha": 0.6, "linewidth": 0})  # fmt: skip
