@@ -379,18 +379,16 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from aggsrv.sim.sweep import load_sweep, report_sweep, run_sweep
+    from aggsrv.sim.sweep import check_sweep, load_sweep, report_sweep, run_sweep
 
     try:
         sweep = load_sweep(args.file)
+        if args.seeds:
+            sweep.seeds = list(args.seeds)
+            check_sweep(sweep)  # the same checks as the file's seeds (e.g. no repeats)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"aggsrv sweep: {exc}\n")
         return 2
-    if args.seeds:
-        sweep.seeds = list(args.seeds)
-        if len(set(sweep.seeds)) != len(sweep.seeds):
-            sys.stderr.write(f"aggsrv sweep: --seeds repeat: {sweep.seeds}\n")
-            return 2
     out = Path(args.out)
     failed = 0
     if not args.report_only:
@@ -445,10 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         sim.add_argument("--" + key.replace("_", "-"), dest=key, type=kind)
     sim.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config key")
     sim.add_argument("--target", type=float, default=0.8, help="accuracy for 'time to target'")
-    sim.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="draw the progress bar (default: when stderr is a terminal)",
-    )  # fmt: skip
+    _progress_option(sim)
     sim.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration and exit"
     )
@@ -483,10 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--no-plot", dest="plot", action="store_false", help="tables only, no heat maps"
     )
-    sweep.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="draw the progress bar (default: when stderr is a terminal)",
-    )  # fmt: skip
+    _progress_option(sweep)
     sweep.set_defaults(func=_sweep)
 
     serve = sub.add_parser(
@@ -538,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.set_defaults(func=_token)
     return parser
+
+
+def _progress_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="draw the progress bar (default: when stderr is a terminal)",
+    )  # fmt: skip
 
 
 def _connection_options(p: argparse.ArgumentParser) -> None:

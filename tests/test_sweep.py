@@ -580,6 +580,9 @@ strategy = "fedasync"
     bad = subprocess.run([*cmd[:4], str(tmp_path / "missing.toml"), "--out", str(out)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "aggsrv sweep:" in bad.stderr
+    twice = subprocess.run([*cmd, "--seeds", "1", "1"], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert twice.returncode == 2 and "seeds repeat: [1, 1]" in twice.stderr
 
 
 @pytest.mark.parametrize("axes", [0, 1, 3])

@@ -7,7 +7,15 @@ makes a sweep resumable; ``runner`` runs what the table lacks; ``margins`` turns
 per-cell margins and verdicts; ``report`` writes the Markdown and the heat maps.
 """
 
-from aggsrv.sim.sweep.definition import Arm, Axis, Cell, RunSpec, Sweep, load_sweep
+from aggsrv.sim.sweep.definition import (
+    Arm,
+    Axis,
+    Cell,
+    RunSpec,
+    Sweep,
+    check_sweep,
+    load_sweep,
+)
 from aggsrv.sim.sweep.margins import summarize
 from aggsrv.sim.sweep.report import report_sweep
 from aggsrv.sim.sweep.runner import pending, plan, run_sweep
@@ -19,6 +27,7 @@ __all__ = [
     "Cell",
     "RunSpec",
     "Sweep",
+    "check_sweep",
     "load_results",
     "load_sweep",
     "pending",

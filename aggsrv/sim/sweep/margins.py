@@ -105,7 +105,7 @@ class CellSummary:
     cell: Cell
     arms: dict[str, ArmResult]
     best_baseline: str | None
-    baselines_broken: bool  # every baseline diverged on some seed
+    baselines_broken: bool  # every baseline diverged or stalled on some seed
     margins: dict[str, Margin]
     # Baseline runs of the grid not in the table yet: the best baseline may still change.
     missing_baseline_runs: int = 0

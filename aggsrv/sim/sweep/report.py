@@ -76,7 +76,7 @@ def _lookup(summaries: list[CellSummary]) -> dict[tuple[str, ...], CellSummary]:
 
 
 def _cell_labels(sweep: Sweep, row: str, col: str, panel: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(x for x in (row, col)[: min(2, len(sweep.axes))]) + panel
+    return (row, col)[: len(sweep.axes)] + panel
 
 
 def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
