@@ -519,6 +519,7 @@ def test_the_report_tables_and_heat_maps_show_the_margins(tmp_path, monkeypatch)
     )
     assert "| iid / none | 0.705 ± 0.007 | - |" in text
     assert (out / "sweep.md").read_text() == text
+    assert text.startswith("**fedbuff**")  # no description in this file: the grids come first
     assert [p.name for p in plots] == ["heatmap-fedbuff.png", "heatmap-fedbuff_lr2.png"]
     image = mpimg.imread(plots[0])
     h, w = image.shape[:2]
@@ -531,6 +532,22 @@ def test_the_report_tables_and_heat_maps_show_the_margins(tmp_path, monkeypatch)
     rows_green = np.nonzero(green.any(axis=1))[0]
     assert rows_red.size and rows_green.size
     assert np.median(rows_red) < np.median(rows_green)  # iid (the first row) is on top
+
+
+def test_the_description_opens_the_report(tmp_path, monkeypatch):
+    text_in = 'description = """FedBuff against K-async FedAvg,\non three splits."""\n' + SWEEP
+    sweep = load_sweep(_write(tmp_path, text_in))
+    assert sweep.description == "FedBuff against K-async FedAvg,\non three splits."
+    out = tmp_path / "out"
+    monkeypatch.setattr(sweep_runner, "_execute", _fake_execute([]))
+    run_sweep(sweep, out, log=lambda _: None)
+    text, _ = report_sweep(sweep, out, plot=False)
+    assert text.startswith("FedBuff against K-async FedAvg,\non three splits.\n\n**fedbuff**")
+
+
+def test_a_description_that_is_not_text_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="description"):
+        load_sweep(_write(tmp_path, "description = 3\n" + SWEEP))
 
 
 # ---------------------------------------------------------------- end to end

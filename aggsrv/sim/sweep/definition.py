@@ -300,7 +300,10 @@ def load_sweep(path: str | Path) -> Sweep:
     for arm in arms:
         if arm.of is not None and arm.of not in methods:
             _fail(path, f"arm {arm.label!r}: of = {arm.of!r} is not a method arm")
-    sweep = Sweep(path, base, list(seeds), axes, arms, str(raw.get("description", "")))
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        _fail(path, f"description must be text (it opens sweep.md), not {description!r}")
+    sweep = Sweep(path, base, list(seeds), axes, arms, description)
     check_sweep(sweep)
     return sweep
 

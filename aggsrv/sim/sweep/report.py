@@ -80,11 +80,12 @@ def _cell_labels(sweep: Sweep, row: str, col: str, panel: tuple[str, ...]) -> tu
 
 
 def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
-    """Markdown: one margin grid per mapped arm, then every arm's accuracy per cell."""
+    """Markdown: the file's description, one margin grid per mapped arm, then every arm's
+    accuracy per cell."""
     rows, cols, panels = _grid(sweep)
     by_cell = _lookup(summaries)
     names = [a.name for a in sweep.axes]
-    lines = []
+    lines = [sweep.description.strip(), ""] if sweep.description.strip() else []
     for arm in _mapped(sweep):
         lines.append(f"**{arm}**: margin over the best baseline, accuracy points (mean ± sd)")
         lines.append("")
