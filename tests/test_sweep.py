@@ -20,7 +20,7 @@ from aggsrv.sim.sweep import load_results, load_sweep, pending, plan, run_sweep,
 from aggsrv.sim.sweep import runner as sweep_runner
 from aggsrv.sim.sweep.margins import ahead_from, verdict
 from aggsrv.sim.sweep.report import report_sweep
-from aggsrv.sim.sweep.table import FIELDS, TABLE_NAME, health
+from aggsrv.sim.sweep.table import FIELDS, TABLE_NAME, health, run_dir_of
 
 SETTING = """
 strategy = "fedasync"
@@ -534,6 +534,33 @@ def test_the_report_tables_and_heat_maps_show_the_margins(tmp_path, monkeypatch)
     assert np.median(rows_red) < np.median(rows_green)  # iid (the first row) is on top
 
 
+def test_a_moved_table_still_finds_its_runs(tmp_path, monkeypatch):
+    """Lines name their runs relative to the table, so a table copied elsewhere together with
+    its runs (or committed) reports the same, also where a line has no curve of its own."""
+    import shutil
+
+    sweep = load_sweep(_write(tmp_path))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sweep_runner, "_execute", _fake_execute([]))
+    run_sweep(sweep, out, log=lambda _: None)
+    before, _ = report_sweep(sweep, out, plot=False)
+    lines = [json.loads(line) for line in (out / TABLE_NAME).read_text().splitlines()]
+    moved = tmp_path / "elsewhere" / "out"
+    moved.mkdir(parents=True)
+    with open(moved / TABLE_NAME, "w") as fh:
+        for record in lines:
+            assert not Path(record["run_dir"]).is_absolute()
+            run = moved / record["run_dir"]
+            run.mkdir(parents=True)
+            points = record.pop("curve")["points"]  # a line from before curves were recorded
+            rows = [{"virtual_time": x, "test_accuracy": a, "test_loss": 1.0} for x, a in points]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            fh.write(json.dumps(record) + "\n")
+    shutil.rmtree(out)
+    after, _ = report_sweep(sweep, moved, plot=False)
+    assert "ahead from 2 s" in after and after == before
+
+
 def test_the_description_opens_the_report(tmp_path, monkeypatch):
     text_in = 'description = """FedBuff against K-async FedAvg,\non three splits."""\n' + SWEEP
     sweep = load_sweep(_write(tmp_path, text_in))
@@ -584,10 +611,11 @@ strategy = "fedasync"
     records = load_results(out)
     assert len(records) == 8
     for r in records:
-        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert r["run_dir"].startswith("runs/")  # relative to the table: the two move together
+        summary = json.loads((run_dir_of(r, out) / "summary.json").read_text())
         assert r["final_accuracy"] == summary["final_accuracy"]
         assert r["versions"] == summary["versions"] and r["strategy"] == summary["strategy"]
-        metrics = (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        metrics = (run_dir_of(r, out) / "metrics.jsonl").read_text().splitlines()
         assert r["final_loss"] == json.loads(metrics[-1])["test_loss"]
     assert "**fedbuff**" in first.stdout and (out / "heatmap-fedbuff.png").is_file()
     assert not (stale / "events.jsonl").exists() and (stale / "summary.json").is_file()

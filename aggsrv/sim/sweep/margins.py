@@ -37,7 +37,7 @@ import numpy as np
 
 from aggsrv.sim.config import parse_budget
 from aggsrv.sim.sweep.definition import Cell, RunSpec, Sweep
-from aggsrv.sim.sweep.table import curve
+from aggsrv.sim.sweep.table import curve, run_dir_of
 
 __all__ = ["ArmResult", "CellSummary", "Margin", "ahead_from", "summarize", "verdict"]
 
@@ -143,11 +143,11 @@ def ahead_from(arm: dict[int, np.ndarray], base: dict[int, np.ndarray]) -> float
     return float(xs[0] if behind.size == 0 else xs[behind[-1] + 1])
 
 
-def _curve_of(record: dict[str, Any], spec: RunSpec) -> dict[str, Any] | None:
+def _curve_of(record: dict[str, Any], spec: RunSpec, out) -> dict[str, Any] | None:
     """The record's curve, or for a line written before curves were recorded, the run's."""
     if record.get("curve"):
         return record["curve"]
-    metrics = Path(record["run_dir"]) / "metrics.jsonl"
+    metrics = run_dir_of(record, Path(out)) / "metrics.jsonl"
     if not metrics.is_file():
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
@@ -192,7 +192,7 @@ def summarize(sweep: Sweep, records: list[dict[str, Any]], out) -> list[CellSumm
                     result.errors[seed] = r["error"] or f"final accuracy {accuracy}"
                     continue
                 result.accuracy[seed] = float(r["final_accuracy"])
-                points = _curve_of(r, spec)
+                points = _curve_of(r, spec, out)
                 if points and points["points"]:
                     result.curves[seed] = np.asarray(points["points"], dtype=np.float64)
                     result.curve_x = points["x"]

@@ -28,6 +28,7 @@ __all__ = [
     "curve",
     "health",
     "load_results",
+    "run_dir_of",
     "result_record",
 ]
 
@@ -80,10 +81,15 @@ def curve(metrics: list[dict[str, Any]], unit: str) -> dict[str, Any]:
 
 
 def result_record(
-    spec, summary: dict[str, Any] | None, metrics: list[dict[str, Any]], error=None
+    spec,
+    summary: dict[str, Any] | None,
+    metrics: list[dict[str, Any]],
+    error=None,
+    table_dir: Path | None = None,
 ) -> dict:
     """The table line of one run (``spec`` is a RunSpec; ``summary`` its summary.json,
-    ``metrics`` its metrics.jsonl rows)."""
+    ``metrics`` its metrics.jsonl rows). ``run_dir`` is written relative to ``table_dir`` when
+    the run is inside it, so the table and its runs can move (or the table be committed)."""
     from aggsrv.sim.config import parse_budget
 
     final_loss, min_loss, diverged = health([m["test_loss"] for m in metrics])
@@ -105,10 +111,25 @@ def result_record(
         "updates_applied": s.get("updates_applied"),
         "stalled": s.get("stalled"),
         "wall_time": s.get("wall_time"),
-        "run_dir": spec.config["out"],
+        "run_dir": _relative(spec.config["out"], table_dir),
         "error": error,
         "curve": curve(metrics, parse_budget(spec.config["budget"]).unit) if metrics else None,
     }
+
+
+def _relative(run_dir: str, table_dir: Path | None) -> str:
+    if table_dir is None:
+        return run_dir
+    try:
+        return Path(run_dir).resolve().relative_to(Path(table_dir).resolve()).as_posix()
+    except ValueError:  # a run outside the table's folder keeps its path
+        return run_dir
+
+
+def run_dir_of(record: dict[str, Any], table_dir: Path) -> Path:
+    """Where a line's run is: a relative ``run_dir`` is inside the table's folder."""
+    path = Path(record["run_dir"])
+    return path if path.is_absolute() else Path(table_dir) / path
 
 
 def append_result(out: Path, record: dict[str, Any]) -> None:
