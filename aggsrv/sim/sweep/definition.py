@@ -303,7 +303,7 @@ def load_sweep(path: str | Path) -> Sweep:
     description = raw.get("description", "")
     if not isinstance(description, str):
         _fail(path, f"description must be text (it opens sweep.md), not {description!r}")
-    sweep = Sweep(path, base, list(seeds), axes, arms, description)
+    sweep = Sweep(path, base, list(seeds), axes, arms, description.strip())
     check_sweep(sweep)
     return sweep
 

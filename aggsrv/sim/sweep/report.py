@@ -85,7 +85,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
     rows, cols, panels = _grid(sweep)
     by_cell = _lookup(summaries)
     names = [a.name for a in sweep.axes]
-    lines = [sweep.description.strip(), ""] if sweep.description.strip() else []
+    lines = [sweep.description, ""] if sweep.description else []
     for arm in _mapped(sweep):
         lines.append(f"**{arm}**: margin over the best baseline, accuracy points (mean ± sd)")
         lines.append("")

@@ -178,7 +178,7 @@ def _run_phase(
     def finish(spec: RunSpec, outcome) -> None:
         nonlocal failed, done
         summary, metrics, error = outcome
-        record = result_record(spec, summary, metrics, error, table_dir=out)
+        record = result_record(spec, summary, metrics, error, out)
         append_result(out, record)
         failed += error is not None
         done += 1

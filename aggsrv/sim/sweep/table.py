@@ -84,8 +84,8 @@ def result_record(
     spec,
     summary: dict[str, Any] | None,
     metrics: list[dict[str, Any]],
-    error=None,
-    table_dir: Path | None = None,
+    error: str | None,
+    table_dir: Path,
 ) -> dict:
     """The table line of one run (``spec`` is a RunSpec; ``summary`` its summary.json,
     ``metrics`` its metrics.jsonl rows). ``run_dir`` is written relative to ``table_dir`` when
@@ -117,9 +117,7 @@ def result_record(
     }
 
 
-def _relative(run_dir: str, table_dir: Path | None) -> str:
-    if table_dir is None:
-        return run_dir
+def _relative(run_dir: str, table_dir: Path) -> str:
     try:
         return Path(run_dir).resolve().relative_to(Path(table_dir).resolve()).as_posix()
     except ValueError:  # a run outside the table's folder keeps its path
