@@ -10,12 +10,13 @@ decode leaves garbage in the slot: the server applies nothing from it.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from aggsrv.finite import sum_is_finite
 
 from . import dtypes as _dtypes
 from .crc import BytesLike, Crc32c
@@ -343,10 +344,9 @@ class Decoder:
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
         for buf in buffers:
-            # A sum is non-finite whenever any term is (NaN and Inf propagate; Inf - Inf = NaN),
-            # and it reads at memory speed without allocating the [D] bool mask isfinite needs.
-            # A finite-value overflow only sends us to the exact (slow, rare) check below.
-            if buf.numel() == 0 or math.isfinite(float(buf.sum())):
+            # A finite sum proves every term finite (aggsrv.finite); an overflow of finite
+            # values only sends us to the exact (slow, rare) check below.
+            if buf.numel() == 0 or sum_is_finite(buf):
                 continue
             bad = (~torch.isfinite(buf)).nonzero()
             if bad.numel() == 0:

@@ -1,0 +1,70 @@
+"""count_non_finite / sum_is_finite against numpy's element-wise count, on every path: CPU
+float32/float64 (summed by numpy on the calling thread), half types and large tensors (torch),
+strided views, and finite values whose sum overflows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aggsrv import finite
+from aggsrv.finite import count_non_finite, sum_is_finite
+
+
+def _oracle(t: torch.Tensor) -> int:
+    return int((~np.isfinite(t.detach().to(torch.float64).numpy())).sum())
+
+
+def _poison(t: torch.Tensor, rng: np.random.Generator, k: int) -> torch.Tensor:
+    t = t.clone()
+    idx = rng.choice(t.numel(), size=k, replace=False)
+    vals = rng.choice([np.nan, np.inf, -np.inf], size=k)
+    t.view(-1)[torch.as_tensor(idx)] = torch.as_tensor(vals, dtype=t.dtype)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 32_769, 100_003])
+def test_count_matches_numpy_elementwise(dtype: torch.dtype, n: int) -> None:
+    rng = np.random.default_rng()
+    t = torch.as_tensor(rng.standard_normal(n)).to(dtype)
+    assert count_non_finite(t) == 0 and sum_is_finite(t)
+    for k in sorted({1, min(3, n), min(n, 1 + n // 10)}):
+        bad = _poison(t, rng, k)
+        assert count_non_finite(bad) == _oracle(bad) == k
+        assert not sum_is_finite(bad)
+
+
+def test_strided_and_noncontiguous_views_are_read_correctly() -> None:
+    rng = np.random.default_rng()
+    base = torch.as_tensor(rng.standard_normal((301, 257)), dtype=torch.float32)
+    base[16, 3] = float("nan")  # view[3, 8] below; column 3 is outside base[:, ::2]
+    view = base.t()[:, ::2]  # view[i, j] = base[2 j, i]
+    assert not view.is_contiguous()
+    assert count_non_finite(view) == _oracle(view) == 1
+    assert count_non_finite(base[:, ::2]) == _oracle(base[:, ::2]) == 0
+
+
+def test_finite_values_whose_sum_overflows_count_zero() -> None:
+    t = torch.full((1001,), 3.0e38, dtype=torch.float32)  # every element finite, the sum is not
+    assert not sum_is_finite(t)
+    assert count_non_finite(t) == 0
+
+
+def test_empty_integer_and_grad_tensors() -> None:
+    assert count_non_finite(torch.empty(0)) == 0
+    assert count_non_finite(torch.arange(10)) == 0
+    w = torch.randn(33, requires_grad=True)
+    assert count_non_finite(w) == 0
+    w2 = w.detach().clone()
+    w2[5] = float("inf")
+    assert count_non_finite(w2.requires_grad_()) == 1
+
+
+def test_above_the_single_thread_size_torch_counts_the_same(monkeypatch) -> None:
+    monkeypatch.setattr(finite, "SINGLE_THREAD_NUMEL", 1000)
+    rng = np.random.default_rng()
+    t = _poison(torch.as_tensor(rng.standard_normal(4099), dtype=torch.float32), rng, 5)
+    assert count_non_finite(t) == _oracle(t) == 5
+    assert count_non_finite(t[:999].clone().nan_to_num_()) == 0
