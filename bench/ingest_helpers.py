@@ -17,6 +17,9 @@ Run as a script, it starts an aggsrv server in this process and prints `PORT <n>
 serves; it stops when its stdin closes (the memory benchmark runs it in a subprocess):
 
     python bench/ingest_helpers.py serve --strategy fedbuff --strategy-config '{"buffer_size": 64}'
+
+`--config '{"max_clients": 2048}'` sets further ServerConfig keys (the load benchmark,
+bench/test_bench_load.py, raises the client and call limits and turns the rate limit off).
 """
 
 from __future__ import annotations
@@ -35,13 +38,19 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
+from aggsrv import protocol as P
+from aggsrv.layout import ModelLayout
 from aggsrv.server.app import Server
 from aggsrv.server.config import ServerConfig
+from aggsrv.strategies.base import Recipe
+from aggsrv.transport import WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 
 MIB = 1 << 20
 PUSH_METHOD = "PushUpdate"
+JOB_METHOD = "GetJob"
 AGG_SERVICE = "aggsrv.v1.Aggregation"
 FLOWER_SERVICE = "bench.FlowerStyle"
 FLOWER_METHOD = f"/{FLOWER_SERVICE}/Upload"
@@ -107,15 +116,25 @@ class _GrpcThread(LoopThread):
 
 
 class BareReceiver(_GrpcThread):
-    """Answers PushUpdate after counting the chunk bytes of the stream; nothing else.
+    """Answers PushUpdate after counting the chunk bytes of the stream; nothing else. Given a
+    model, it also answers GetJob with the messages aggsrv's GetJob would send for it (a
+    JobHeader, the model's chunks, the trailer), serialized once at start, so a get_job + push
+    loop against it costs the same gRPC-level work per update as against aggsrv (the same calls,
+    messages and bytes in both directions) and none of the server's own.
 
     Same message limits as aggsrv's default config (4 MiB), so the only difference from the
     real server is the work done per message.
     """
 
-    def __init__(self, limit: int = 4 * MIB) -> None:
+    def __init__(
+        self,
+        limit: int = 4 * MIB,
+        layout: ModelLayout | None = None,
+        model: torch.Tensor | None = None,
+    ) -> None:
         self.bytes_received = 0
         self.streams = 0
+        self.jobs = 0
 
         async def push(request_iterator: Any, context: Any) -> pb.PushUpdateResponse:
             n = 0
@@ -130,17 +149,47 @@ class BareReceiver(_GrpcThread):
             self.streams += 1
             return pb.PushUpdateResponse(outcome=pb.OUTCOME_APPLIED, update_id=update_id)
 
-        handler = grpc.method_handlers_generic_handler(
-            AGG_SERVICE,
-            {
-                PUSH_METHOD: grpc.stream_unary_rpc_method_handler(
-                    push,
-                    request_deserializer=pb.UpdateMessage.FromString,
-                    response_serializer=pb.PushUpdateResponse.SerializeToString,
-                )
-            },
-        )
+        methods = {
+            PUSH_METHOD: grpc.stream_unary_rpc_method_handler(
+                push,
+                request_deserializer=pb.UpdateMessage.FromString,
+                response_serializer=pb.PushUpdateResponse.SerializeToString,
+            )
+        }
+        if layout is not None and model is not None:
+            job_messages = _job_messages(layout, model)
+
+            async def get_job(request: pb.GetJobRequest, context: Any):
+                self.jobs += 1
+                for message in job_messages:
+                    yield message
+
+            methods[JOB_METHOD] = grpc.unary_stream_rpc_method_handler(
+                get_job,
+                request_deserializer=pb.GetJobRequest.FromString,
+                response_serializer=None,  # the messages are bytes already
+            )
+        handler = grpc.method_handlers_generic_handler(AGG_SERVICE, methods)
         super().__init__("bare-receiver", handler, limit)
+
+
+def _job_messages(layout: ModelLayout, model: torch.Tensor) -> list[bytes]:
+    """The serialized JobMessages of a job on `model` (float32, aggsrv's default chunk size):
+    one flat "weights" tensor, as aggsrv sends a model without float buffers."""
+    assert model.numel() == layout.numel and not layout.buffer_numel
+    tensors = {"weights": model.reshape(-1)}
+    header = pb.JobHeader(
+        job_id="1",
+        base_version=0,
+        layout_hash=layout.hash,
+        recipe=P.recipe_to_pb(Recipe()),
+        dtype=P.WIRE_TO_PB[WireDtype.FLOAT32],
+        tensors=P.tensor_infos(tensors),
+        update_kind=pb.UPDATE_KIND_DELTA,
+        upload_dtype=P.WIRE_TO_PB[WireDtype.FLOAT32],
+    )
+    chunks = P.chunk_stream(tensors, WireDtype.FLOAT32, ServerConfig().chunk_bytes, pb.JobMessage)
+    return [m.SerializeToString() for m in [pb.JobMessage(header=header), *chunks]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--strategy", default="fedbuff")
     s.add_argument("--strategy-config", default="{}", help="JSON object")
     s.add_argument("--max-concurrent-uploads", type=int, default=None)
+    s.add_argument(
+        "--config", default="{}", help="JSON object of further ServerConfig keys (override)"
+    )
     args = p.parse_args(argv)
     cfg: dict[str, Any] = {
         "host": "127.0.0.1",
@@ -318,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.max_concurrent_uploads is not None:
         cfg["max_concurrent_uploads"] = args.max_concurrent_uploads
+    cfg.update(json.loads(args.config))
     asyncio.run(_serve(ServerConfig(**cfg)))
     return 0
 
