@@ -185,6 +185,55 @@ def chunk_stream(
     yield message_cls(trailer=tpb.StreamTrailer(crc32c=enc.crc32c, payload_bytes=enc.nbytes))
 
 
+def serialized_chunk_stream(
+    tensors: Mapping[str, torch.Tensor], dtype: WireDtype, chunk_bytes: int, message_cls: type
+) -> Iterator[bytes]:
+    """The messages of :func:`chunk_stream`, serialized: the bytes ``SerializeToString`` would
+    give, with one copy of each chunk's data instead of three (into bytes, into the message,
+    out of it). A server sends these through a serializer that passes bytes on unchanged."""
+    chunk_key = _key(message_cls.DESCRIPTOR.fields_by_name["chunk"].number, _LENGTH_DELIMITED)
+    enc = Encoder(list(tensors.items()), dtype, chunk_bytes)
+    for c in enc.chunks():
+        yield _chunk_message(chunk_key, c.name, c.byte_offset, c.data)
+    trailer = tpb.StreamTrailer(crc32c=enc.crc32c, payload_bytes=enc.nbytes)
+    yield message_cls(trailer=trailer).SerializeToString()
+
+
+_LENGTH_DELIMITED, _VARINT = 2, 0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def _chunk_message(chunk_key: bytes, tensor: str, offset: int, data: memoryview | bytes) -> bytes:
+    """A message whose chunk field (``chunk_key``) holds TensorChunk(tensor, offset, data)."""
+    name = tensor.encode("utf-8")
+    n = memoryview(data).nbytes
+    # TensorChunk's fields in number order, each left out at its default, as protobuf does.
+    inner = b"".join((
+        _CHUNK_TENSOR + _varint(len(name)) + name if name else b"",
+        _CHUNK_OFFSET + _varint(offset) if offset else b"",
+        _CHUNK_DATA + _varint(n),
+    ))  # fmt: skip
+    return b"".join((chunk_key, _varint(len(inner) + n), inner, data))
+
+
+_CHUNK_FIELDS = tpb.TensorChunk.DESCRIPTOR.fields_by_name
+_CHUNK_TENSOR = _key(_CHUNK_FIELDS["tensor"].number, _LENGTH_DELIMITED)
+_CHUNK_OFFSET = _key(_CHUNK_FIELDS["offset"].number, _VARINT)
+_CHUNK_DATA = _key(_CHUNK_FIELDS["data"].number, _LENGTH_DELIMITED)
+
+
 def sparse_infos(
     infos: list[tpb.TensorInfo],
 ) -> dict[str, tuple[Encoding, int]]:

@@ -287,7 +287,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         tensors = await fed.job_on_host(job)  # a device model: its version's one host copy
         yield pb.JobMessage(header=header)
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
-        for msg in P.chunk_stream(tensors, dtype, chunk_bytes, pb.JobMessage):
+        for msg in P.serialized_chunk_stream(tensors, dtype, chunk_bytes, pb.JobMessage):
             yield msg
 
     async def _issued_job(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext):
@@ -561,7 +561,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             )
         )
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
-        for msg in P.chunk_stream(tensors, dtype, chunk_bytes, pb.ModelMessage):
+        for msg in P.serialized_chunk_stream(tensors, dtype, chunk_bytes, pb.ModelMessage):
             yield msg
 
     async def _await_version(self, version: int) -> None:
@@ -741,12 +741,23 @@ def add_to_server(service: AggregationService, server: grpc.aio.Server) -> None:
         handlers[method.name] = makers[method.client_streaming, method.server_streaming](
             behaviour,
             request_deserializer=tolerant_parser(request_cls),
-            response_serializer=response_cls.SerializeToString,
+            response_serializer=_serializer(response_cls),
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
     )
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _serializer(message_cls: type) -> Callable[[object], bytes]:
+    """SerializeToString, except for messages a handler serialized itself (bytes: the chunks
+    of a job or model, protocol.serialized_chunk_stream), which go out as they are."""
+    serialize = message_cls.SerializeToString
+
+    def to_bytes(message: object) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return to_bytes
 
 
 def _refusing_unparseable(service: AggregationService, handler, streams: bool):
