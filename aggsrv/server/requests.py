@@ -187,7 +187,9 @@ class RequestChecks:
         upload_idle_timeout_seconds is cut with DEADLINE_EXCEEDED, freeing its slot."""
         timeout = self.fed.config.upload_idle_timeout_seconds
         try:
-            msg = await asyncio.wait_for(anext(stream, None), timeout)
+            # asyncio.timeout, not wait_for: wait_for wraps every message in a new task.
+            async with asyncio.timeout(timeout):
+                msg = await anext(stream, None)
         except TimeoutError:
             await self._abort(
                 context,
