@@ -30,6 +30,7 @@ import gc
 import io
 import json
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -311,6 +312,18 @@ def interleaved_prepared(
 # --------------------------------------------------------------------------------------------
 # /proc
 # --------------------------------------------------------------------------------------------
+
+
+def stop_server_process(proc: subprocess.Popen) -> None:
+    """Stop a `serve` subprocess: close its stdin (it stops when stdin closes), kill it if it
+    has not exited within 30 s."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def proc_status_kb(pid: int) -> dict[str, int]:

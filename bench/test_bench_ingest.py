@@ -49,6 +49,7 @@ from ingest_helpers import (
     interleaved_prepared,
     proc_status_kb,
     reset_peak_rss,
+    stop_server_process,
 )
 
 from aggsrv.client.client import Client, ClientJob
@@ -409,13 +410,7 @@ def test_bench_fedbuff_memory(benchmark) -> None:
     finally:
         for c in clients:
             c.close()
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server_process(proc)
 
     assert statuses.count(Status.BUFFERED) == K - 1 and statuses.count(Status.APPLIED) == 1, (
         statuses

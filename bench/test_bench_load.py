@@ -97,10 +97,10 @@ import grpc
 import numpy as np
 import torch
 from conftest import SCALE, emit, fmt_size, rescale_sizes, scaled
-from ingest_helpers import proc_status_kb, reset_peak_rss
+from ingest_helpers import proc_status_kb, reset_peak_rss, stop_server_process
 
 from aggsrv import protocol as P
-from aggsrv.client.client import Client
+from aggsrv.client.client import Client, register_header
 from aggsrv.layout import ModelLayout
 from aggsrv.transport import Decoder, StagingSlot, WireDtype
 from aggsrv.transport.errors import CodecError
@@ -194,22 +194,6 @@ async def _get_job(
     return header
 
 
-def _register_header(client_id: str, layout: ModelLayout) -> pb.RegisterHeader:
-    """The header `Client.register` sends (no initial model: the server has one)."""
-    return pb.RegisterHeader(
-        client_id=client_id,
-        layout=P.layout_to_pb(layout),
-        layout_hash=layout.hash,
-        capabilities=pb.ClientCapabilities(
-            upload_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
-            download_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
-            update_kinds=[pb.UPDATE_KIND_WEIGHTS, pb.UPDATE_KIND_DELTA],
-            proximal=True,
-            max_receive_message_bytes=MESSAGE_BYTES,
-        ),
-    )
-
-
 async def _client_process() -> None:
     """Protocol on stdin/stdout, one JSON object a line: config -> {"registered"}; {"go"} ->
     {"warm"} once every client had a push acknowledged; {"t0", "t1"} (time.monotonic of the
@@ -241,7 +225,7 @@ async def _client_process() -> None:
 
     async def register(i: int) -> pb.RegisterResponse:
         async with limit:
-            request = pb.RegisterRequest(header=_register_header(ids[i], layout))
+            request = pb.RegisterRequest(header=register_header(ids[i], layout, MESSAGE_BYTES))
             return await stubs[i // PER_CHANNEL].Register(iter([request]), timeout=CALL_TIMEOUT)
 
     resps = await asyncio.gather(*(register(i) for i in range(len(ids))))
@@ -450,16 +434,6 @@ def _start_server() -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{int(line.split()[1])}"
 
 
-def _stop_server(proc: subprocess.Popen) -> None:
-    if proc.stdin:
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _run_n(N: int, D: int) -> dict[str, Any]:
     """One point of the curve: a fresh server, N clients over PROCS processes."""
     layout = _layout(D)
@@ -513,7 +487,7 @@ def _run_n(N: int, D: int) -> dict[str, Any]:
         for c in children:
             c.stop()
         if proc is not None:
-            _stop_server(proc)
+            stop_server_process(proc)
 
     outcomes: Counter[str] = Counter()
     errors: Counter[str] = Counter()

@@ -342,19 +342,7 @@ class Client:
                 "statistics): pass initial_buffers with the initial weights"
             )
         self.layout = layout
-        header = pb.RegisterHeader(
-            client_id=self.client_id,
-            layout=P.layout_to_pb(layout),
-            layout_hash=layout.hash,
-            capabilities=pb.ClientCapabilities(
-                upload_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
-                download_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
-                update_kinds=[pb.UPDATE_KIND_WEIGHTS, pb.UPDATE_KIND_DELTA],
-                proximal=True,
-                max_receive_message_bytes=self.max_message_bytes,
-            ),
-            labels=dict(labels or {}),
-        )
+        header = register_header(self.client_id, layout, self.max_message_bytes, labels)
         status = self.status()
         offer = initial is not None and not status.has_model
         if offer and status.limits.chunk_bytes:
@@ -588,6 +576,29 @@ class Client:
     def heartbeat(self, job_id: str = "") -> pb.HeartbeatResponse:
         request = pb.HeartbeatRequest(client_id=self.client_id, job_id=job_id)
         return self._retry("heartbeat", lambda: self._stub.Heartbeat(request, timeout=self.timeout))
+
+
+def register_header(
+    client_id: str,
+    layout: ModelLayout,
+    max_receive_message_bytes: int,
+    labels: Mapping[str, str] | None = None,
+) -> pb.RegisterHeader:
+    """The RegisterHeader this client sends: every wire dtype and update kind, proximal
+    training, and the largest message its channel receives."""
+    return pb.RegisterHeader(
+        client_id=client_id,
+        layout=P.layout_to_pb(layout),
+        layout_hash=layout.hash,
+        capabilities=pb.ClientCapabilities(
+            upload_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
+            download_dtypes=[P.WIRE_TO_PB[d] for d in WireDtype],
+            update_kinds=[pb.UPDATE_KIND_WEIGHTS, pb.UPDATE_KIND_DELTA],
+            proximal=True,
+            max_receive_message_bytes=max_receive_message_bytes,
+        ),
+        labels=dict(labels or {}),
+    )
 
 
 def pending_of(msg: pb.JobPending) -> Pending:
