@@ -390,6 +390,51 @@ def test_decoder_rejects_non_finite(seed, wd, value):
     assert repr(NAME) in msg and f"element {elem} " in msg, (seed, msg)
 
 
+@pytest.mark.parametrize("wd", list(T.WireDtype), ids=lambda w: w.wire_name)
+def test_non_finite_found_wherever_chunks_interleave(seed, wd):
+    """NaN/Inf at random places of the tensors packed in the slot's flat buffer (beside one in
+    an extras buffer), chunks of the tensors interleaved: the error names the first bad element
+    in layout order and counts them all, as a full pass over the upload would (oracle: numpy)."""
+    rng = np.random.default_rng(seed)
+    tensors = make_tensors(seed, [(37,), (11, 7), (3,), (129,)])
+    poisoned = [(n, t.clone()) for n, t in tensors]
+    for _ in range(int(rng.integers(1, 6))):
+        i = int(rng.integers(0, 3))  # the first three tensors land in flat, the last in extras
+        t = poisoned[i][1].view(-1)
+        t[int(rng.integers(0, t.numel()))] = rng.choice([np.nan, np.inf, -np.inf])
+    chunk = 6 * wd.itemsize
+    enc, chunks = encode_all(poisoned, wd, chunk)
+    # Tensors interleave (a random order among equal offsets); each one's chunks stay in order.
+    chunks = sorted(chunks, key=lambda c: (c[1], rng.random()))
+    lay = layout_of(poisoned)
+    slot = T.StagingSlot(sum(v for k, v in lay.items() if k != "layer3.weight"),
+                         {"layer3.weight": 129})  # fmt: skip
+    dec = T.Decoder(slot, lay, wd, chunk)
+    _feed_all(dec, chunks)
+    with pytest.raises(T.NonFinite) as ei:
+        dec.finish(crc32c_oracle(b"".join(c[2] for c in chunks)))  # CRC in arrival order
+    flat = np.concatenate([t.reshape(-1).to(wd.torch_dtype).float().numpy()
+                           for _, t in poisoned[:3]])  # fmt: skip
+    bad = np.flatnonzero(~np.isfinite(flat))
+    first = int(bad[0])
+    starts = np.cumsum([0] + [t.numel() for _, t in poisoned[:3]])
+    which = int(np.searchsorted(starts, first, side="right") - 1)
+    msg = str(ei.value)
+    assert repr(poisoned[which][0]) in msg and f"element {first - starts[which]} " in msg, msg
+    assert f"{bad.size} non-finite values" in msg, msg
+
+
+def test_checksum_mismatch_outranks_non_finite(seed):
+    """A corrupted upload that also decodes to a NaN is DATA_LOSS (resend), not
+    INVALID_ARGUMENT (fix the training): the CRC is checked before finiteness."""
+    tensors = _with_value(make_tensors(seed, ERR_SHAPES), float("nan"))
+    enc, chunks = encode_all(tensors, "float32", CHUNK)
+    _, dec = decoder_for(tensors, "float32", CHUNK)
+    _feed_all(dec, chunks)
+    with pytest.raises(T.ChecksumMismatch):
+        dec.finish(enc.crc32c ^ 1)
+
+
 def test_grpc_code_names_are_real_status_codes():
     grpc = pytest.importorskip("grpc")
     classes = [T.CodecError, *T.CodecError.__subclasses__()]
