@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = ["SINGLE_THREAD_NUMEL", "count_non_finite", "sum_is_finite"]
@@ -29,7 +30,9 @@ def sum_is_finite(t: torch.Tensor) -> bool:
     """True when the sum of floating-point ``t`` is finite, which proves every element is; False
     means some element is NaN/Inf or the sum of finite values overflowed (count to tell)."""
     if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.numel() <= SINGLE_THREAD_NUMEL:
-        return math.isfinite(float(t.detach().numpy().sum()))
+        # An overflow or Inf - Inf is the answer here, not a fault to warn about.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return math.isfinite(float(t.detach().numpy().sum()))
     return math.isfinite(float(t.sum()))
 
 

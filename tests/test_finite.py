@@ -68,3 +68,13 @@ def test_above_the_single_thread_size_torch_counts_the_same(monkeypatch) -> None
     t = _poison(torch.as_tensor(rng.standard_normal(4099), dtype=torch.float32), rng, 5)
     assert count_non_finite(t) == _oracle(t) == 5
     assert count_non_finite(t[:999].clone().nan_to_num_()) == 0
+
+
+def test_overflow_and_inf_minus_inf_raise_no_warning() -> None:
+    # The server's log would otherwise carry numpy's RuntimeWarning for a refused update.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert count_non_finite(torch.full((33,), 3.0e38)) == 0
+        assert count_non_finite(torch.tensor([float("inf"), -float("inf"), 1.0])) == 2
