@@ -182,8 +182,6 @@ class Decoder:
             self._targets[name] = _Target(name, view, numel * itemsize, raw=raw)
         self.flat = slot.flat[:packed]
         self._crc = Crc32c()
-        # Element ranges of dense chunks whose sum was not finite (read again by finish()).
-        self._suspect: list[tuple[_Target, int, int]] = []
         self._state = "open"
 
     def reset(self) -> None:
@@ -191,7 +189,6 @@ class Decoder:
         for t in self._targets.values():
             t.received = 0
         self._crc.reset()
-        self._suspect.clear()
         self._state = "open"
 
     @property
@@ -285,14 +282,9 @@ class Decoder:
         # conversion pass for half types (torch's copy_ beats numpy's there: it uses every core).
         if target.raw is not None:
             target.raw[byte_offset:end] = mv
-        if target.sparse is None:
+        else:
             a, b = byte_offset // wd.itemsize, end // wd.itemsize
-            if target.raw is None:
-                target.view[a:b].copy_(from_wire(mv, wd))
-            # The NaN/Inf check, while the chunk is in cache: finish() then reads again only a
-            # chunk whose sum was not finite, instead of the whole upload after the trailer.
-            if not sum_is_finite(target.view[a:b]):
-                self._suspect.append((target, a, b))
+            target.view[a:b].copy_(from_wire(mv, wd))
         target.received = end
 
     def finish(
@@ -347,17 +339,7 @@ class Decoder:
         return {t.name: t.view for t in self._targets.values()}
 
     def _check_finite(self) -> None:
-        """NonFinite naming the first NaN/Inf. feed() summed each dense chunk as it landed, so
-        only the chunks whose sum was not finite and the sparse tensors (decoded just now) are
-        read here; only if one of them holds a NaN/Inf is the whole upload read, to name the
-        first one and count them."""
-        again = [t.view[a:b] for t, a, b in self._suspect]
-        again += [t.view for t in self._targets.values() if t.sparse is not None]
-        if any(_holds_non_finite(v) for v in again):
-            self._locate_non_finite()
-
-    def _locate_non_finite(self) -> None:
-        """NonFinite naming the first NaN/Inf of the upload; one pass over the decoded values."""
+        """NonFinite naming the first NaN/Inf; one read-only pass over the decoded values."""
         buffers = [self.flat] + [
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
@@ -385,8 +367,3 @@ class Decoder:
                     )
                 )
         raise self._fail(NonFinite(f"{count} non-finite values in the upload"))  # unreachable
-
-
-def _holds_non_finite(v: torch.Tensor) -> bool:
-    """Whether ``v`` holds a NaN/Inf (a non-finite sum of finite values is an overflow)."""
-    return v.numel() > 0 and not sum_is_finite(v) and not bool(torch.isfinite(v).all())
