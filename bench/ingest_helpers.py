@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from conftest import rescale_sizes
 
 from aggsrv import protocol as P
 from aggsrv.layout import ModelLayout
@@ -189,8 +190,22 @@ def _job_messages(layout: ModelLayout, model: torch.Tensor) -> list[bytes]:
         update_kind=pb.UPDATE_KIND_DELTA,
         upload_dtype=P.WIRE_TO_PB[WireDtype.FLOAT32],
     )
-    chunks = P.chunk_stream(tensors, WireDtype.FLOAT32, ServerConfig().chunk_bytes, pb.JobMessage)
-    return [m.SerializeToString() for m in [pb.JobMessage(header=header), *chunks]]
+    chunks = P.serialized_chunk_stream(
+        tensors, WireDtype.FLOAT32, ServerConfig().chunk_bytes, pb.JobMessage
+    )
+    return [pb.JobMessage(header=header).SerializeToString(), *chunks]
+
+
+# A few tensors, conv/FC-like proportions (1-D shapes: the layout only needs the sizes).
+LAYER_SIZES = [1_728, 64, 73_728, 128, 2_359_296, 512, 8_388_608, 4_096, 5_869_568, 10]
+
+
+def layered_layout(D: int) -> ModelLayout:
+    """LAYER_SIZES rescaled to D elements in all (one tensor when D is below 10)."""
+    sizes = rescale_sizes(LAYER_SIZES, D) if len(LAYER_SIZES) <= D else [D]
+    return ModelLayout.from_named_shapes(
+        [(f"layer{i}.{'weight' if i % 2 == 0 else 'bias'}", (int(n),)) for i, n in enumerate(sizes)]
+    )
 
 
 # --------------------------------------------------------------------------------------------

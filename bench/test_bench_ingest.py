@@ -40,13 +40,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import REPS, SCALE, emit, fmt_size, median_ratio, rescale_sizes, scaled
+from conftest import REPS, SCALE, emit, fmt_size, median_ratio, scaled
 from ingest_helpers import (
     AggsrvServer,
     BareReceiver,
     FlowerClient,
     FlowerReceiver,
     interleaved_prepared,
+    layered_layout,
     proc_status_kb,
     reset_peak_rss,
     stop_server_process,
@@ -63,15 +64,6 @@ D_MEM = scaled(4 * 2**20)
 N_CLIENTS_SMALL = 32
 UPDATES_PER_CLIENT = int(os.environ.get("AGGSRV_BENCH_SMALL_UPDATES", "20"))
 K_MEM = 64
-# A few tensors, conv/FC-like proportions (1-D shapes: the layout only needs the sizes).
-LAYER_SIZES = [1_728, 64, 73_728, 128, 2_359_296, 512, 8_388_608, 4_096, 5_869_568, 10]
-
-
-def _layout(D: int) -> ModelLayout:
-    sizes = rescale_sizes(LAYER_SIZES, D) if len(LAYER_SIZES) <= D else [D]
-    return ModelLayout.from_named_shapes(
-        [(f"layer{i}.{'weight' if i % 2 == 0 else 'bias'}", (int(n),)) for i, n in enumerate(sizes)]
-    )
 
 
 def _fake_job() -> ClientJob:
@@ -82,7 +74,7 @@ def _fake_job() -> ClientJob:
 def _bare_client(address: str, client_id: str, layout: ModelLayout) -> Client:
     """A Client that pushes to the bare receiver with exactly the real client's code path."""
     c = Client(address, client_id)
-    c.layout = layout  # what register() would set; the receiver implements PushUpdate only
+    c.layout = layout  # what register() would set; the bare receiver has no Register
     c.chunk_bytes = 1 << 20
     return c
 
@@ -94,7 +86,7 @@ def _bare_client(address: str, client_id: str, layout: ModelLayout) -> Client:
 
 def test_bench_ingest_push(benchmark) -> None:
     D = D_INGEST
-    layout = _layout(D)
+    layout = layered_layout(D)
     nbytes = D * 4
     initial = torch.randn(D)
     delta = torch.randn(D) * 1e-3
@@ -208,7 +200,7 @@ def _run_clients(
 def test_bench_small_updates(benchmark) -> None:
     D = D_SMALL
     n_cl, per = N_CLIENTS_SMALL, UPDATES_PER_CLIENT
-    layout = _layout(D)
+    layout = layered_layout(D)
     srv = AggsrvServer(strategy="fedasync")
     initial = torch.randn(D)
     bare = BareReceiver(layout=layout, model=initial)
@@ -343,7 +335,7 @@ def test_bench_small_updates(benchmark) -> None:
 def test_bench_fedbuff_memory(benchmark) -> None:
     D, K = D_MEM, K_MEM
     S = 4  # ServerConfig.max_concurrent_uploads default (checked against the server below)
-    layout = _layout(D)
+    layout = layered_layout(D)
     helper = Path(__file__).with_name("ingest_helpers.py")
     proc = subprocess.Popen(
         [

@@ -96,12 +96,11 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from conftest import SCALE, emit, fmt_size, rescale_sizes, scaled
-from ingest_helpers import proc_status_kb, reset_peak_rss, stop_server_process
+from conftest import SCALE, emit, fmt_size, scaled
+from ingest_helpers import layered_layout, proc_status_kb, reset_peak_rss, stop_server_process
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client, register_header
-from aggsrv.layout import ModelLayout
 from aggsrv.transport import Decoder, StagingSlot, WireDtype
 from aggsrv.transport.errors import CodecError
 from aggsrv.v1 import aggregation_pb2 as pb
@@ -126,17 +125,8 @@ MESSAGE_BYTES = 4 * MIB  # the channels' limit both ways, as Client's default
 CALL_TIMEOUT = 300.0
 STEP_TIMEOUT = 600.0  # the parent's wait for one answer of a client process
 TICKS = os.sysconf("SC_CLK_TCK")
-LAYER_SIZES = [1_728, 64, 73_728, 128, 2_359_296, 512, 8_388_608, 4_096, 5_869_568, 10]
 BEND_GROWTH = 0.10  # updates/s growing by this much or less ...
 BEND_P99 = 2.0  # ... or the push p99 growing by more than this factor: the curve bends
-
-
-def _layout(D: int) -> ModelLayout:
-    """The ingest benchmark's 10-tensor layout shrunk to D (one tensor below 10 elements)."""
-    sizes = rescale_sizes(LAYER_SIZES, D) if len(LAYER_SIZES) <= D else [D]
-    return ModelLayout.from_named_shapes(
-        [(f"layer{i}.{'weight' if i % 2 == 0 else 'bias'}", (int(n),)) for i, n in enumerate(sizes)]
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +202,7 @@ async def _client_process() -> None:
 
     cfg = await read()
     D, ids, address = int(cfg["D"]), list(cfg["ids"]), cfg["address"]
-    layout = _layout(D)
+    layout = layered_layout(D)
     options = [
         ("grpc.max_receive_message_length", MESSAGE_BYTES),
         ("grpc.max_send_message_length", MESSAGE_BYTES),
@@ -436,7 +426,7 @@ def _start_server() -> tuple[subprocess.Popen, str]:
 
 def _run_n(N: int, D: int) -> dict[str, Any]:
     """One point of the curve: a fresh server, N clients over PROCS processes."""
-    layout = _layout(D)
+    layout = layered_layout(D)
     n_procs = min(PROCS, N)
     children = [_Child() for _ in range(n_procs)]  # they import while the server starts
     proc = None
