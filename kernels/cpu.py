@@ -197,12 +197,32 @@ def _apply_calibration(
                 mas[i] = one_minus * np.float64(ms[i]) + beta * np.float64(xs[i])
 
 
+@nb.njit(inline="always", fastmath=_FM)
+def _start(acc, i, v, first):  # pragma: no cover - compiled
+    """A pass's first addition: v alone on a group's first pass, else the tile's sum + v."""
+    return v if first else acc[i] + v
+
+
+@nb.njit(inline="always", fastmath=_FM)
+def _store(acc, o, i, v, last, alpha, beta):  # pragma: no cover - compiled
+    """A pass's result: to the tile accumulator, or, on a group's last pass, to the output."""
+    if not last:
+        acc[i] = v
+    elif beta == 0.0:
+        o[i] = alpha * v
+    else:
+        o[i] = beta * np.float64(o[i]) + alpha * v
+
+
 @_pjit
 def _rows_combination(X, rows, coef, group_start, ts, te, out, alpha, beta):  # pragma: no cover
     """out[g, i] = beta*out[g, i] + alpha * sum_{r in group g} coef[r] * X[rows[r], i].
 
-    One read of every included row; rows are added eight at a time so the float64 accumulator
-    tile (in L2) is read and written once per eight (or four) rows.
+    One read of every included row: passes of eight rows, then four, then the last one to
+    three, each adding to a float64 tile accumulator (in L2). A group's first pass starts the
+    sum instead of reading a zeroed tile, and its last pass writes the output instead of the
+    tile, so a group of up to eight rows (or 8 + 3) never round-trips the tile. The order of the
+    additions does not depend on that: the same bits as one accumulator zeroed first.
     """
     G = group_start.shape[0] - 1
     for t in nb.prange(ts.shape[0]):
@@ -211,7 +231,11 @@ def _rows_combination(X, rows, coef, group_start, ts, te, out, alpha, beta):  # 
         acc = np.empty(n, dtype=np.float64)
         for g in range(G):
             r0, r1 = group_start[g], group_start[g + 1]
-            acc[:] = 0.0
+            o = out[g, s:e]
+            if r0 == r1:
+                for i in range(n):
+                    _store(acc, o, i, 0.0, True, alpha, beta)
+                continue
             r = r0
             while r + 8 <= r1:
                 x0, x1 = X[rows[r], s:e], X[rows[r + 1], s:e]
@@ -220,8 +244,9 @@ def _rows_combination(X, rows, coef, group_start, ts, te, out, alpha, beta):  # 
                 x6, x7 = X[rows[r + 6], s:e], X[rows[r + 7], s:e]
                 c0, c1, c2, c3 = coef[r], coef[r + 1], coef[r + 2], coef[r + 3]
                 c4, c5, c6, c7 = coef[r + 4], coef[r + 5], coef[r + 6], coef[r + 7]
+                first, last = r == r0, r + 8 == r1
                 for i in range(n):
-                    acc[i] += (
+                    v = (
                         c0 * np.float64(x0[i])
                         + c1 * np.float64(x1[i])
                         + c2 * np.float64(x2[i])
@@ -232,29 +257,38 @@ def _rows_combination(X, rows, coef, group_start, ts, te, out, alpha, beta):  # 
                         + c6 * np.float64(x6[i])
                         + c7 * np.float64(x7[i])
                     )
+                    _store(acc, o, i, _start(acc, i, v, first), last, alpha, beta)
                 r += 8
             while r + 4 <= r1:
                 x0, x1 = X[rows[r], s:e], X[rows[r + 1], s:e]
                 x2, x3 = X[rows[r + 2], s:e], X[rows[r + 3], s:e]
                 c0, c1, c2, c3 = coef[r], coef[r + 1], coef[r + 2], coef[r + 3]
+                first, last = r == r0, r + 4 == r1
                 for i in range(n):
-                    acc[i] += (c0 * np.float64(x0[i]) + c1 * np.float64(x1[i])) + (
+                    v = (c0 * np.float64(x0[i]) + c1 * np.float64(x1[i])) + (
                         c2 * np.float64(x2[i]) + c3 * np.float64(x3[i])
                     )
+                    _store(acc, o, i, _start(acc, i, v, first), last, alpha, beta)
                 r += 4
-            while r < r1:
-                x0 = X[rows[r], s:e]
-                c0 = coef[r]
+            # The last one to three rows, added one after another, in one pass.
+            left, first = r1 - r, r == r0
+            if left == 3:
+                x0, x1, x2 = X[rows[r], s:e], X[rows[r + 1], s:e], X[rows[r + 2], s:e]
+                c0, c1, c2 = coef[r], coef[r + 1], coef[r + 2]
                 for i in range(n):
-                    acc[i] += c0 * np.float64(x0[i])
-                r += 1
-            o = out[g, s:e]
-            if beta == 0.0:
+                    v = _start(acc, i, c0 * np.float64(x0[i]), first) + c1 * np.float64(x1[i])
+                    _store(acc, o, i, v + c2 * np.float64(x2[i]), True, alpha, beta)
+            elif left == 2:
+                x0, x1 = X[rows[r], s:e], X[rows[r + 1], s:e]
+                c0, c1 = coef[r], coef[r + 1]
                 for i in range(n):
-                    o[i] = alpha * acc[i]
-            else:
+                    v = _start(acc, i, c0 * np.float64(x0[i]), first) + c1 * np.float64(x1[i])
+                    _store(acc, o, i, v, True, alpha, beta)
+            elif left == 1:
+                x0, c0 = X[rows[r], s:e], coef[r]
                 for i in range(n):
-                    o[i] = beta * np.float64(o[i]) + alpha * acc[i]
+                    _store(acc, o, i, _start(acc, i, c0 * np.float64(x0[i]), first), True,
+                           alpha, beta)  # fmt: skip
 
 
 @_jit

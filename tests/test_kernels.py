@@ -797,6 +797,39 @@ def test_group_means(backend, dtype, rng):
         assert_rel(res, want, TOL[dtype], msg + " vs backend=reference")
 
 
+def test_cpu_group_means_every_group_size_to_21(rng):
+    """Groups of 0 to 21 rows: the CPU kernel adds rows eight, then four, then the last one to
+    three at a time, starting and ending a group's sum outside the tile accumulator; every
+    split of a group into those passes meets the float64 mean, over several tiles (D odd)."""
+    D = 3 * 16384 + 77
+    sizes = list(range(22))
+    groups = torch.cat([torch.full((n,), g) for g, n in enumerate(sizes)])
+    groups = torch.cat([groups, torch.full((5,), -1)])
+    groups = groups[torch.randperm(groups.numel(), generator=rng.gen)]
+    X = rng.rows(groups.numel(), D, torch.float32)
+    X[groups == -1] = float("nan")  # never read
+    out = torch.full((len(sizes), D), float("nan"))
+    kernels.group_means(X, groups, len(sizes), out=out, backend="cpu")
+    nX = np64(X)
+    for g, n in enumerate(sizes):
+        want = nX[(groups == g).numpy()].mean(axis=0) if n else np.zeros(D)
+        assert_rel(out[g], want, 1e-6, f"group of {n} rows, seed={rng.seed}")
+
+
+@pytest.mark.parametrize("K", [8, 9, 11, 12, 13, 15, 16, 19, 27])
+def test_cpu_weighted_sum_passes_with_beta(K, rng):
+    """beta*out + alpha*sum_k w_k X_k for K rows that split into passes of 8, 4 and 1-3: the
+    old out is read once, on the last pass, whatever the split (float64 oracle)."""
+    D = 2 * 16384 + 33
+    X = rng.rows(K, D, torch.float32)
+    w = rng.randn(K, dtype=torch.float64, device="cpu")
+    out = rng.rows(1, D, torch.float32)[0]
+    alpha, beta = rng.uniform(0.5, 2.0), rng.uniform(0.2, 0.9)
+    want = beta * np64(out) + alpha * (np64(w)[:, None] * np64(X)).sum(axis=0)
+    kernels.weighted_sum(X, w, out=out, alpha=alpha, beta=beta, backend="cpu")
+    assert_rel(out, want, 1e-6, f"K={K} seed={rng.seed}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_group_means_single_row_and_all_excluded(backend, rng):
     need(backend, "group_means", rng)
