@@ -102,6 +102,9 @@ _SERVE_OPTIONS = {
     "max_clients": (int, None),
     "max_concurrent_uploads": (int, None),
     "events_file": (str, "append the strategy's events (FedDGIC's groupings) here, JSON lines"),
+    "trace": (str, "record every job and update here (JSON lines, no model data) for replay"),
+    "trace_max_bytes": (int, "rotate the trace past this size (default 64 MiB)"),
+    "trace_backups": (int, "rotated trace files kept (default 8)"),
     "auth": (
         str,
         "hmac (default: tokens signed with the server secret), tokens (a tokens file) or none",

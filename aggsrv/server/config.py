@@ -40,6 +40,10 @@ class ServerConfig(TomlConfig):
     pending_interval_seconds: float = 30.0
     # Append the strategy's events (FedDGIC's groupings and dropout flags) as JSON lines here.
     events_file: str | None = None
+    # Record one line per job and per update here (aggsrv.trace_format), for replay.
+    trace: str | None = None
+    trace_max_bytes: int = 64 * MIB  # then the file rotates to trace.1, trace.2, ...
+    trace_backups: int = 8  # rotated files kept
 
     # --- security (docs/operations.md "Authentication and TLS")
     # hmac: tokens signed with the server secret (client id inside); tokens: a TOML tokens file;
@@ -136,6 +140,11 @@ class ServerConfig(TomlConfig):
         self._check_sharding()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.trace_max_bytes < 4096 or self.trace_backups < 0:
+            raise ValueError(
+                f"trace_max_bytes must be >= 4096 and trace_backups >= 0, got "
+                f"{self.trace_max_bytes} and {self.trace_backups}"
+            )
         if self.eval is not None and ":" not in self.eval:
             raise ValueError(f"eval must be 'module:function', got {self.eval!r}")
         if self.log_format not in ("text", "json"):

@@ -43,6 +43,7 @@ from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.persistence import RecoveryError, restore
 from aggsrv.server.replication import Replication, _staleness, update_meta
 from aggsrv.server.shard_follower import ShardFollower, _Reply
+from aggsrv.server.trace import TraceWriter
 from aggsrv.server.versions import (
     LeaseHandoff,
     RetainedVersions,
@@ -122,6 +123,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.uploads_in_progress = 0  # uploads occupying a staging slot
         self.updates_waiting = 0  # validated updates handed to the aggregation loop, not yet done
         self.in_flight_updates: set[tuple[str, str]] = set()
+        self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None
         self._changed = asyncio.Event()
@@ -373,6 +375,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         cfg = self.config
         if cfg.events_file and not self.follower:  # rank 0 writes the federation's events
             strategy.event_sink = EventLog(cfg.events_file)
+        if cfg.trace and not self.follower and self.trace is None:
+            self.trace = TraceWriter(
+                cfg.trace, strategy=cfg.strategy, version=lambda: self.published_version,
+                clock=self.clock, max_bytes=cfg.trace_max_bytes, backups=cfg.trace_backups,
+            )  # fmt: skip
         # The strategy last: a shard of rank >= 1 installs from its aggregation thread, and
         # handlers take a set strategy to mean that the rest is ready.
         self.layout = layout
@@ -470,6 +477,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
 
     async def close(self) -> None:
         self.closing = True
+        if self.trace is not None:
+            self.trace.close()
         if self._timer is not None:
             self._timer.cancel()
         task = self._checkpoint_task

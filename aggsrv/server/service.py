@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -60,6 +61,8 @@ JOB_STATES = {
     "unknown": pb.JOB_STATE_UNKNOWN,
 }
 
+# Outcomes whose update was folded into the model: the trace gives their staleness.
+FOLDED_IN = (Status.APPLIED, Status.BUFFERED)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Aggregation"]
 
@@ -217,6 +220,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ GetJob
 
     async def GetJob(self, request, context):  # noqa: N802
+        asked = self.fed.clock()
         await self._check_open(context)
         # Credentials first: without them a caller learns nothing, not even what is malformed.
         await self._authorize(context, request.client_id)
@@ -259,6 +263,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)
+        if fed.trace is not None and not fed.follower:
+            sent = _payload_bytes(job.tensors, dtype)
+            fed.trace.job(job.client_id, job.job_id, job.base_version, asked, sent)
         # The job's tensors stay leased until the stream ends: its buffers are not reused while
         # it reads them, even if the job is superseded or ends meanwhile.
         try:
@@ -347,7 +354,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     # ------------------------------------------------------------------ PushUpdate
 
     async def PushUpdate(self, request_iterator, context):  # noqa: N802
-        seen: dict[str, pb.UpdateHeader] = {}  # the header, once read (for the refusal's log)
+        # The header once read (for the refusal's log), when the upload started and ended.
+        seen: dict[str, Any] = {"started": self.fed.clock()}
         try:
             return await self._push_update(request_iterator, context, seen)
         except DurabilityError as exc:
@@ -359,7 +367,22 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 self.fed.reject(code.name)
                 self.fed.metrics.record_update(code.name)
                 self._log_refusal(seen.get("header"), code, context)
+                self._trace_refusal(seen, code)
             raise
+
+    def _trace_refusal(self, seen: dict[str, Any], code: SC) -> None:
+        """The trace line of a refused upload: only with a well-formed client id (the trace,
+        like the log, takes no caller's bytes it did not check)."""
+        fed, h = self.fed, seen.get("header")
+        if fed.trace is None or fed.follower or h is None:
+            return
+        if not ID_PATTERN.fullmatch(h.client_id):
+            return
+        fed.trace.update(
+            h.client_id, _job_number(h.job_id), h.base_version, seen["started"],
+            seen.get("received", fed.clock()), fed.published_version, None,
+            seen.get("bytes", 0), code.name,
+        )  # fmt: skip
 
     def _log_refusal(
         self, h: pb.UpdateHeader | None, code: SC, context: grpc.aio.ServicerContext
@@ -378,7 +401,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         )  # fmt: skip
 
     async def _push_update(
-        self, request_iterator, context, seen: dict[str, pb.UpdateHeader]
+        self, request_iterator, context, seen: dict[str, Any]
     ) -> pb.PushUpdateResponse:
         await self._check_open(context)
         await self._require_model(context)
@@ -434,6 +457,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context,
             )  # fmt: skip
+            seen["received"] = fed.clock()
+            seen["bytes"] = _payload_bytes(views, dtype)
             buffers = views.get("buffers")
             device = fed.strategy.device
             tensor = _on_device(views["update"], device)
@@ -480,6 +505,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 "update %s of %s filtered: %s", h.update_id, h.client_id, outcome.detail,
                 extra={"event": "update_filtered", "client_id": h.client_id,
                        "update_id": h.update_id, "reason": label.lower()},
+            )  # fmt: skip
+        if fed.trace is not None and not fed.follower:
+            folded = outcome.original is None and outcome.status in FOLDED_IN
+            fed.trace.update(
+                h.client_id, job_id, h.base_version, seen["started"], seen["received"],
+                outcome.version, max(0, staleness) if folded else None, seen["bytes"], label,
             )  # fmt: skip
         log.info(
             "update %s of %s: %s at v%d (staleness %d)",
