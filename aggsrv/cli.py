@@ -410,6 +410,34 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from aggsrv.sim.config import SimConfig
+    from aggsrv.sim.sweep import report_sweep, run_sweep
+    from aggsrv.sim.tune import parse_grid, tune_sweep
+
+    try:
+        base = SimConfig.load(args.config) if args.config else None
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        if not args.scale > 0:
+            raise ValueError(f"--scale must be > 0, got {args.scale}")
+        sweep = tune_sweep(
+            args.trace, args.strategy, parse_grid(args.grid), args.seeds, base=base,
+            scale=args.scale, budget=args.budget,
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"aggsrv tune: {exc}\n")
+        return 2
+    out = Path(args.out)
+    failed = run_sweep(sweep, out, jobs=args.jobs, progress=args.progress, phases=("main",))
+    text, _ = report_sweep(sweep, out, plot=False)
+    sys.stdout.write(text + f"\ntables: {out / 'sweep.md'}\n")
+    if failed:
+        sys.stderr.write(f"aggsrv tune: {failed} runs failed (in the table; rerun to retry)\n")
+        return 1
+    return 0
+
+
 def _pull(args: argparse.Namespace) -> int:
     import torch
 
@@ -483,6 +511,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _progress_option(sweep)
     sweep.set_defaults(func=_sweep)
+
+    tune = sub.add_parser(
+        "tune",
+        help="try strategy settings on a recorded trace's timing (serve --trace) before "
+        "changing them in production",
+        description="Replays the trace's clients (profile trace:file=FILE) under the current "
+        "setting and every point of --grid, over the seeds, and prints each point's accuracy "
+        "and margin over the current setting. Runs resume from OUT/results.jsonl.",
+    )
+    tune.add_argument("--trace", required=True, help="a trace written by aggsrv serve --trace")
+    tune.add_argument("--strategy", required=True, help="the strategy to tune")
+    tune.add_argument(
+        "--grid", action="append", required=True, metavar="KEY=V1,V2,...",
+        help="strategy keys to try (repeat for a product): --grid buffer_size=5,10,20",
+    )  # fmt: skip
+    tune.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    tune.add_argument("--config", help="a simulate TOML: data, model, the current setting")
+    tune.add_argument("--scale", type=float, default=1.0, help="multiplies every recorded time")
+    tune.add_argument("--budget", help="instead of the recorded span (e.g. 600s, 200v)")
+    tune.add_argument("--out", required=True, help="folder for the table, runs and report")
+    tune.add_argument("--jobs", type=int, default=1, help="simulations at once (1 thread each)")
+    _progress_option(tune)
+    tune.set_defaults(func=_tune)
 
     serve = sub.add_parser(
         "serve",

@@ -380,6 +380,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 cfg.trace, strategy=cfg.strategy, version=lambda: self.published_version,
                 clock=self.clock, max_bytes=cfg.trace_max_bytes, backups=cfg.trace_backups,
             )  # fmt: skip
+            log.info("recording the arrival trace in %s", cfg.trace)
         # The strategy last: a shard of rank >= 1 installs from its aggregation thread, and
         # handlers take a set strategy to mean that the rest is ready.
         self.layout = layout

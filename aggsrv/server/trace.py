@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 from aggsrv import trace_format as F
 
-log = logging.getLogger(__name__)
-
 
 class _Rotating(logging.handlers.RotatingFileHandler):
     """Every file starts with a ``start`` record, so each one reads back on its own."""
@@ -52,7 +50,6 @@ class TraceWriter:
         self._handler = _Rotating(path, max_bytes, backups, self._header)
         self._last_job: dict[str, int] = {}  # a job handed out again is recorded once
         self._write(self._header())
-        log.info("recording the arrival trace in %s", path)
 
     def _write(self, line: str) -> None:
         self._handler.handle(logging.makeLogRecord({"msg": line, "levelno": logging.INFO}))

@@ -119,6 +119,7 @@ class GrpcRun:
             lease_seconds=3600.0,
             pending_interval_seconds=JOB_POLL,
             events_file=str(self.out_dir / "events.jsonl"),
+            trace=str(self.out_dir / "trace.jsonl"),
             # The simulator issues its clients' tokens from a secret of its own; an experiment
             # needs no crash recovery, so no state directory.
             auth="hmac",

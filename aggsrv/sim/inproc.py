@@ -15,8 +15,10 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from aggsrv.server.trace import TraceWriter
 from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
@@ -90,7 +92,12 @@ class InprocRun:
     """One simulation on the virtual clock; :meth:`run` returns the metric rows."""
 
     def __init__(
-        self, setup: RunSetup, on_metric, progress: Progress | None = None, on_event=None
+        self,
+        setup: RunSetup,
+        on_metric,
+        progress: Progress | None = None,
+        on_event=None,
+        trace: Path | None = None,
     ) -> None:
         cfg = setup.config
         self.setup = setup
@@ -129,6 +136,15 @@ class InprocRun:
         self.metrics: list[dict[str, Any]] = []
         self.stalled = False
         self._refused_in_a_row = 0  # arrivals since the last accepted update
+        # The run's arrivals in the format of `aggsrv serve --trace` (virtual seconds), so a
+        # simulated run and a served one are read, compared and replayed alike.
+        self.trace = None
+        if trace is not None:
+            self.trace = TraceWriter(
+                str(trace), strategy=cfg.strategy, version=lambda: self.strategy.version,
+                clock=lambda: self.now, max_bytes=1 << 40, backups=0,
+            )  # fmt: skip
+        self._asked: dict[int, float] = {}  # when a waiting client first asked for its job
 
     # ------------------------------------------------------------------ event queue
 
@@ -209,7 +225,11 @@ class InprocRun:
             job = None
         if job is None:
             self._waiting.add(c)
+            self._asked.setdefault(c, t)
             return
+        if self.trace is not None:
+            nbytes = sum(v.numel() for v in job.tensors.values()) * 4
+            self.trace.job(cid, job.job_id, job.base_version, self._asked.pop(c, t), nbytes)
         self._after_state_change(t)  # issuing a job may open a round or set a deadline
         r = self._rounds[c]
         self._rounds[c] += 1
@@ -245,8 +265,12 @@ class InprocRun:
         )
         self._sent[c] += 1
         accepted = False
+        at_apply = self.strategy.version - job.base_version
         try:
             outcome = self.strategy.on_update(update, t)
+            self._trace_update(update, t, outcome.version, outcome.status.name,
+                               outcome.staleness if outcome.staleness is not None else at_apply,
+                               result.payload_bytes)  # fmt: skip
             self.counters.bytes_received += result.payload_bytes
             if outcome.status is Status.FILTERED:
                 self.counters.filtered += 1
@@ -255,6 +279,7 @@ class InprocRun:
                 accepted = True
                 self._refused_in_a_row = 0
         except StrategyError as exc:
+            self._trace_update(update, t, self.strategy.version, exc.code, None, 0)
             self.counters.rejected += 1
             name = type(exc).__name__
             self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
@@ -264,6 +289,18 @@ class InprocRun:
             self.counters.count_crafted(client_id(c), accepted)
         self._after_state_change(t)
         self._ready(t, c)
+
+    def _trace_update(
+        self, update: Update, t: float, version: int, outcome: str, staleness: int | None,
+        nbytes: int,
+    ) -> None:  # fmt: skip
+        if self.trace is None:
+            return
+        folded = outcome in ("APPLIED", "BUFFERED")
+        self.trace.update(
+            update.client_id, update.job_id, update.base_version, t, t, version,
+            max(0, staleness) if folded and staleness is not None else None, nbytes, outcome,
+        )  # fmt: skip
 
     def _on_timer(self, t: float) -> None:
         if self._timer_at is None or t < self._timer_at:
@@ -275,6 +312,13 @@ class InprocRun:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> list[dict[str, Any]]:
+        try:
+            return self._run()
+        finally:
+            if self.trace is not None:
+                self.trace.close()
+
+    def _run(self) -> list[dict[str, Any]]:
         for c in range(self.n):
             self.strategy.on_register(client_id(c), 0.0)
         for c in range(self.n):

@@ -54,7 +54,10 @@ def run(
         if config.transport == "inproc":
             from aggsrv.sim.inproc import InprocRun
 
-            engine = InprocRun(setup, output.metric, bar, on_event=output.event)
+            engine = InprocRun(
+                setup, output.metric, bar, on_event=output.event,
+                trace=output.dir / "trace.jsonl",
+            )  # fmt: skip
         else:
             from aggsrv.sim.grpc_transport import GrpcRun
 

@@ -57,6 +57,14 @@ Presets (``PROFILES``) and what they model:
 * ``partial_work`` (FedEN, docs/algorithms/feden.md 1.8 and 2): a ``fraction`` 0.1 of the clients
   are stragglers in each round and do E_i ~ UniformInt{1..E-1} of E = ``units`` = 10 epochs; they
   still take the full job time (they are not late, they stop early).
+* ``trace`` (``trace:file=FILE``): the timing of real clients, recorded by ``aggsrv serve
+  --trace FILE``: each recorded client's job durations, the time it joined, its absences
+  between an update and its next job, and whether it left for good; simulated clients beyond
+  the recorded ones draw their durations from all recorded ones. Keys: ``file``, ``scale``
+  (multiplies every recorded time, default 1), ``gone_after`` (a client silent for more than
+  this many of its median job durations at the trace's end has left, default 3). Durations are
+  recorded seconds (``base_time`` does not apply), and it is the profile's only component
+  (``trace_replay.py``).
 
 Distribution parameters (all draws are clipped at 0): ``exponential``: ``mean`` | ``rate``;
 ``lognormal``: ``mean`` | ``mu`` and ``std`` | ``sigma`` (mean and std map to the log-space
@@ -70,7 +78,7 @@ The modules: ``profile`` (``Profile``, ``make_profile``, ``JobPlan``), ``spec`` 
 ``presets`` (``PROFILES``), ``distributions`` (the delay distributions), ``client_factors``
 (tiers, speed), ``job_draws`` (delays, Raspberry-Pi latencies), ``raspberry_pi`` (ORTHOFL's
 table and pooled statistics), ``dropout``, ``partial_work``, ``components`` (what they share),
-``checks`` (value checks) and ``streams`` (seeding).
+``trace_replay`` (replayed traces), ``checks`` (value checks) and ``streams`` (seeding).
 """
 
 from .presets import PROFILES, Preset

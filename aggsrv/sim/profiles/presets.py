@@ -13,6 +13,7 @@ from .dropout import Dropout
 from .job_draws import Delay, RaspberryPiDraw
 from .partial_work import PartialWork
 from .raspberry_pi import RPI_POOLED
+from .trace_replay import TraceReplay
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ PROFILES: dict[str, Preset] = {
     "raspberry_pi": Preset("raspberry_pi", "ORTHOFL's 9 measured RPi profiles, N(mean, std) s"),
     "dropout": Preset("dropout", "FedDGIC dropouts: 25% of clients leave after 4..20 updates"),
     "partial_work": Preset("partial_work", "FedEN stragglers: 10% per round do 1..E-1 of E"),
+    "trace": Preset("trace", "replay real clients' timing: trace:file=FILE (aggsrv serve --trace)"),
 }
 
 KINDS: dict[str, type[Component]] = {
-    c.kind: c for c in (Tiers, Speed, Delay, RaspberryPiDraw, Dropout, PartialWork)
+    c.kind: c for c in (Tiers, Speed, Delay, RaspberryPiDraw, Dropout, PartialWork, TraceReplay)
 }

@@ -18,6 +18,7 @@ from .job_draws import Delay
 from .partial_work import PartialWork
 from .presets import KINDS, PROFILES
 from .spec import parse_spec
+from .trace_replay import TraceReplay
 
 _FLOOR = 1e-9  # the shortest job, in units of base_time: durations stay > 0
 
@@ -59,6 +60,7 @@ class Profile:
         self._draws: list[JobDraw] = []
         self._dropout: Dropout | None = None
         self._partial: PartialWork | None = None
+        self._trace: TraceReplay | None = None
         self._described: list[dict[str, Any]] = []
         seen: dict[str, int] = {}
         for name, params in parts:
@@ -86,6 +88,14 @@ class Profile:
                 self._dropout = comp
             elif isinstance(comp, PartialWork):
                 self._partial = comp
+            elif isinstance(comp, TraceReplay):
+                self._trace = comp
+        others = [d["name"] for d in self._described if d["kind"] != "trace"]
+        if self._trace is not None and others:
+            raise ValueError(
+                f"profile: trace replays recorded durations and absences; it cannot be combined "
+                f"with {others}"
+            )
         self._tiers = next((f for f in self._factors if isinstance(f, Tiers)), None)
         self._client_factor = [math.nan] * num_clients
 
@@ -122,6 +132,8 @@ class Profile:
     def plan(self, client: int, round: int) -> JobPlan:
         """Duration and work fraction of job ``round`` (0, 1, 2, ...) of ``client``."""
         c, r = self._client(client), self._count("round", round)
+        if self._trace is not None:
+            return JobPlan(max(self._trace.duration(c, r), _FLOOR))
         factor = self._client_factor[c]
         if math.isnan(factor):
             factor = math.prod(f.factor(c) for f in self._factors)
@@ -157,6 +169,8 @@ class Profile:
         """
         c, t = self._client(client), self._time(t)
         sent = self._count("updates_sent", updates_sent)
+        if self._trace is not None:
+            return self._trace.online(c, t, sent)
         if self._dropout is None:
             return True
         return self._dropout.online(c, t, sent, last_update_at)
@@ -174,6 +188,8 @@ class Profile:
         can make it leave)."""
         c, t = self._client(client), self._time(t)
         sent = self._count("updates_sent", updates_sent)
+        if self._trace is not None:
+            return self._trace.next_change(c, t, sent)
         if self._dropout is None:
             return None
         return self._dropout.next_change(c, t, sent, last_update_at)
@@ -181,6 +197,8 @@ class Profile:
     @property
     def dropout_clients(self) -> tuple[int, ...]:
         """The clients that leave at some point (sorted)."""
+        if self._trace is not None:
+            return self._trace.gone_clients(self.num_clients)
         return () if self._dropout is None else tuple(sorted(self._dropout.leave))
 
     def describe(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ STREAM_DROP_RETURN = 7
 STREAM_PARTIAL_PICK = 8
 STREAM_PARTIAL_PERSISTENT = 9
 STREAM_PARTIAL_WORK = 10
+STREAM_TRACE = 11  # durations of simulated clients beyond a replayed trace
 STREAM_DELAY = 100  # + the delay's position among the profile's delays: each has its own stream
 
 
