@@ -178,6 +178,7 @@ class AggregationLoop:
                 break  # not on disk yet: its ack's make_durable publishes it
             self._unpublished.popleft()
             self._retain(snap)
+            self.metrics.versions_published.inc()
             published = True
         if published:
             self._changed.set()

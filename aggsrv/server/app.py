@@ -271,6 +271,7 @@ class Server:
                 fed.cache_bytes_between_calls)  # fmt: skip
         m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
                 lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
+        m.watch_clients(fed.clients_now)
 
     async def _tick(self) -> None:
         """Once a second: the time-based checkpoint and the evaluation hook."""

@@ -37,9 +37,10 @@ from aggsrv.server.aggregation_loop import (
     _Settled,
 )
 from aggsrv.server.checkpoints import MIN_CHECKPOINT_EVERY_BYTES, Checkpoints
+from aggsrv.server.client_activity import ClientActivity
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.durability import WalRecord
-from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
 from aggsrv.server.persistence import RecoveryError, restore
 from aggsrv.server.replication import Replication, _staleness, update_meta
 from aggsrv.server.shard_follower import ShardFollower, _Reply
@@ -124,6 +125,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.updates_waiting = 0  # validated updates handed to the aggregation loop, not yet done
         self.in_flight_updates: set[tuple[str, str]] = set()
         self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
+        self.activity = ClientActivity()  # who holds which job since when (metrics)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None
         self._changed = asyncio.Event()
@@ -401,7 +403,19 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         """Renew a client's lease."""
         rec = self.clients.get(client_id)
         if rec is not None:
-            rec.lease_expires = self.clock() + self.config.lease_seconds
+            now = self.clock()
+            rec.lease_expires = now + self.config.lease_seconds
+            self.activity.seen(client_id, now)
+
+    def clients_now(self) -> ClientsNow:
+        """The clients' scrape-time metrics (metrics thread: reads copies)."""
+        now = self.clock()
+        leases = [(r.client_id, r.lease_expires) for r in list(self.clients.values())]
+        activity = self.activity
+        return ClientsNow(
+            activity.states(now, leases), activity.lags(self.version),
+            activity.slowest(now, SLOWEST),
+        )  # fmt: skip
 
     def active_clients(self) -> int:
         now = self.clock()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,12 @@ LATENCY_BUCKETS = (
     5.0, 10.0, 30.0, float("inf"),
 )  # fmt: skip
 FSYNC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, float("inf"))
+# A job's turnaround (issue to update receipt): a phone's seconds to a straggler's hours.
+TURNAROUND_BUCKETS = (
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+    float("inf"),
+)  # fmt: skip
+SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 
 
 class ServerMetrics:
@@ -72,6 +80,14 @@ class ServerMetrics:
         self.rate_limited = Counter(
             "aggsrv_rate_limited", "Calls refused by the per-client rate limit", registry=r
         )
+        self.job_turnaround = Histogram(
+            "aggsrv_job_turnaround_seconds", "Time from a job's issue to its update's receipt",
+            buckets=TURNAROUND_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.versions_published = Counter(
+            "aggsrv_versions_published", "Global versions published (their rate: rate(...))",
+            registry=r,
+        )  # fmt: skip
         self.eval_metrics = Gauge(
             "aggsrv_eval", "The last --eval hook result by metric name", ["metric"], registry=r
         )
@@ -86,6 +102,10 @@ class ServerMetrics:
         g = Gauge(f"aggsrv_{name}", doc, registry=self.registry)
         g.set_function(read)
         self._gauges[name] = g
+
+    def watch_clients(self, read: Callable[[], ClientsNow]) -> None:
+        """Scrape-time metrics of the clients (``read`` on the metrics thread)."""
+        self.registry.register(_ClientsCollector(read))
 
     def record_update(
         self,
@@ -120,3 +140,52 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+@dataclass(frozen=True)
+class ClientsNow:
+    """What the clients' metrics show at one scrape."""
+
+    states: dict[str, int]
+    lags: list[int]  # global version minus the base of each held job
+    slowest: list[tuple[str, float]]  # (client, seconds holding its job), longest first
+
+
+class _ClientsCollector:
+    """``aggsrv_clients{state}``, ``aggsrv_client_lag`` and ``aggsrv_slowest_job_seconds``,
+    computed when Prometheus scrapes: bounded sets, whatever the number of clients."""
+
+    def __init__(self, read: Callable[[], ClientsNow]) -> None:
+        self.read = read
+
+    def describe(self):  # no samples at registration: read() needs a running federation
+        return []
+
+    def collect(self):
+        now = self.read()
+        states = GaugeMetricFamily(
+            "aggsrv_clients", "Registered clients by state: active (holds a job), idle, "
+            "straggling (holds a job for over 2 typical turnarounds and 1 s), dropped_out "
+            "(silent for 5 typical turnarounds and 30 s, or lease expired)", labels=["state"],
+        )  # fmt: skip
+        for state, count in now.states.items():
+            states.add_metric([state], count)
+        yield states
+        lag = HistogramMetricFamily(
+            "aggsrv_client_lag", "Per client holding a job: global version minus the job's base"
+        )
+        counts = [sum(1 for v in now.lags if v <= le) for le in STALENESS_BUCKETS]
+        buckets = [(_le(le), c) for le, c in zip(STALENESS_BUCKETS, counts, strict=True)]
+        lag.add_metric([], buckets, sum_value=float(sum(now.lags)))
+        yield lag
+        slowest = GaugeMetricFamily(
+            "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "
+            "its age, by rank (1: the oldest)", labels=["rank", "client"],
+        )  # fmt: skip
+        for rank, (client, age) in enumerate(now.slowest, start=1):
+            slowest.add_metric([str(rank), client], age)
+        yield slowest
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else str(float(bound))

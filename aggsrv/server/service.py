@@ -263,6 +263,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 )
             )
             await fed.wait_for_change(fed.config.pending_interval_seconds)
+        if not fed.follower:
+            fed.activity.job_issued(job.client_id, job.job_id, job.base_version, fed.clock())
         if fed.trace is not None and not fed.follower:
             sent = _payload_bytes(job.tensors, dtype)
             fed.trace.job(job.client_id, job.job_id, job.base_version, asked, sent)
@@ -459,6 +461,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)
+            took = fed.activity.update_received(h.client_id, job_id, seen["received"])
+            if took is not None:
+                fed.metrics.job_turnaround.observe(took)
             buffers = views.get("buffers")
             device = fed.strategy.device
             tensor = _on_device(views["update"], device)

@@ -1,0 +1,91 @@
+"""Who is slow, who left: ClientActivity's states, lags and top-N by hand, and the metrics built
+on it scraped from a real server's /metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import RunningServer, tiny_model
+
+from aggsrv.client.client import Client
+from aggsrv.server.client_activity import ClientActivity
+
+
+def test_states_lags_and_the_slowest_by_hand() -> None:
+    a = ClientActivity(
+        straggler_factor=2.0, dropout_jobs=5.0, straggler_floor=0.0, dropout_floor=0.0
+    )
+    lease = 1e9
+    everyone = [(c, lease) for c in "abcde"]
+    # Before any turnaround: nobody straggles or drops out (no typical time yet).
+    for c in "abcd":
+        a.job_issued(c, job_id=1, base_version=0, now=0.0)
+    assert a.states(100.0, everyone) == {"active": 4, "idle": 1, "straggling": 0,
+                                         "dropped_out": 0}  # fmt: skip
+    assert a.update_received("a", 1, now=1.0) == 1.0
+    assert a.update_received("b", 1, now=3.0) == 3.0
+    assert a.update_received("b", 1, now=4.0) is None  # not held any more
+    assert a.update_received("c", 99, now=4.0) is None  # not the job it holds
+    assert a.typical_turnaround() == 2.0
+    a.job_issued("a", job_id=2, base_version=2, now=5.0)
+    a.job_issued("a", job_id=2, base_version=2, now=6.0)  # again: keeps its issue time
+    a.seen("e", 8.0)
+    # At t = 8.5 (typical 2 s): a holds its job 3.5 s > 4? no: active; c and d hold theirs
+    # 8.5 s > 4 s: straggling; b and e are idle (seen 5.5 s and 0.5 s ago, < 10 s).
+    assert a.states(8.5, everyone) == {"active": 1, "idle": 2, "straggling": 2,
+                                       "dropped_out": 0}  # fmt: skip
+    # At t = 14.5: b and c last called at 4.0 (a refused or repeated push is still a call),
+    # 10.5 s > 5 x 2 s: dropped out; d's lease ran out; a holds its job 9.5 s: straggling.
+    leases = [(c, 13.0 if c == "d" else lease) for c in "abcde"]
+    assert a.states(14.5, leases) == {"active": 0, "idle": 1, "straggling": 1,
+                                      "dropped_out": 3}  # fmt: skip
+    assert a.states(14.0, leases)["dropped_out"] == 1  # 10 s is not more than 10 s
+    assert sorted(a.lags(version=5)) == [3, 5, 5]  # a holds base 2; c, d base 0
+    assert a.slowest(10.0, 2) == [("d", 10.0), ("c", 10.0)] or a.slowest(10.0, 2) == [
+        ("c", 10.0), ("d", 10.0)
+    ]  # fmt: skip
+    assert a.slowest(10.0, 5)[-1] == ("a", 5.0)
+
+
+def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_real_servers_metrics_count_jobs_turnarounds_and_versions() -> None:
+    srv = RunningServer(strategy="fedasync", metrics_port=0, rate_limit_per_second=0.0)
+    try:
+        with Client(srv.address, "c1") as c1, Client(srv.address, "c2") as c2:
+            c1.register(tiny_model(8))
+            c2.register(tiny_model(8))
+            D = c1.layout.numel
+            held = c2.get_job()  # c2 keeps its job: active, lag grows as c1 pushes
+            for _ in range(3):
+                c1.push(c1.get_job(), torch.randn(D))
+            m = _scrape(srv.server.metrics_port)
+            assert m[("aggsrv_job_turnaround_seconds_count", frozenset())] == 3
+            assert m[("aggsrv_versions_published_total", frozenset())] == 3
+            states = {s: m[("aggsrv_clients", frozenset({("state", s)}))] for s in
+                      ("active", "idle", "straggling", "dropped_out")}  # fmt: skip
+            assert sum(states.values()) == 2 and states["dropped_out"] == 0
+            assert states["idle"] >= 1  # c1 holds no job after its push
+            # One held job (c2's, base 0) at version 3: one lag of 3.
+            assert m[("aggsrv_client_lag_count", frozenset())] == 1
+            assert m[("aggsrv_client_lag_sum", frozenset())] == 3
+            assert m[("aggsrv_client_lag_bucket", frozenset({("le", "2.0")}))] == 0
+            assert m[("aggsrv_client_lag_bucket", frozenset({("le", "4.0")}))] == 1
+            (slowest,) = [k for k in m if k[0] == "aggsrv_slowest_job_seconds"]
+            assert dict(slowest[1]) == {"rank": "1", "client": "c2"} and m[slowest] >= 0
+            c2.push(held, torch.randn(D))
+            m = _scrape(srv.server.metrics_port)
+            assert m[("aggsrv_job_turnaround_seconds_count", frozenset())] == 4
+            assert m[("aggsrv_client_lag_count", frozenset())] == 0
+    finally:
+        srv.stop()
