@@ -18,12 +18,12 @@ PYTEST_ARGS ?=
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 STAMP := $(VENV)/.aggsrv-installed
 
-.PHONY: demo test setup dataset
+.PHONY: demo test setup dataset services
 
 demo: setup
 	$(BIN)/aggsrv simulate
 
-test: setup dataset
+test: setup dataset services
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
@@ -52,4 +52,20 @@ dataset:
 	else \
 	    echo "note: dataset-fashion-mnist is not installed (apt-get install it as root);" \
 	        "the Fashion-MNIST tests will skip"; \
+	fi
+
+# What the page and metrics tests drive: a headless browser and a real Prometheus (Debian's
+# packages; as root only, else those tests skip, saying why).
+SERVICES := chromium chromium-driver prometheus
+services:
+	@if command -v chromedriver >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then \
+	    :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SERVICES) \
+	        || (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	            apt-get install -y -q $(SERVICES)) \
+	        || echo "note: could not install $(SERVICES); the browser and Prometheus tests will skip"; \
+	else \
+	    echo "note: $(SERVICES) are not installed (apt-get install them as root);" \
+	        "the browser and Prometheus tests will skip"; \
 	fi

@@ -129,6 +129,8 @@ _SERVE_OPTIONS = {
     "checkpoint_keep": (int, None),
     "metrics_port": (int, "serve Prometheus metrics on this port"),
     "metrics_host": (str, None),
+    "dashboard_port": (int, "serve the status page (and /api/status JSON) on this port"),
+    "dashboard_host": (str, "the status page's address (default 127.0.0.1)"),
     "eval": (str, "module:function evaluating the global model every --eval-every versions"),
     "eval_every_versions": (int, None),
     "rate_limit_per_second": (

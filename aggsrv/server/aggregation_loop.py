@@ -179,6 +179,7 @@ class AggregationLoop:
             self._unpublished.popleft()
             self._retain(snap)
             self.metrics.versions_published.inc()
+            self.publish_rate.published(self.clock())
             published = True
         if published:
             self._changed.set()

@@ -21,6 +21,8 @@ from grpc_reflection.v1alpha import reflection
 
 from aggsrv.server import auth as A
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.dashboard.status import status_document
+from aggsrv.server.dashboard.web import DashboardServer
 from aggsrv.server.evaluation import Evaluator, load_hook
 from aggsrv.server.federation import Federation
 from aggsrv.server.metrics import ServerMetrics
@@ -45,6 +47,8 @@ class Server:
         self.federation = Federation(config, metrics=self.metrics)
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.dashboard_port: int | None = None  # --dashboard-port, once bound
+        self._dashboard: DashboardServer | None = None
         self.authenticator: A.Authenticator = A.NoAuth()
         self.admin_token: str | None = None  # hmac mode: the token printed at start
         self.secret_path: Path | None = None
@@ -113,6 +117,11 @@ class Server:
         self._watch_metrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        if cfg.dashboard_port is not None:
+            self._dashboard = DashboardServer(
+                cfg.dashboard_host, cfg.dashboard_port, lambda: status_document(fed)
+            )
+            self.dashboard_port = self._dashboard.port
         if fed.shards is None:
             fed.on_failure = lambda reason: self.request_stop(1.0)
         else:
@@ -336,6 +345,9 @@ class Server:
             fed.store.close()
         await fed.shutdown_executors()
         self.metrics.close()
+        if self._dashboard is not None:
+            self._dashboard.close()
+            self._dashboard = None
         log.info("aggsrv stopped")
 
     async def wait(self) -> None:

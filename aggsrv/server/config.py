@@ -90,6 +90,10 @@ class ServerConfig(TomlConfig):
     # --- operations
     metrics_port: int | None = None  # Prometheus /metrics on metrics_host:metrics_port
     metrics_host: str = "127.0.0.1"
+    # The read-only status page and its JSON (docs/operations.md "Status page"); no auth, so
+    # loopback by default like the metrics.
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
     # "module:function" called with the global model's state dict every eval_every_versions
     # versions, on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
     eval: str | None = None
@@ -140,6 +144,8 @@ class ServerConfig(TomlConfig):
         self._check_sharding()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port < 65536:
+            raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
         if self.trace_max_bytes < 4096 or self.trace_backups < 0:
             raise ValueError(
                 f"trace_max_bytes must be >= 4096 and trace_backups >= 0, got "

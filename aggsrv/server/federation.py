@@ -39,6 +39,7 @@ from aggsrv.server.aggregation_loop import (
 from aggsrv.server.checkpoints import MIN_CHECKPOINT_EVERY_BYTES, Checkpoints
 from aggsrv.server.client_activity import ClientActivity
 from aggsrv.server.config import ServerConfig
+from aggsrv.server.dashboard.status import PublishRate, StrategyEvents
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
 from aggsrv.server.persistence import RecoveryError, restore
@@ -126,6 +127,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.in_flight_updates: set[tuple[str, str]] = set()
         self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
         self.activity = ClientActivity()  # who holds which job since when (metrics)
+        self.publish_rate = PublishRate()
+        self.strategy_events = StrategyEvents()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None
         self._changed = asyncio.Event()
@@ -375,8 +378,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
         cfg = self.config
-        if cfg.events_file and not self.follower:  # rank 0 writes the federation's events
-            strategy.event_sink = EventLog(cfg.events_file)
+        # The page shows the strategy's last events; rank 0 writes the federation's events.
+        events_file = EventLog(cfg.events_file) if cfg.events_file and not self.follower else None
+        self.strategy_events = StrategyEvents(then=events_file)
+        strategy.event_sink = self.strategy_events
         if cfg.trace and not self.follower and self.trace is None:
             self.trace = TraceWriter(
                 cfg.trace, strategy=cfg.strategy, version=lambda: self.published_version,

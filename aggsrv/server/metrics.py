@@ -7,6 +7,8 @@ counters. Gauges that mirror federation state are read when scraped (callbacks),
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ TURNAROUND_BUCKETS = (
     float("inf"),
 )  # fmt: skip
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
+EVAL_HISTORY = 500  # --eval results the dashboard keeps
 
 
 class ServerMetrics:
@@ -94,6 +97,8 @@ class ServerMetrics:
         self.eval_version = Gauge(
             "aggsrv_eval_version", "The global version the last evaluation ran on", registry=r
         )
+        # The last --eval results, oldest first, for the dashboard's curve.
+        self.eval_history: deque[dict] = deque(maxlen=EVAL_HISTORY)
         self._gauges: dict[str, Gauge] = {}
         self._http = None
 
@@ -123,6 +128,9 @@ class ServerMetrics:
             self.staleness.observe(staleness)
 
     def record_eval(self, version: int, metrics: dict[str, float]) -> None:
+        self.eval_history.append(
+            {"version": version, "time": time.time(), "metrics": dict(metrics)}
+        )
         self.eval_version.set(version)
         for name, value in metrics.items():
             self.eval_metrics.labels(metric=name).set(value)

@@ -1,0 +1,164 @@
+"""The dashboard's JSON document (``GET /api/status``): one snapshot of a running federation.
+
+Built on the dashboard's HTTP thread from what is safe to read there: the published version,
+copies of the client records and counters, the Prometheus metrics' own values, the strategy's
+settings (fixed once it is made) and the last events the strategy emitted. It never reads the
+strategy's tensors or any state a call on the aggregation thread may be changing.
+
+The document (``format`` 1), documented for scripts in docs/operations.md:
+
+``time``, ``started`` (server clock, Unix seconds), ``strategy`` {``name``, ``settings``},
+``version``, ``versions_last_minute``, ``updates`` {``accepted``,
+``applied``, ``duplicate``, ``rejected``}, ``refusals`` {status code: count},
+``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
+``staleness``, ``job_turnaround_seconds``, ``client_lag`` (each {``le``: upper bounds,
+``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
+``time``, ``metrics``}] (the last 500 ``--eval`` results), ``groups`` (FedDGIC's last grouping:
+{``version``, ``k``, ``groups``: [[client ids]]} or null) and ``dropped_flags`` (client ids the
+strategy flags as dropped out now).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Histogram
+
+if TYPE_CHECKING:
+    from aggsrv.server.federation import Federation
+
+FORMAT = 1
+
+
+class StrategyEvents:
+    """The strategy's events the page shows (FedDGIC's last grouping, its dropout flags),
+    passed on to ``then`` (the events file) when there is one. Called on the aggregation thread;
+    each field is replaced whole, so the HTTP thread reads a consistent value."""
+
+    def __init__(self, then=None) -> None:
+        self.then = then
+        self.groups: dict[str, Any] | None = None
+        self.dropped: frozenset[str] = frozenset()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if event == "grouping":
+            clients, labels = record.get("clients", []), record.get("labels", [])
+            groups: dict[int, list[str]] = {}
+            for client, label in zip(clients, labels, strict=False):
+                groups.setdefault(int(label), []).append(client)
+            self.groups = {
+                "version": record.get("version"),
+                "k": record.get("k"),
+                "groups": [groups[g] for g in sorted(groups)],
+            }
+        elif event == "dropout":
+            client = record.get("client")
+            if record.get("dropped"):
+                self.dropped = self.dropped | {client}
+            else:
+                self.dropped = self.dropped - {client}
+        if self.then is not None:
+            self.then(record)
+
+
+class PublishRate:
+    """Versions published in the last minute (the times of the last 4096 publications)."""
+
+    def __init__(self) -> None:
+        self._times: deque[float] = deque(maxlen=4096)
+
+    def published(self, now: float) -> None:
+        self._times.append(now)
+
+    def last_minute(self, now: float) -> int:
+        return sum(1 for t in list(self._times) if now - t <= 60.0)
+
+
+def histogram_json(hist: Histogram) -> dict[str, Any]:
+    """A prometheus-client histogram as per-bucket counts."""
+    bounds: list[float] = []
+    cumulative: list[float] = []
+    total = count = 0.0
+    for metric in hist.collect():
+        for s in metric.samples:
+            if s.name.endswith("_bucket"):
+                bounds.append(float(s.labels["le"]))
+                cumulative.append(s.value)
+            elif s.name.endswith("_sum"):
+                total = s.value
+            elif s.name.endswith("_count"):
+                count = s.value
+    return _buckets_json(bounds, cumulative, count, total)
+
+
+def _buckets_json(
+    bounds: list[float], cumulative: list[float], count: float, total: float
+) -> dict[str, Any]:
+    counts = [c - p for c, p in zip(cumulative, [0.0, *cumulative[:-1]], strict=True)]
+    return {
+        "le": [b if math.isfinite(b) else None for b in bounds],  # None: +Inf (JSON has none)
+        "counts": [int(c) for c in counts],
+        "count": int(count),
+        "sum": total,
+    }
+
+
+def values_json(values: list[int], bounds: tuple[float, ...]) -> dict[str, Any]:
+    cumulative = [float(sum(1 for v in values if v <= b)) for b in bounds]
+    return _buckets_json(list(bounds), cumulative, len(values), float(sum(values)))
+
+
+def status_document(fed: Federation) -> dict[str, Any]:
+    """The snapshot (HTTP thread)."""
+    from aggsrv.server.metrics import STALENESS_BUCKETS
+
+    now = fed.clock()
+    metrics = fed.metrics
+    clients = fed.clients_now()
+    strategy = fed.strategy
+    settings: dict[str, Any] = {}
+    if strategy is not None:
+        settings = {k: _plain(v) for k, v in strategy.config.to_dict().items()}
+    events = fed.strategy_events
+    return {
+        "format": FORMAT,
+        "time": now,
+        "wall_time": time.time(),
+        "started": fed.started_at,
+        "strategy": {"name": fed.config.strategy, "settings": settings},
+        "has_model": strategy is not None,
+        "version": fed.published_version if strategy is not None else None,
+        "versions_last_minute": fed.publish_rate.last_minute(now),
+        "updates": {
+            k: int(fed.counters[k]) for k in ("accepted", "applied", "duplicate", "rejected")
+        },  # fmt: skip
+        "refusals": dict(sorted(fed.rejected_by_code.copy().items())),
+        "clients": {
+            "known": len(fed.clients),
+            "states": clients.states,
+            "slowest": [{"client": c, "seconds": s} for c, s in clients.slowest],
+        },
+        "staleness": histogram_json(metrics.staleness),
+        "job_turnaround_seconds": histogram_json(metrics.job_turnaround),
+        "client_lag": values_json(clients.lags, STALENESS_BUCKETS),
+        "evaluation": list(metrics.eval_history),
+        "groups": events.groups,
+        "dropped_flags": sorted(events.dropped),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """A settings value JSON can hold (tuples as lists, anything else as text)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
