@@ -6,27 +6,32 @@ model data: enough to replay when each client worked and for how long (``aggsrv 
 clock (Unix time). The records, by ``ev``:
 
 - ``start``: the first line of every file (a server start, and each file after a rotation):
-  ``format`` (this module's ``FORMAT``), ``strategy``, ``version`` (the global version then).
+  ``format`` (this module's ``FORMAT``), ``run`` (an id of the server's life: the same in the
+  files one server rotates through, new after a restart, whose job numbers may start again),
+  ``strategy``, ``version`` (the global version then).
 - ``job``: a job handed out: ``c`` client id, ``job`` its number, ``base`` the version it
   carries, ``asked`` when the client's GetJob arrived, ``t`` when the job was issued (later
   than ``asked`` when the strategy made the client wait), ``bytes`` the payload sent.
 - ``update``: an upload that got an answer: ``c``, ``job``, ``base`` (the version the client
   trained from), ``start`` when its first message arrived, ``t`` when it was received whole,
   ``v`` the global version after it, ``s`` its staleness (``v_apply - base``; null when it was
-  not folded in), ``bytes`` (the payload, once received whole and checked; 0 for a refused
-  upload), and ``out``: ``applied``, ``buffered``, ``duplicate``,
-  ``filtered``, or the lower-case gRPC status of a refusal (then ``job``/``base`` may be null).
+  not folded in), ``bytes`` (the payload, once received whole and checked for CRC and
+  NaN/Inf; 0 for an upload refused before that), and ``out``: ``applied``, ``buffered``,
+  ``duplicate``, ``filtered``, or the lower-case gRPC status of a refusal (then ``job`` may be
+  null). A refusal is recorded only once its caller proved to be the client it names.
 
 Rotation: past ``max_bytes`` the file is renamed ``FILE.1`` (``FILE.1`` to ``FILE.2``, ...,
 keeping ``backups`` old files) and a new ``FILE`` starts; :func:`read_trace` reads them oldest
-first. A server killed mid-write leaves at most one partial last line, which the reader skips.
+first. A server killed mid-write leaves at most one partial line: the last of the file, or,
+once a restarted server appended to it, the line before its ``start`` record. The reader skips
+it. Records carry the index of the ``run`` they belong to, so that job numbers are matched
+within one server's life.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ class TraceFormatError(ValueError):
 
 @dataclass(frozen=True)
 class JobRecord:
+    run: int  # which server life (start records with a new run id) it belongs to
     client: str
     job: int
     base: int
@@ -52,6 +58,7 @@ class JobRecord:
 
 @dataclass(frozen=True)
 class UpdateRecord:
+    run: int
     client: str
     job: int | None
     base: int | None
@@ -121,8 +128,9 @@ def _field(rec: dict[str, Any], key: str, kind: type, where: str, optional: bool
     return value
 
 
-def _job(rec: dict[str, Any], where: str) -> JobRecord:
+def _job(rec: dict[str, Any], where: str, run: int) -> JobRecord:
     return JobRecord(
+        run=run,
         client=_field(rec, "c", str, where),
         job=_field(rec, "job", int, where),
         base=_field(rec, "base", int, where),
@@ -132,8 +140,9 @@ def _job(rec: dict[str, Any], where: str) -> JobRecord:
     )
 
 
-def _update(rec: dict[str, Any], where: str) -> UpdateRecord:
+def _update(rec: dict[str, Any], where: str, run: int) -> UpdateRecord:
     return UpdateRecord(
+        run=run,
         client=_field(rec, "c", str, where),
         job=_field(rec, "job", int, where, optional=True),
         base=_field(rec, "base", int, where, optional=True),
@@ -146,35 +155,46 @@ def _update(rec: dict[str, Any], where: str) -> UpdateRecord:
     )
 
 
-def _lines(files: list[Path]) -> Iterator[tuple[str, int, str, bool]]:
-    """(file, line number, text, is the file's last line)."""
+def _lines(files: list[Path]) -> list[tuple[str, int, str, bool]]:
+    """(file, line number, text, is the file's unterminated last line)."""
+    out = []
     for f in files:
         lines = f.read_text(encoding="utf-8", errors="replace").split("\n")
-        if lines and lines[-1] == "":
+        complete = lines[-1] == ""
+        if complete:
             lines.pop()
-            complete = True
-        else:
-            complete = False  # the last line has no newline: cut by a kill
         for i, line in enumerate(lines):
-            yield str(f), i + 1, line, (i == len(lines) - 1 and not complete)
+            out.append((str(f), i + 1, line, i == len(lines) - 1 and not complete))
+    return out
+
+
+def _starts_a_run(line: str) -> bool:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and rec.get("ev") == "start"
 
 
 def read_trace(path: str | Path) -> Trace:
     """Read the trace at ``path`` (with its rotated files). Raises TraceFormatError naming the
-    file and line of a record that is not one aggsrv writes; a cut last line is skipped."""
+    file and line of a record that is not one aggsrv writes; a line cut by a kill is skipped."""
     jobs: list[JobRecord] = []
     updates: list[UpdateRecord] = []
     strategies: list[str] = []
+    runs: dict[str, int] = {}
+    run = -1
     skipped = 0
-    for name, lineno, line, cut in _lines(trace_files(path)):
+    lines = _lines(trace_files(path))
+    for i, (name, lineno, line, cut) in enumerate(lines):
         where = f"{name}:{lineno}"
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            if cut:
-                skipped += 1
+            if cut or (i + 1 < len(lines) and _starts_a_run(lines[i + 1][2])):
+                skipped += 1  # a kill cut it; the next server started on the next line
                 continue
             raise TraceFormatError(f"{where}: not JSON ({exc})") from None
         if not isinstance(rec, dict) or rec.get("ev") not in EVENTS:
@@ -186,11 +206,14 @@ def read_trace(path: str | Path) -> Trace:
                 raise TraceFormatError(
                     f"{where}: trace format {fmt!r}; this aggsrv reads format {FORMAT}"
                 )
+            run = runs.setdefault(_field(rec, "run", str, where), len(runs))
             strategies.append(_field(rec, "strategy", str, where))
+        elif run < 0:
+            raise TraceFormatError(f"{where}: a record before the file's start record")
         elif ev == "job":
-            jobs.append(_job(rec, where))
+            jobs.append(_job(rec, where, run))
         else:
-            updates.append(_update(rec, where))
+            updates.append(_update(rec, where, run))
     if not strategies:
         raise TraceFormatError(f"{path}: no start record: not a trace aggsrv wrote")
     return Trace(tuple(jobs), tuple(updates), tuple(strategies), skipped)
@@ -223,9 +246,9 @@ def update_record(
     )  # fmt: skip
 
 
-def start_record(strategy: str, version: int, now: float) -> str:
+def start_record(run: str, strategy: str, version: int, now: float) -> str:
     return json.dumps(
-        {"ev": "start", "t": round(now, 6), "format": FORMAT, "strategy": strategy,
+        {"ev": "start", "t": round(now, 6), "format": FORMAT, "run": run, "strategy": strategy,
          "version": version},
         separators=(",", ":"),
     )  # fmt: skip

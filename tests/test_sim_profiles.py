@@ -108,7 +108,8 @@ def _preset_spec(name: str, tmp_path) -> str:
     if name != "trace":
         return name
     path = tmp_path / "trace.jsonl"
-    lines = [{"ev": "start", "t": 0.0, "format": 1, "strategy": "fedasync", "version": 0}]
+    lines = [{"ev": "start", "t": 0.0, "format": 1, "run": "r", "strategy": "fedasync",
+              "version": 0}]  # fmt: skip
     for c, (asked, took) in enumerate([(0.0, 1.5), (0.2, 4.0)]):
         lines.append({"ev": "job", "t": asked, "asked": asked, "c": f"c{c}", "job": c,
                       "base": 0, "bytes": 4})  # fmt: skip

@@ -48,6 +48,7 @@ def test_a_real_server_records_every_job_and_update_once(tmp_path: Path) -> None
             refused = raw_push(srv.address, update_messages(c1, j3, nan))
             assert isinstance(refused, grpc.RpcError)
             assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # A caller that is not the registered client it names writes no line.
             stranger = raw_push(srv.address, update_messages(c1, j3, nan, client_id="nobody"))
             assert stranger.code() == grpc.StatusCode.NOT_FOUND
             r3 = c1.push(j3, torch.randn(D))
@@ -67,10 +68,10 @@ def test_a_real_server_records_every_job_and_update_once(tmp_path: Path) -> None
         ("c2", int(j2.job_id), 0, 2, 1, "applied"),
         ("c1", int(j1.job_id), 0, 1, None, "duplicate"),
         ("c1", int(j3.job_id), 2, 2, None, "invalid_argument"),
-        ("nobody", int(j3.job_id), 2, 2, None, "not_found"),
         ("c1", int(j3.job_id), 2, r3.version, 0, "applied"),
     ]
-    assert [u.bytes for u in trace.updates] == [4 * D] * 3 + [0, 0, 4 * D]  # refused: 0
+    # The decoder refused the NaN upload (its check is part of receiving it whole): 0 bytes.
+    assert [u.bytes for u in trace.updates] == [4 * D] * 3 + [0, 4 * D]
     for j in trace.jobs:
         assert j.asked <= j.issued
     issued = {(j.client, j.job): j.issued for j in trace.jobs}
@@ -78,7 +79,8 @@ def test_a_real_server_records_every_job_and_update_once(tmp_path: Path) -> None
         assert u.started <= u.received
         if (u.client, u.job) in issued:
             assert issued[(u.client, u.job)] <= u.started
-    assert trace.clients() == ["c1", "c2", "nobody"]
+    assert trace.clients() == ["c1", "c2"]
+    assert {j.run for j in trace.jobs} | {u.run for u in trace.updates} == {0}
 
 
 def test_the_trace_rotates_by_size_and_reads_back_oldest_first(tmp_path: Path) -> None:
@@ -124,7 +126,8 @@ def _write(path: Path, *records, tail: str = "") -> None:
     path.write_text(text)
 
 
-START = {"ev": "start", "t": 1.0, "format": F.FORMAT, "strategy": "fedbuff", "version": 0}
+START = {"ev": "start", "t": 1.0, "format": F.FORMAT, "run": "r1", "strategy": "fedbuff",
+         "version": 0}  # fmt: skip
 JOB = {"ev": "job", "t": 2.0, "asked": 1.5, "c": "a", "job": 1, "base": 0, "bytes": 40}
 UPDATE = {
     "ev": "update", "t": 3.5, "start": 3.0, "c": "a", "job": 1, "base": 0, "v": 1, "s": 0,
@@ -165,8 +168,58 @@ def test_not_a_trace(tmp_path: Path) -> None:
         F.read_trace(tmp_path / "missing")
     path = tmp_path / "t"
     _write(path, JOB)
-    with pytest.raises(F.TraceFormatError, match="no start record"):
+    with pytest.raises(F.TraceFormatError, match="before the file.s start record"):
         F.read_trace(path)
     path.write_text("not json\n{}\n")
     with pytest.raises(F.TraceFormatError, match=":1: not JSON"):
         F.read_trace(path)
+
+
+def test_a_path_that_cannot_be_written_fails_the_start_not_a_call(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        _server(tmp_path / "no" / "such" / "dir" / "t.jsonl")
+
+
+def test_a_restart_after_a_kill_appends_a_readable_run(tmp_path: Path) -> None:
+    """A server killed mid-line, then restarted on the same file: the cut line is skipped, and
+    the two lives' job numbers (both from 1) are kept apart by their runs."""
+    path = tmp_path / "t.jsonl"
+    for life in range(2):
+        srv = _server(path)
+        try:
+            with Client(srv.address, "c1") as client:
+                client.register(tiny_model(10))
+                for _ in range(2):
+                    client.push(client.get_job(), torch.randn(client.layout.numel))
+        finally:
+            srv.stop()
+        if life == 0:
+            with open(path, "a") as f:
+                f.write('{"ev":"update","t":17')  # the kill cut this line
+    trace = F.read_trace(path)
+    assert trace.skipped_lines == 1 and trace.strategies == ("fedasync", "fedasync")
+    assert [(j.run, j.job) for j in trace.jobs] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert [u.run for u in trace.updates] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="trace_backups >= 1"):
+        _server(path, trace_backups=0)
+
+
+def test_the_first_ask_is_the_jobs_asked_time(tmp_path: Path) -> None:
+    """A client asking again (its GetJob timed out while the strategy made it wait) keeps the
+    time of its first ask: the wait was the strategy's, not the client's absence."""
+    from aggsrv.server.trace import TraceWriter
+
+    now = [10.0]
+    w = TraceWriter(str(tmp_path / "t"), strategy="fedbuff", version=lambda: 0,
+                    clock=lambda: now[0], max_bytes=1 << 20, backups=1)  # fmt: skip
+    w.asking("a", 10.0)
+    w.asking("a", 15.0)  # asked again
+    now[0] = 20.0
+    w.job("a", 1, 0, asked=15.0, nbytes=4)
+    w.asking("a", 30.0)
+    now[0] = 31.0
+    w.job("a", 2, 0, asked=30.0, nbytes=4)
+    w.close()
+    w.job("a", 3, 0, asked=40.0, nbytes=4)  # after close: nothing, no reopened file
+    jobs = F.read_trace(tmp_path / "t").jobs
+    assert [(j.job, j.asked, j.issued) for j in jobs] == [(1, 10.0, 20.0), (2, 30.0, 31.0)]

@@ -30,7 +30,8 @@ def _up(c: str, job: int, t: float, out: str = "applied") -> dict:
 
 
 def _trace(path: Path, records: list[dict]) -> Path:
-    start = {"ev": "start", "t": 100.0, "format": F.FORMAT, "strategy": "fedasync", "version": 0}
+    start = {"ev": "start", "t": 100.0, "format": F.FORMAT, "run": "r", "strategy": "fedasync",
+             "version": 0}  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in [start, *records]))
     return path
 
@@ -84,6 +85,20 @@ def test_the_profile_replays_durations_absences_and_leaving(tmp_path: Path) -> N
     assert p.online(3, 0.0, 0) and p.online(3, 99.0, 7)
 
 
+def test_job_numbers_are_matched_within_one_server_life(tmp_path: Path) -> None:
+    """A restarted server numbers its jobs from 1 again: an update answers the job of its own
+    run, never the same number of the run before."""
+    path = tmp_path / "t"
+    second = {"ev": "start", "t": 200.0, "format": F.FORMAT, "run": "r2", "strategy": "fedasync",
+              "version": 0}  # fmt: skip
+    records = [_job("a", 1, 100.0, 100.0), _up("a", 1, 101.0), _job("a", 2, 101.0, 101.0),
+               second, _job("a", 1, 200.0, 200.0), _job("a", 2, 203.0, 203.0),
+               _up("a", 2, 207.0), _up("a", 1, 210.0)]  # fmt: skip
+    (a,) = client_timelines(F.read_trace(_trace(path, records)), gone_after=3.0)
+    # Run 1: job 1 took 1 s; its job 2 was never answered. Run 2: job 1 took 10 s, job 2 4 s.
+    assert a.durations == (1.0, 10.0, 4.0) and a.absences == (99.0, 0.0)
+
+
 def test_bad_trace_profiles_say_why(tmp_path: Path) -> None:
     path = _trace(tmp_path / "t", RECORDS)
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -109,15 +124,26 @@ def _staleness_shares(trace: F.Trace) -> np.ndarray:
     return np.histogram(s, bins=edges)[0] / max(len(s), 1)
 
 
-def test_a_trace_recorded_from_a_real_server_replays_its_arrivals(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "strategy, settings",
+    [
+        ("fedasync", {"alpha": 0.6}),
+        # Sync rounds: clients wait for the round (asking again every second), so the trace's
+        # "asked" must be their first ask, or the replay takes the waits for absences.
+        ("fedavg", {"mode": "sync", "round_timeout": 30.0}),
+    ],
+)
+def test_a_trace_recorded_from_a_real_server_replays_its_arrivals(
+    tmp_path: Path, strategy: str, settings: dict
+) -> None:
     """Tiered stragglers against a real `aggsrv serve` (the grpc transport), recorded, then
     replayed on the virtual clock. Tolerances: each client's count of folded-in updates within
     1 + 15 % of the recorded one (the two runs end at slightly different points of a job), and
     the staleness histograms within 0.2 in total variation (arrivals at nearly equal times may
     swap order on a real server)."""
     common = {
-        "strategy": "fedasync",
-        "strategy_config": {"alpha": 0.6, "learning_rate": 0.05, "batch_size": 16},
+        "strategy": strategy,
+        "strategy_config": {**settings, "learning_rate": 0.05, "batch_size": 16},
         "dataset": "digits", "clients": 6, "model": "mlp", "budget": "16s",
         "eval_every": "8s", "seed": 4,
     }  # fmt: skip
@@ -140,7 +166,7 @@ def test_a_trace_recorded_from_a_real_server_replays_its_arrivals(tmp_path: Path
     got = _updates_by_client(replayed)
     want = _updates_by_client(recorded)
     pairs = {order[i]: (want[order[i]], got[client_id(i)]) for i in range(len(order))}
-    assert sum(want.values()) >= 20, pairs
+    assert sum(want.values()) >= 12, pairs
     for client, (w, g) in pairs.items():
         assert abs(g - w) <= 1 + 0.15 * w, (client, pairs)
     tv = 0.5 * np.abs(_staleness_shares(recorded) - _staleness_shares(replayed)).sum()

@@ -114,6 +114,7 @@ class Server:
             self._join_shards()
         if cfg.model_init and fed.strategy is None and not fed.follower:
             self._load_initial_model(cfg.model_init)
+        fed.open_trace()
         self._watch_metrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)

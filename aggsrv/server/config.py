@@ -146,9 +146,9 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.dashboard_port is not None and not 0 <= self.dashboard_port < 65536:
             raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
-        if self.trace_max_bytes < 4096 or self.trace_backups < 0:
+        if self.trace_max_bytes < 4096 or self.trace_backups < 1:
             raise ValueError(
-                f"trace_max_bytes must be >= 4096 and trace_backups >= 0, got "
+                f"trace_max_bytes must be >= 4096 and trace_backups >= 1, got "
                 f"{self.trace_max_bytes} and {self.trace_backups}"
             )
         if self.eval is not None and ":" not in self.eval:

@@ -382,12 +382,6 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         events_file = EventLog(cfg.events_file) if cfg.events_file and not self.follower else None
         self.strategy_events = StrategyEvents(then=events_file)
         strategy.event_sink = self.strategy_events
-        if cfg.trace and not self.follower and self.trace is None:
-            self.trace = TraceWriter(
-                cfg.trace, strategy=cfg.strategy, version=lambda: self.published_version,
-                clock=self.clock, max_bytes=cfg.trace_max_bytes, backups=cfg.trace_backups,
-            )  # fmt: skip
-            log.info("recording the arrival trace in %s", cfg.trace)
         # The strategy last: a shard of rank >= 1 installs from its aggregation thread, and
         # handlers take a set strategy to mean that the rest is ready.
         self.layout = layout
@@ -403,6 +397,17 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.strategy = strategy
 
     # ------------------------------------------------------------------ clients and slots
+
+    def open_trace(self) -> None:
+        """--trace: open the arrival trace (at start, so a path that cannot be written fails
+        the start and not a call). Rank 0 of a sharded server records for all."""
+        cfg = self.config
+        if cfg.trace and not self.follower and self.trace is None:
+            self.trace = TraceWriter(
+                cfg.trace, strategy=cfg.strategy, version=lambda: self.published_version,
+                clock=self.clock, max_bytes=cfg.trace_max_bytes, backups=cfg.trace_backups,
+            )  # fmt: skip
+            log.info("recording the arrival trace in %s", cfg.trace)
 
     def touch(self, client_id: str) -> None:
         """Renew a client's lease."""

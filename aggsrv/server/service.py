@@ -229,6 +229,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         fed = self.fed
         if not fed.follower:  # a shard waits for rank 0's registration below
             await self._require_client(request.client_id, context)
+            if fed.trace is not None:
+                fed.trace.asking(request.client_id, asked)
         # Each call costs a token, however long it then waits for a job (its own bucket, so
         # asking for jobs does not eat into the client's budget for pushes).
         await self._check_rate(request.client_id, context, JOB_BUCKET)
@@ -373,12 +375,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             raise
 
     def _trace_refusal(self, seen: dict[str, Any], code: SC) -> None:
-        """The trace line of a refused upload: only with a well-formed client id (the trace,
-        like the log, takes no caller's bytes it did not check)."""
+        """The trace line of a refused upload, once its caller proved to be the registered
+        client it names: the trace takes no line from a caller it has not checked."""
         fed, h = self.fed, seen.get("header")
-        if fed.trace is None or fed.follower or h is None:
-            return
-        if not ID_PATTERN.fullmatch(h.client_id):
+        if fed.trace is None or fed.follower or h is None or not seen.get("authorized"):
             return
         fed.trace.update(
             h.client_id, _job_number(h.job_id), h.base_version, seen["started"],
@@ -417,6 +417,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         await self._authorize(context, h.client_id)
         await self._check_id("client_id", h.client_id, context)
         await self._require_client(h.client_id, context)
+        seen["authorized"] = True  # from here on a refusal is the client's: traced
         rank = fed.shards.rank if fed.shards is not None else 0
         if h.shard_rank != rank:
             await self._abort(

@@ -23,6 +23,7 @@ from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
 from aggsrv.strategies import Job, Status, StrategyError, Update, UpdateKind, make_strategy
+from aggsrv.trace_format import FOLDED_IN
 
 __all__ = ["InprocRun", "is_round_based"]
 
@@ -142,7 +143,7 @@ class InprocRun:
         if trace is not None:
             self.trace = TraceWriter(
                 str(trace), strategy=cfg.strategy, version=lambda: self.strategy.version,
-                clock=lambda: self.now, max_bytes=1 << 40, backups=0,
+                clock=lambda: self.now, max_bytes=1 << 40, backups=1,
             )  # fmt: skip
         self._asked: dict[int, float] = {}  # when a waiting client first asked for its job
 
@@ -279,7 +280,8 @@ class InprocRun:
                 accepted = True
                 self._refused_in_a_row = 0
         except StrategyError as exc:
-            self._trace_update(update, t, self.strategy.version, exc.code, None, 0)
+            self._trace_update(update, t, self.strategy.version, exc.code, None,
+                               result.payload_bytes)  # fmt: skip
             self.counters.rejected += 1
             name = type(exc).__name__
             self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
@@ -296,7 +298,7 @@ class InprocRun:
     ) -> None:  # fmt: skip
         if self.trace is None:
             return
-        folded = outcome in ("APPLIED", "BUFFERED")
+        folded = outcome.lower() in FOLDED_IN
         self.trace.update(
             update.client_id, update.job_id, update.base_version, t, t, version,
             max(0, staleness) if folded and staleness is not None else None, nbytes, outcome,

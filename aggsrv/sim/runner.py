@@ -49,6 +49,8 @@ def run(
         config.strategy, config.dataset, config.clients, config.partition, setup.partition_table,
     )  # fmt: skip
     output = RunOutput(config, Path(out_dir) if out_dir else None)
+    for old in output.dir.glob("trace.jsonl*"):  # a run written again records afresh
+        old.unlink()
     bar = Progress(config.budget_spec(), f"{config.strategy}/{config.transport}", progress)
     try:
         if config.transport == "inproc":

@@ -1,17 +1,21 @@
 """``trace:file=FILE``: replay the timing of real clients recorded by ``aggsrv serve --trace``.
 
-The trace's clients, in the order they first asked for a job, become the simulator's clients 0,
-1, 2, ... For each, the replay keeps what the client did, not what the server made it wait for
-(the simulated strategy decides that again):
+The trace's clients that completed at least one job, in the order they were first handed a job,
+become the simulator's clients 0, 1, 2, ... For each, the replay keeps what the client did, not
+what the server made it wait for (the simulated strategy decides that again):
 
 - **Job durations**: job ``r`` of the client takes what its ``r``-th *completed* job took, from
-  the job's issue to the update's receipt (``t - t`` of the job and update records). A job the
+  the job's issue to the update's receipt (the ``t`` of the update record minus the ``t`` of
+  the job record, matched within one server's ``run``). A job the
   client never answered produces no update, so it is not replayed as a job: its time is part of
   the absence after the client's previous update.
-- **Absences**: the client joins at its first GetJob (seconds after the trace's first record),
-  and after its ``k``-th update it stays away until the moment, measured from that update's
+- **Absences**: the client joins when it first asked for a job it then completed (seconds after
+  the trace's first record), and after its ``k``-th update it stays away until the moment,
+  measured from that update's
   receipt, when it next asked for a job it then completed. The simulator's own clients ask
   again at once, so a recorded gap of a few milliseconds is a few milliseconds of absence.
+  A job's ``asked`` is the client's first GetJob for it, so a strategy's wait (a client asking
+  again after a timeout) is not taken for an absence.
 - **Leaving**: a client is gone for good after its last update when the trace goes on for more
   than ``gone_after`` times its median job duration without it (it dropped out). Otherwise it
   is still working at the trace's end, and the replay repeats its durations and absences from
@@ -57,14 +61,14 @@ def client_timelines(trace: Trace, gone_after: float) -> list[ClientTimeline]:
     """The timelines of the trace's clients that completed at least one job, in the order they
     first asked for one."""
     t0 = trace.start
-    answered: dict[tuple[str, int], float] = {}
+    answered: dict[tuple[int, str, int], float] = {}  # (run, client, job): first answer
     for u in trace.updates:
         if u.job is not None:  # answered, even if refused: the client did the job then
-            answered.setdefault((u.client, u.job), u.received)
+            answered.setdefault((u.run, u.client, u.job), u.received)
     end = max([j.issued for j in trace.jobs] + [u.received for u in trace.updates], default=t0)
     by_client: dict[str, list[tuple[float, float, float]]] = {}  # (asked, issued, received)
     for j in trace.jobs:
-        received = answered.get((j.client, j.job))
+        received = answered.get((j.run, j.client, j.job))
         if received is not None and received >= j.issued:
             by_client.setdefault(j.client, []).append((j.asked, j.issued, received))
     timelines = []
