@@ -47,9 +47,16 @@ def _finite(result: list) -> bool:
 def test_the_dashboard_is_valid_and_covers_the_operators_questions() -> None:
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    for metric in ("aggsrv_clients", "aggsrv_slowest_job_seconds", "aggsrv_client_lag_bucket",
-                   "aggsrv_staleness_bucket", "aggsrv_job_turnaround_seconds_bucket",
-                   "aggsrv_versions_published_total", "aggsrv_updates_total", "aggsrv_eval"):
+    for metric in (
+        "aggsrv_clients",
+        "aggsrv_slowest_job_seconds",
+        "aggsrv_client_lag_bucket",
+        "aggsrv_staleness_bucket",
+        "aggsrv_job_turnaround_seconds_bucket",
+        "aggsrv_versions_published_total",
+        "aggsrv_updates_total",
+        "aggsrv_eval",
+    ):
         assert any(metric in e for e in exprs), metric  # fmt: skip
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and all(p.get("description") for p in dash["panels"])
@@ -63,8 +70,10 @@ def evaluate(state):
 """
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="needs Debian's prometheus package (apt-get install prometheus)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="needs Debian's prometheus package (apt-get install prometheus)",
+)
 def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path, monkeypatch) -> None:
     (tmp_path / "evalmod_graf.py").write_text(textwrap.dedent(EVAL_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -76,14 +85,16 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path, monkeyp
     )  # fmt: skip
     prom_port = _free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(
+        textwrap.dedent(f"""
         global:
           scrape_interval: 1s
         scrape_configs:
           - job_name: aggsrv
             static_configs:
               - targets: ["127.0.0.1:{srv.server.metrics_port}"]
-        """))
+        """)
+    )
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
