@@ -29,6 +29,8 @@ HIGHER = {
     "aggsrv.values": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim", "grpc", "google"),
     "aggsrv.layout": ("aggsrv.strategies", "aggsrv.server", "aggsrv.values", "grpc"),
     "aggsrv.protocol": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim"),
+    # The trace format is read by the simulator and written by the server: the stdlib only.
+    "aggsrv.trace_format": ("aggsrv.strategies", "aggsrv.server", "aggsrv.sim", "torch", "grpc"),
     "aggsrv.strategies": ("aggsrv.server", "aggsrv.sim", "aggsrv.cli", "grpc", "flwr"),
     "aggsrv.server.app": ("aggsrv.sim", "aggsrv.cli", "flwr"),
     # Persistence stores and loads; the federation above it replays the log.
