@@ -3,6 +3,7 @@ on it scraped from a real server's /metrics."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import torch
@@ -87,5 +88,34 @@ def test_a_real_servers_metrics_count_jobs_turnarounds_and_versions() -> None:
             m = _scrape(srv.server.metrics_port)
             assert m[("aggsrv_job_turnaround_seconds_count", frozenset())] == 4
             assert m[("aggsrv_client_lag_count", frozenset())] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_buffered_strategys_fill_and_fill_time_reach_the_metrics() -> None:
+    srv = RunningServer(
+        strategy="fedbuff", strategy_config={"buffer_size": 3}, metrics_port=0,
+        rate_limit_per_second=0.0,
+    )  # fmt: skip
+    try:
+        with Client(srv.address, "c1") as c1:
+            c1.register(tiny_model(12))
+            D = c1.layout.numel
+            m = _scrape(srv.server.metrics_port)
+            assert m[("aggsrv_buffer_size", frozenset())] == 3
+            assert m[("aggsrv_buffer_updates", frozenset())] == 0
+            for _ in range(2):
+                c1.push(c1.get_job(), torch.randn(D))
+            m = _scrape(srv.server.metrics_port)
+            assert m[("aggsrv_buffer_updates", frozenset())] == 2
+            assert m[("aggsrv_buffer_fill_seconds_count", frozenset())] == 0
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            c1.push(c1.get_job(), torch.randn(D))  # the third: a step empties the buffer
+            m = _scrape(srv.server.metrics_port)
+            assert m[("aggsrv_buffer_updates", frozenset())] == 0
+            assert m[("aggsrv_buffer_fill_seconds_count", frozenset())] == 1
+            took = m[("aggsrv_buffer_fill_seconds_sum", frozenset())]
+            assert 0.3 <= took <= 0.3 + (time.monotonic() - t0) + 5.0
     finally:
         srv.stop()

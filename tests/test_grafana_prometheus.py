@@ -79,7 +79,8 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "evalmod_graf", raising=False)
     srv = RunningServer(
-        strategy="fedasync", metrics_port=0, rate_limit_per_second=0.0,
+        strategy="fedbuff", strategy_config={"buffer_size": 2}, metrics_port=0,
+        rate_limit_per_second=0.0,
         durability="on", state_dir=str(tmp_path / "state"),
         eval="evalmod_graf:evaluate", eval_every_versions=5,
     )  # fmt: skip

@@ -61,10 +61,11 @@ class _Settled:
 
     version: int
     deadline: float | None
+    buffer: tuple[int, int] | None  # (waiting, size) of a buffered strategy
 
     @classmethod
     def of(cls, strategy: Strategy) -> _Settled:
-        return cls(strategy.version, strategy.next_deadline())
+        return cls(strategy.version, strategy.next_deadline(), strategy.buffer_fill())
 
 
 class AggregationLoop:
@@ -184,7 +185,23 @@ class AggregationLoop:
         if published:
             self._changed.set()
             self._changed = asyncio.Event()
+        self._watch_buffer(state.buffer)
         self._arm_timer(state.deadline)
+
+    def _watch_buffer(self, buffer: tuple[int, int] | None) -> None:
+        """The buffer's fill, and the time from its first update to the step that empties it
+        (event loop, after each call: calls settled back to back count as one)."""
+        fill = buffer[0] if buffer is not None else 0
+        last = self._buffer_fill
+        if fill == last:
+            return
+        now = self.clock()
+        if fill < last and self._buffer_since is not None:  # the step emptied it
+            self.metrics.buffer_fill_seconds.observe(now - self._buffer_since)
+            self._buffer_since = None
+        if fill > 0 and self._buffer_since is None:
+            self._buffer_since = now
+        self._buffer_fill = fill
 
     def _capture(self, lsn: int | None) -> None:
         """Queue the strategy's version for publication if it is new (aggregation thread, right

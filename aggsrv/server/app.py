@@ -282,6 +282,10 @@ class Server:
         m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
                 lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
         m.watch_clients(fed.clients_now)
+        m.gauge("buffer_updates", "Updates waiting in a buffered strategy's buffer (0 for others)",
+                lambda: fed.buffer_now()[0])  # fmt: skip
+        m.gauge("buffer_size", "The buffer's size: a step when it is full (0: not buffered)",
+                lambda: fed.buffer_now()[1])  # fmt: skip
 
     async def _tick(self) -> None:
         """Once a second: the time-based checkpoint and the evaluation hook."""

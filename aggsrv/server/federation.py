@@ -140,6 +140,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.on_failure: Callable[[str], None] | None = None
         self._failure_lock = threading.Lock()
         self._settled: _Settled | None = None  # the strategy after the last call
+        self._buffer_fill = 0  # a buffered strategy's fill after the last call, and since when
+        self._buffer_since: float | None = None
         self._version = 0  # the latest published version
         self._announced: tuple[str, dict[str, Any]] | None = None  # rank 0: the call being made
         self._reply: _Reply | None = None  # a shard of rank >= 1: the slice being followed
@@ -416,6 +418,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             now = self.clock()
             rec.lease_expires = now + self.config.lease_seconds
             self.activity.seen(client_id, now)
+
+    def buffer_now(self) -> tuple[int, int]:
+        """(waiting, size) of a buffered strategy after the last call; (0, 0) otherwise."""
+        settled = self._settled
+        return settled.buffer if settled is not None and settled.buffer is not None else (0, 0)
 
     def clients_now(self) -> ClientsNow:
         """The clients' scrape-time metrics (metrics thread: reads copies)."""

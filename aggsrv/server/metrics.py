@@ -87,6 +87,11 @@ class ServerMetrics:
             "aggsrv_job_turnaround_seconds", "Time from a job's issue to its update's receipt",
             buckets=TURNAROUND_BUCKETS, registry=r,
         )  # fmt: skip
+        self.buffer_fill_seconds = Histogram(
+            "aggsrv_buffer_fill_seconds", "A buffered strategy (FedBuff, CA2FL, FedHist): time "
+            "from the first update in its empty buffer to the step that empties it",
+            buckets=TURNAROUND_BUCKETS, registry=r,
+        )  # fmt: skip
         self.versions_published = Counter(
             "aggsrv_versions_published", "Global versions published (their rate: rate(...))",
             registry=r,

@@ -373,6 +373,15 @@ class Strategy(ABC):
             said = ("made it", "found it a duplicate", "refused it")
             raise ShardsDisagree(", ".join(f"rank {r} {said[b]}" for r, b in enumerate(seen)))
 
+    def buffer_fill(self) -> tuple[int, int] | None:
+        """(updates waiting in the buffer, the buffer's size) for a strategy that steps once
+        its buffer is full (FedBuff, CA2FL, FedHist); None for the others. For the metrics."""
+        buffered = getattr(self, "buffered", None)
+        size = getattr(self.config, "buffer_size", None)
+        if isinstance(buffered, int) and isinstance(size, int):
+            return buffered, size
+        return None
+
     def next_deadline(self) -> float | None:
         """When :meth:`on_timer` wants to be called next (None: no timer): the strategy's own
         deadline (:meth:`_next_deadline`) or the first job lease to end, whichever is first."""
