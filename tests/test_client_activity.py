@@ -119,3 +119,18 @@ def test_a_buffered_strategys_fill_and_fill_time_reach_the_metrics() -> None:
             assert 0.3 <= took <= 0.3 + (time.monotonic() - t0) + 5.0
     finally:
         srv.stop()
+
+
+def test_strategy_events_keep_the_last_grouping_and_the_flags_and_pass_them_on() -> None:
+    from aggsrv.server.dashboard.status import StrategyEvents
+
+    seen: list[dict] = []
+    events = StrategyEvents(then=seen.append)
+    grouping = {"event": "grouping", "version": 4, "k": 2, "clients": ["a", "b", "c", "d"],
+                "labels": [1, 0, 1, 0]}  # fmt: skip
+    events(grouping)
+    assert events.groups == {"version": 4, "k": 2, "groups": [["b", "d"], ["a", "c"]]}
+    events({"event": "dropout", "client": "c", "dropped": True})
+    events({"event": "dropout", "client": "a", "dropped": True})
+    events({"event": "dropout", "client": "c", "dropped": False})  # back
+    assert events.dropped == {"a"} and len(seen) == 4 and seen[0] is grouping

@@ -282,6 +282,9 @@ class Server:
         m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
                 lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
         m.watch_clients(fed.clients_now)
+        m.gauge("clients_flagged_dropped", "Clients the strategy flags as dropped out now "
+                "(FedDGIC's dropout detection; 0 for strategies without one)",
+                lambda: len(fed.strategy_events.dropped))  # fmt: skip
         m.gauge("buffer_updates", "Updates waiting in a buffered strategy's buffer (0 for others)",
                 lambda: fed.buffer_now()[0])  # fmt: skip
         m.gauge("buffer_size", "The buffer's size: a step when it is full (0: not buffered)",
