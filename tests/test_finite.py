@@ -78,3 +78,27 @@ def test_overflow_and_inf_minus_inf_raise_no_warning() -> None:
         warnings.simplefilter("error")
         assert count_non_finite(torch.full((33,), 3.0e38)) == 0
         assert count_non_finite(torch.tensor([float("inf"), -float("inf"), 1.0])) == 2
+
+
+@pytest.mark.parametrize("n", [1, 7, 1013, 100_003])
+def test_the_squared_norm_pass_proves_finite_and_gives_the_norm(n: int) -> None:
+    from aggsrv.finite import squared_norm, squared_norm_if_finite
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3.0
+    want = float((x.double() ** 2).sum())
+    got = squared_norm_if_finite(x)
+    assert got is not None and abs(got - want) <= 1e-5 * want
+    assert squared_norm_if_finite(x.double()) == pytest.approx(want, rel=1e-12)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[n // 2] = bad
+        assert squared_norm_if_finite(y) is None
+    big = x.clone()
+    big[0] = 3e19  # finite, but its square overflows float32
+    assert squared_norm_if_finite(big) is None and count_non_finite(big) == 0
+    assert squared_norm(big) == pytest.approx(float((big.double() ** 2).sum()), rel=1e-12)
+    strided = torch.randn(2 * n, generator=g)[::2]
+    assert squared_norm_if_finite(strided) == pytest.approx(
+        float((strided.double() ** 2).sum()), rel=1e-5
+    )

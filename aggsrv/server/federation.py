@@ -46,6 +46,7 @@ from aggsrv.server.persistence import RecoveryError, restore
 from aggsrv.server.replication import Replication, _staleness, update_meta
 from aggsrv.server.shard_follower import ShardFollower, _Reply
 from aggsrv.server.trace import TraceWriter
+from aggsrv.server.update_health import UpdateNorms
 from aggsrv.server.versions import (
     LeaseHandoff,
     RetainedVersions,
@@ -128,6 +129,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
         self.activity = ClientActivity()  # who holds which job since when (metrics)
         self.publish_rate = PublishRate()
+        self.update_norms = UpdateNorms()  # the norms of recent updates, for outliers
         self.strategy_events = StrategyEvents()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None

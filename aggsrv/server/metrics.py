@@ -31,6 +31,8 @@ TURNAROUND_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
     float("inf"),
 )  # fmt: skip
+# An update's L2 norm: decades from a tiny fine-tuning step to a diverging client.
+NORM_BUCKETS = tuple(10.0**e for e in range(-4, 5)) + (float("inf"),)
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 EVAL_HISTORY = 500  # --eval results the dashboard keeps
 
@@ -91,6 +93,15 @@ class ServerMetrics:
             "aggsrv_buffer_fill_seconds", "A buffered strategy (FedBuff, CA2FL, FedHist): time "
             "from the first update in its empty buffer to the step that empties it",
             buckets=TURNAROUND_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.update_norm = Histogram(
+            "aggsrv_update_norm", "L2 norm of each update received whole (from its NaN check)",
+            buckets=NORM_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.update_norm_outliers = Counter(
+            "aggsrv_update_norm_outliers", "Updates whose norm lies far from the recent ones "
+            "(log-norm beyond 3.5 robust sd of the last 512): a client to look at",
+            registry=r,
         )  # fmt: skip
         self.versions_published = Counter(
             "aggsrv_versions_published", "Global versions published (their rate: rate(...))",

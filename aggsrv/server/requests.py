@@ -343,8 +343,10 @@ class RequestChecks:
         expected: dict[str, int],
         dtype: WireDtype,
         context: grpc.aio.ServicerContext,
+        stats: dict[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Read chunks then the trailer of a stream into `slot`; abort with the table's code."""
+        """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
+        ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass)."""
         declared = {i.name: int(i.numel) for i in infos}
         if declared != expected:
             await self._abort(
@@ -373,7 +375,10 @@ class RequestChecks:
                             "message of the stream",
                         )
                     self.fed.metrics.received_bytes.inc(decoder.bytes_received)
-                    return decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
+                    views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
+                    if stats is not None and decoder.norm is not None:
+                        stats["norm"] = decoder.norm
+                    return views
                 else:
                     await self._abort(
                         context, SC.INVALID_ARGUMENT, f"unexpected {kind!r} message in the stream"

@@ -458,7 +458,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             fed.uploads_in_progress += 1
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
-                context,
+                context, stats=seen,
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)
@@ -499,6 +499,16 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
         label = "duplicate" if outcome.original is not None else outcome.status.name
+        if "norm" in seen and outcome.original is None:
+            fed.metrics.update_norm.observe(seen["norm"])
+            if fed.update_norms.observe(seen["norm"]):
+                fed.metrics.update_norm_outliers.inc()
+                log.warning(
+                    "update %s of %s: its norm %.4g lies far from the recent updates' (an "
+                    "outlier: look at this client)", h.update_id, h.client_id, seen["norm"],
+                    extra={"event": "update_norm_outlier", "client_id": h.client_id,
+                           "update_id": h.update_id, "norm": seen["norm"]},
+                )  # fmt: skip
         filtered = outcome.status is Status.FILTERED
         fed.metrics.record_update(
             label,

@@ -10,13 +10,14 @@ decode leaves garbage in the slot: the server applies nothing from it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from aggsrv.finite import sum_is_finite
+from aggsrv.finite import squared_norm, squared_norm_if_finite
 
 from . import dtypes as _dtypes
 from .crc import BytesLike, Crc32c
@@ -183,6 +184,7 @@ class Decoder:
         self.flat = slot.flat[:packed]
         self._crc = Crc32c()
         self._state = "open"
+        self.norm: float | None = None  # the L2 norm of the main buffer, once finished
 
     def reset(self) -> None:
         """Forget the previous upload (successful or not) and accept a new one into the slot."""
@@ -190,6 +192,7 @@ class Decoder:
             t.received = 0
         self._crc.reset()
         self._state = "open"
+        self.norm = None
 
     @property
     def bytes_received(self) -> int:
@@ -339,19 +342,22 @@ class Decoder:
         return {t.name: t.view for t in self._targets.values()}
 
     def _check_finite(self) -> None:
-        """NonFinite naming the first NaN/Inf; one read-only pass over the decoded values."""
+        """NonFinite naming the first NaN/Inf; one read-only pass over the decoded values, which
+        also gives the main buffer's norm (:attr:`norm`)."""
         buffers = [self.flat] + [
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
-        for buf in buffers:
-            # A finite sum proves every term finite (aggsrv.finite); an overflow of finite
-            # values only sends us to the exact (slow, rare) check below.
-            if buf.numel() == 0 or sum_is_finite(buf):
-                continue
-            bad = (~torch.isfinite(buf)).nonzero()
-            if bad.numel() == 0:
-                continue  # the sum overflowed on finite values
-            self._raise_non_finite(buf, int(bad[0]), bad.numel())
+        for i, buf in enumerate(buffers):
+            # A finite sum of squares proves every element finite (aggsrv.finite); an overflow
+            # of finite values only sends us to the exact (slow, rare) check below.
+            sq = squared_norm_if_finite(buf) if buf.numel() else 0.0
+            if sq is None:
+                bad = (~torch.isfinite(buf)).nonzero()
+                if bad.numel():
+                    self._raise_non_finite(buf, int(bad[0]), bad.numel())
+                sq = squared_norm(buf)  # the squares overflowed in float32
+            if i == 0:
+                self.norm = math.sqrt(sq)
 
     def _raise_non_finite(self, buf: torch.Tensor, index: int, count: int) -> None:
         for t in self._targets.values():

@@ -1,0 +1,61 @@
+"""Update norms: the robust outlier rule by hand, and the metrics of a real server."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import numpy as np
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import RunningServer, tiny_model
+
+from aggsrv.client.client import Client
+from aggsrv.server.update_health import UpdateNorms
+
+
+def test_an_update_far_from_the_recent_norms_is_an_outlier() -> None:
+    rng = np.random.default_rng(5)
+    norms = UpdateNorms(window=512, threshold=3.5, refresh=32, min_seen=32)
+    typical = np.exp(rng.normal(0.0, 0.1, 31))
+    assert not any(norms.observe(float(v)) for v in typical)
+    assert not norms.observe(1000.0)  # the 32nd: nothing is called an outlier before 32 seen
+    for v in np.exp(rng.normal(0.0, 0.1, 40)):
+        norms.observe(float(v))
+    # Median log-norm ~0, robust sd ~0.1: x100 and /100 are ~46 sd away, x1.2 is ~1.8.
+    assert norms.observe(100.0) and norms.observe(0.01) and norms.observe(0.0)
+    assert not norms.observe(1.2)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels
+    }
+
+
+def test_a_real_server_counts_norms_and_flags_the_scaled_update() -> None:
+    srv = RunningServer(strategy="fedasync", metrics_port=0, rate_limit_per_second=0.0)
+    try:
+        with Client(srv.address, "c1") as client:
+            client.register(tiny_model(13))
+            D = client.layout.numel
+            g = torch.Generator().manual_seed(13)
+            sent = []
+            for _ in range(40):
+                delta = torch.randn(D, generator=g) * 0.01
+                sent.append(math.sqrt(float((delta.double() ** 2).sum())))
+                client.push(client.get_job(), delta)
+            m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_norm_count"] == 40
+            assert abs(m["aggsrv_update_norm_sum"] - sum(sent)) <= 1e-5 * sum(sent)
+            assert m["aggsrv_update_norm_outliers_total"] == 0
+            client.push(client.get_job(), torch.randn(D, generator=g) * 10.0)  # x1000
+            m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_norm_outliers_total"] == 1
+    finally:
+        srv.stop()
