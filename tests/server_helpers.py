@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client
@@ -204,3 +206,14 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._log.close()
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a server's /metrics: (sample name, labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

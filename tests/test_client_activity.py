@@ -4,11 +4,9 @@ on it scraped from a real server's /metrics."""
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import RunningServer, tiny_model
+from server_helpers import RunningServer, scrape_metrics, tiny_model
 
 from aggsrv.client.client import Client
 from aggsrv.server.client_activity import ClientActivity
@@ -50,14 +48,7 @@ def test_states_lags_and_the_slowest_by_hand() -> None:
     assert a.slowest(10.0, 5)[-1] == ("a", 5.0)
 
 
-def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+_scrape = scrape_metrics
 
 
 def test_a_real_servers_metrics_count_jobs_turnarounds_and_versions() -> None:

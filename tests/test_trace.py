@@ -26,6 +26,18 @@ def _server(path: Path, **extra) -> RunningServer:
     )
 
 
+def _push_through(srv: RunningServer, pushes: int, seed: int) -> None:
+    """One client registers, then fetches a job and pushes its update ``pushes`` times; the
+    server stops."""
+    try:
+        with Client(srv.address, "c1") as client:
+            client.register(tiny_model(seed))
+            for _ in range(pushes):
+                client.push(client.get_job(), torch.randn(client.layout.numel))
+    finally:
+        srv.stop()
+
+
 def test_a_real_server_records_every_job_and_update_once(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     srv = _server(path)
@@ -85,15 +97,7 @@ def test_a_real_server_records_every_job_and_update_once(tmp_path: Path) -> None
 
 def test_the_trace_rotates_by_size_and_reads_back_oldest_first(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    srv = _server(path, trace_max_bytes=4096, trace_backups=100)
-    try:
-        with Client(srv.address, "c1") as client:
-            client.register(tiny_model(6))
-            D = client.layout.numel
-            for _ in range(80):
-                client.push(client.get_job(), torch.randn(D))
-    finally:
-        srv.stop()
+    _push_through(_server(path, trace_max_bytes=4096, trace_backups=100), pushes=80, seed=6)
     files = F.trace_files(path)
     assert len(files) >= 4 and files[-1] == path and files[0].name.startswith("t.jsonl.")
     for f in files:
@@ -107,15 +111,7 @@ def test_the_trace_rotates_by_size_and_reads_back_oldest_first(tmp_path: Path) -
 
 def test_only_the_newest_rotated_files_are_kept(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    srv = _server(path, trace_max_bytes=4096, trace_backups=2)
-    try:
-        with Client(srv.address, "c1") as client:
-            client.register(tiny_model(7))
-            D = client.layout.numel
-            for _ in range(80):
-                client.push(client.get_job(), torch.randn(D))
-    finally:
-        srv.stop()
+    _push_through(_server(path, trace_max_bytes=4096, trace_backups=2), pushes=80, seed=7)
     assert [f.name for f in F.trace_files(path)] == ["t.jsonl.2", "t.jsonl.1", "t.jsonl"]
     versions = [u.version for u in F.read_trace(path).updates]
     assert versions == list(range(versions[0], 81)) and versions[0] > 1  # the newest, in order
@@ -185,14 +181,7 @@ def test_a_restart_after_a_kill_appends_a_readable_run(tmp_path: Path) -> None:
     the two lives' job numbers (both from 1) are kept apart by their runs."""
     path = tmp_path / "t.jsonl"
     for life in range(2):
-        srv = _server(path)
-        try:
-            with Client(srv.address, "c1") as client:
-                client.register(tiny_model(10))
-                for _ in range(2):
-                    client.push(client.get_job(), torch.randn(client.layout.numel))
-        finally:
-            srv.stop()
+        _push_through(_server(path), pushes=2, seed=10)
         if life == 0:
             with open(path, "a") as f:
                 f.write('{"ev":"update","t":17')  # the kill cut this line

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-import urllib.request
 
 import numpy as np
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import RunningServer, tiny_model
+from server_helpers import RunningServer, scrape_metrics, tiny_model
 
 from aggsrv.client.client import Client
 from aggsrv.server.update_health import UpdateNorms
@@ -28,14 +26,8 @@ def test_an_update_far_from_the_recent_norms_is_an_outlier() -> None:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.labels
-    }
+    """The unlabelled samples of /metrics by name."""
+    return {name: v for (name, labels), v in scrape_metrics(port).items() if not labels}
 
 
 def test_a_real_server_counts_norms_and_flags_the_scaled_update() -> None:
