@@ -47,24 +47,36 @@ def squared_norm_if_finite(t: torch.Tensor) -> float | None:
     """``sum(t**2)`` when every element of floating-point ``t`` is finite, else None; one read.
 
     A finite sum of squares proves every element finite (squares are >= 0: nothing cancels,
-    NaN and Inf propagate), so the same pass that checks an upload gives its norm. A float32
-    CPU tensor up to ``SINGLE_THREAD_NUMEL`` elements goes through numpy's ``dot`` (BLAS sdot,
-    float32 partial sums: a relative error near 1e-6, enough for a norm's distribution), the
-    rest through torch in float64. None also when squares of finite values overflowed (|x| >
-    1.8e19 in float32): then the exact check, :func:`count_non_finite`, tells, and
-    :func:`squared_norm` gives the norm in float64."""
-    if t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() <= SINGLE_THREAD_NUMEL:
-        a = t.detach().reshape(-1).numpy()
+    NaN and Inf propagate), so the same pass that checks an upload gives its norm. It is a dot
+    product of ``t`` with itself in ``t``'s dtype, with no temporary: numpy's ``dot`` (BLAS,
+    on the calling thread's terms as above) for a CPU tensor up to ``SINGLE_THREAD_NUMEL``
+    elements, torch's otherwise. In float32 its partial sums give a relative error of about
+    1e-4 at 2^25 elements, enough for a norm's distribution. None also when the squares of
+    finite values overflowed (|x| > 1.8e19 in float32): then the exact check,
+    :func:`count_non_finite`, tells, and :func:`squared_norm` gives the norm in float64."""
+    if t.numel() == 0:
+        return 0.0
+    flat = t.detach().reshape(-1)
+    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.numel() <= SINGLE_THREAD_NUMEL:
+        a = flat.numpy()
         with np.errstate(over="ignore", invalid="ignore"):
             sq = float(np.dot(a, a))
     else:
-        sq = float(torch.sum(t.detach().double() ** 2)) if t.numel() else 0.0
+        sq = float(torch.dot(flat, flat))
     return sq if math.isfinite(sq) else None
 
 
+SQUARES_CHUNK = 1 << 20  # elements per float64 chunk: 8 MB of temporaries, not 8 bytes each
+
+
 def squared_norm(t: torch.Tensor) -> float:
-    """``sum(t**2)`` in float64 (the rare path: after an overflow of the float32 pass)."""
-    return float(torch.sum(t.detach().double() ** 2)) if t.numel() else 0.0
+    """``sum(t**2)`` in float64, a chunk at a time (the rare path: after an overflow of the
+    float32 pass)."""
+    flat = t.detach().reshape(-1)
+    return sum(
+        float(torch.sum(flat[i : i + SQUARES_CHUNK].double() ** 2))
+        for i in range(0, flat.numel(), SQUARES_CHUNK)
+    )
 
 
 def count_non_finite(t: torch.Tensor) -> int:

@@ -102,3 +102,22 @@ def test_the_squared_norm_pass_proves_finite_and_gives_the_norm(n: int) -> None:
     assert squared_norm_if_finite(strided) == pytest.approx(
         float((strided.double() ** 2).sum()), rel=1e-5
     )
+
+
+def test_the_squared_norm_of_a_large_tensor_goes_through_torch_without_float64_copies(
+    monkeypatch,
+) -> None:
+    """Above SINGLE_THREAD_NUMEL (here lowered to 1000) the pass is torch's dot, same answers."""
+    from aggsrv.finite import squared_norm, squared_norm_if_finite
+
+    monkeypatch.setattr(finite, "SINGLE_THREAD_NUMEL", 1000)
+    monkeypatch.setattr(finite, "SQUARES_CHUNK", 777)
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(2))
+    want = float((x.double() ** 2).sum())
+    assert squared_norm_if_finite(x) == pytest.approx(want, rel=1e-5)
+    y = x.clone()
+    y[9_999] = float("nan")
+    assert squared_norm_if_finite(y) is None
+    y[9_999] = 3e19
+    assert squared_norm_if_finite(y) is None
+    assert squared_norm(y) == pytest.approx(float((y.double() ** 2).sum()), rel=1e-12)

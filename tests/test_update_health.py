@@ -10,6 +10,7 @@ from server_helpers import RunningServer, scrape_metrics, tiny_model
 
 from aggsrv.client.client import Client
 from aggsrv.server.update_health import UpdateNorms
+from aggsrv.strategies.base import UpdateKind
 
 
 def test_an_update_far_from_the_recent_norms_is_an_outlier() -> None:
@@ -23,6 +24,13 @@ def test_an_update_far_from_the_recent_norms_is_an_outlier() -> None:
     # Median log-norm ~0, robust sd ~0.1: x100 and /100 are ~46 sd away, x1.2 is ~1.8.
     assert norms.observe(100.0) and norms.observe(0.01) and norms.observe(0.0)
     assert not norms.observe(1.2)
+
+
+def test_equal_norms_still_flag_a_scaled_update() -> None:
+    """Clients clipping to one bound send equal norms: no spread, yet x1000 is an outlier."""
+    norms = UpdateNorms()
+    assert not any(norms.observe(5.0) for _ in range(64))
+    assert norms.observe(5000.0) and not norms.observe(5.0)
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -48,6 +56,12 @@ def test_a_real_server_counts_norms_and_flags_the_scaled_update() -> None:
             assert m["aggsrv_update_norm_outliers_total"] == 0
             client.push(client.get_job(), torch.randn(D, generator=g) * 10.0)  # x1000
             m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_norm_outliers_total"] == 1
+            # A WEIGHTS upload's norm is the model's, not a step's: not observed.
+            job = client.get_job()
+            client.push(job, job.weights + 0.01, kind=UpdateKind.WEIGHTS)
+            m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_norm_count"] == 41
             assert m["aggsrv_update_norm_outliers_total"] == 1
     finally:
         srv.stop()

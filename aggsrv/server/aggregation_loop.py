@@ -155,6 +155,7 @@ class AggregationLoop:
             if self._wal() is None:
                 self._capture(None)
             self._settled = _Settled.of(self.strategy)
+            self._watch_buffer(self._settled)
 
     def on_aggregation_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the aggregation thread and wait for it, from a thread that is not
@@ -185,23 +186,20 @@ class AggregationLoop:
         if published:
             self._changed.set()
             self._changed = asyncio.Event()
-        self._watch_buffer(state.buffer)
         self._arm_timer(state.deadline)
 
-    def _watch_buffer(self, buffer: tuple[int, int] | None) -> None:
-        """The buffer's fill, and the time from its first update to the step that empties it
-        (event loop, after each call: calls settled back to back count as one)."""
-        fill = buffer[0] if buffer is not None else 0
-        last = self._buffer_fill
-        if fill == last:
-            return
+    def _watch_buffer(self, settled: _Settled) -> None:
+        """(aggregation thread, after each call, in order) The time from a buffer's first
+        update to the step that empties it: a step is a new version with the fill gone down."""
+        fill = settled.buffer[0] if settled.buffer is not None else 0
+        stepped = settled.version != self._buffer_version and fill < self._buffer_fill
         now = self.clock()
-        if fill < last and self._buffer_since is not None:  # the step emptied it
+        if stepped and self._buffer_since is not None:
             self.metrics.buffer_fill_seconds.observe(now - self._buffer_since)
             self._buffer_since = None
         if fill > 0 and self._buffer_since is None:
-            self._buffer_since = now
-        self._buffer_fill = fill
+            self._buffer_since = now  # the update that went in first (after a step: this one)
+        self._buffer_fill, self._buffer_version = fill, settled.version
 
     def _capture(self, lsn: int | None) -> None:
         """Queue the strategy's version for publication if it is new (aggregation thread, right

@@ -35,7 +35,9 @@ class Checkpoints:
         self.last_checkpoint = (int(payload["state"]["version"]), float(payload["created_at"]))
         strategy = self.strategy
         assert strategy is not None
-        sink, strategy.event_sink = strategy.event_sink, None  # its events were written already
+        # Its events were written already: the replay only refreshes what the page shows.
+        sink = strategy.event_sink
+        strategy.event_sink = getattr(sink, "quietly", None)
         replayed = updates = 0
         t0 = time.perf_counter()
         try:

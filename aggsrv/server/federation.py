@@ -127,7 +127,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.updates_waiting = 0  # validated updates handed to the aggregation loop, not yet done
         self.in_flight_updates: set[tuple[str, str]] = set()
         self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
-        self.activity = ClientActivity()  # who holds which job since when (metrics)
+        # Who holds which job since when (metrics). A client waiting for a job is seen once per
+        # pending interval: not dropped out for being silent that long.
+        self.activity = ClientActivity(
+            dropout_floor=max(30.0, 2.0 * config.pending_interval_seconds)
+        )
         self.publish_rate = PublishRate()
         self.update_norms = UpdateNorms()  # the norms of recent updates, for outliers
         self.strategy_events = StrategyEvents()
@@ -142,7 +146,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.on_failure: Callable[[str], None] | None = None
         self._failure_lock = threading.Lock()
         self._settled: _Settled | None = None  # the strategy after the last call
-        self._buffer_fill = 0  # a buffered strategy's fill after the last call, and since when
+        # A buffered strategy's fill and version after the last call, and since when it fills.
+        self._buffer_fill, self._buffer_version = 0, -1
         self._buffer_since: float | None = None
         self._version = 0  # the latest published version
         self._announced: tuple[str, dict[str, Any]] | None = None  # rank 0: the call being made

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,11 @@ class _ClientsCollector:
         return []
 
     def collect(self):
-        now = self.read()
+        try:
+            now = self.read()
+        except Exception:  # a scrape must not fail whole for these
+            log.exception("the clients' metrics could not be read")
+            return
         states = GaugeMetricFamily(
             "aggsrv_clients", "Registered clients by state: active (holds a job), idle, "
             "straggling (holds a job for over 2 typical turnarounds and 1 s), dropped_out "
@@ -195,19 +199,21 @@ class _ClientsCollector:
         for state, count in now.states.items():
             states.add_metric([state], count)
         yield states
-        lag = HistogramMetricFamily(
-            "aggsrv_client_lag", "Per client holding a job: global version minus the job's base"
+        # A gauge histogram: the clients holding a job now, so its count goes down too.
+        lag = GaugeHistogramMetricFamily(
+            "aggsrv_client_lag", "Per client holding a job now: global version minus the job's base"
         )
         counts = [sum(1 for v in now.lags if v <= le) for le in STALENESS_BUCKETS]
         buckets = [(_le(le), c) for le, c in zip(STALENESS_BUCKETS, counts, strict=True)]
-        lag.add_metric([], buckets, sum_value=float(sum(now.lags)))
+        lag.add_metric([], buckets, gsum_value=float(sum(now.lags)))
         yield lag
+        # No rank label: the value orders them, and a client keeps one series whatever its rank.
         slowest = GaugeMetricFamily(
             "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "
-            "its age, by rank (1: the oldest)", labels=["rank", "client"],
+            "its age", labels=["client"],
         )  # fmt: skip
-        for rank, (client, age) in enumerate(now.slowest, start=1):
-            slowest.add_metric([str(rank), client], age)
+        for client, age in now.slowest:
+            slowest.add_metric([client], age)
         yield slowest
 
 

@@ -45,6 +45,7 @@ from aggsrv.strategies import (
     Strategy,
     StrategyError,
     Update,
+    UpdateKind,
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import WireDtype
@@ -499,7 +500,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
         label = "duplicate" if outcome.original is not None else outcome.status.name
-        if "norm" in seen and outcome.original is None:
+        if "norm" in seen and outcome.original is None and kind is UpdateKind.DELTA:
             fed.metrics.update_norm.observe(seen["norm"])
             if fed.update_norms.observe(seen["norm"]):
                 fed.metrics.update_norm_outliers.inc()

@@ -44,6 +44,13 @@ class StrategyEvents:
         self.dropped: frozenset[str] = frozenset()
 
     def __call__(self, record: dict[str, Any]) -> None:
+        self.quietly(record)
+        if self.then is not None:
+            self.then(record)
+
+    def quietly(self, record: dict[str, Any]) -> None:
+        """Keep what the page shows, without passing the event on (a replayed log's events
+        are in the events file already)."""
         event = record.get("event")
         if event == "grouping":
             clients, labels = record.get("clients", []), record.get("labels", [])
@@ -61,21 +68,25 @@ class StrategyEvents:
                 self.dropped = self.dropped | {client}
             else:
                 self.dropped = self.dropped - {client}
-        if self.then is not None:
-            self.then(record)
 
 
 class PublishRate:
-    """Versions published in the last minute (the times of the last 4096 publications)."""
+    """Versions published in the last minute, however many: the running count, sampled at most
+    once a second (two minutes of samples)."""
 
     def __init__(self) -> None:
-        self._times: deque[float] = deque(maxlen=4096)
+        self.total = 0
+        self._samples: deque[tuple[float, int]] = deque(maxlen=128)  # (time, total before)
 
     def published(self, now: float) -> None:
-        self._times.append(now)
+        if not self._samples or now - self._samples[-1][0] >= 1.0:
+            self._samples.append((now, self.total))
+        self.total += 1
 
     def last_minute(self, now: float) -> int:
-        return sum(1 for t in list(self._times) if now - t <= 60.0)
+        samples = list(self._samples)
+        before = [total for t, total in samples if now - t > 60.0]
+        return self.total - (before[-1] if before else 0)
 
 
 def histogram_json(hist: Histogram) -> dict[str, Any]:

@@ -68,6 +68,10 @@ class DashboardServer:
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
                 self.send_header("X-Content-Type-Options", "nosniff")
+                # The page loads its own script and style only, and no page may frame it.
+                self.send_header(
+                    "Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"
+                )
                 self.end_headers()
                 if not head:
                     self.wfile.write(body)
