@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import torch
-from server_helpers import RunningServer, scrape_metrics, tiny_model
+from server_helpers import (
+    RunningServer,
+    raw_push,
+    scrape_metrics,
+    tiny_model,
+    update_messages,
+)
 
 from aggsrv.client.client import Client
 from aggsrv.server.client_activity import ClientActivity
+from aggsrv.server.dashboard.status import status_document
+from aggsrv.v1 import tensor_pb2 as tpb
 
 
 def test_states_lags_and_the_slowest_by_hand() -> None:
@@ -139,3 +148,51 @@ def test_the_publish_rate_counts_past_four_thousand_a_minute() -> None:
         rate.published(i / 100.0)
     assert abs(rate.last_minute(120.0) - 6000) <= 100
     assert rate.last_minute(1000.0) == 0 or rate.last_minute(1000.0) <= 100
+
+
+def test_refusals_are_counted_by_status_and_a_bounded_reason() -> None:
+    """Each way an upload is refused adds one to its (status, reason): the check that failed or
+    the refusing error's class, never the caller's text."""
+    srv = RunningServer(strategy="fedasync", metrics_port=0, rate_limit_per_second=0.0)
+    try:
+        with Client(srv.address, "c1") as client:
+            client.register(tiny_model(3))
+            job = client.get_job()
+            D = client.layout.numel
+            good = torch.randn(D)
+            nan = good.clone()
+            nan[5] = float("nan")
+            short = [tpb.TensorInfo(name="update", numel=D - 1)]
+            cases = [
+                update_messages(client, job, good, client_id="nobody"),
+                update_messages(client, job, good, layout_hash="0" * 64),
+                update_messages(client, job, nan),
+                update_messages(client, job, good[:-1], tensors=short),
+                update_messages(client, job, good, dtype=7),
+                update_messages(client, job, good, base_version=job.base_version + 5),
+                update_messages(client, job, good, job_id="999"),
+                update_messages(client, job, good)[:-2],  # cut before its last chunk
+            ]
+            for messages in cases:
+                assert isinstance(raw_push(srv.address, messages), grpc.RpcError)
+        m = scrape_metrics(srv.server.metrics_port)
+        got = {
+            (dict(labels)["code"], dict(labels)["reason"]): v
+            for (name, labels), v in m.items()
+            if name == "aggsrv_refusals_total"
+        }
+        assert got == {
+            ("not_found", "unknown_client"): 1,
+            ("failed_precondition", "layout_mismatch"): 1,
+            ("invalid_argument", "non_finite"): 1,
+            ("invalid_argument", "tensor_sizes"): 1,
+            ("invalid_argument", "bad_header"): 1,
+            ("invalid_argument", "invalid_update"): 2,  # base not the job's; no such job
+            ("data_loss", "cut_off"): 1,
+        }
+        doc = status_document(srv.federation)
+        assert {(r["code"], r["reason"]): r["count"] for r in doc["refusal_reasons"]}[
+            ("INVALID_ARGUMENT", "non_finite")
+        ] == 1
+    finally:
+        srv.stop()

@@ -123,6 +123,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
         self.counters: Counter[str] = Counter()
         self.rejected_by_code: Counter[str] = Counter()
+        self.rejected_by_reason: Counter[tuple[str, str]] = Counter()  # (code, reason)
         self.uploads_in_progress = 0  # uploads occupying a staging slot
         self.updates_waiting = 0  # validated updates handed to the aggregation loop, not yet done
         self.in_flight_updates: set[tuple[str, str]] = set()
@@ -510,9 +511,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         """Validated updates waiting for (or being folded in by) the aggregation loop."""
         return self.updates_waiting
 
-    def reject(self, code_name: str) -> None:
+    def reject(self, code_name: str, reason: str = "request") -> None:
         self.counters["rejected"] += 1
         self.rejected_by_code[code_name] += 1
+        self.rejected_by_reason[(code_name, reason)] += 1
 
     async def close(self) -> None:
         self.closing = True

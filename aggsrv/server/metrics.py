@@ -47,6 +47,12 @@ class ServerMetrics:
             "aggsrv_updates", "Updates by outcome: applied, buffered, duplicate, or the gRPC "
             "status code of a refusal (lower case)", ["outcome"], registry=r,
         )  # fmt: skip
+        self.refusals = Counter(
+            "aggsrv_refusals", "Refused uploads by gRPC status (lower case) and reason: the "
+            "check that failed (unknown_client, layout_mismatch, rate_limited, unknown_job, "
+            "cut_off, ...) or the refusing error's class (non_finite, checksum_mismatch, "
+            "stale_update, ...)", ["code", "reason"], registry=r,
+        )  # fmt: skip
         self.filtered = Counter(
             "aggsrv_updates_filtered", "Updates the strategy's update filter left out (answered "
             "FILTERED), by reason (FilterReason name, lower case)", ["reason"], registry=r,

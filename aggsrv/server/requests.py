@@ -10,6 +10,7 @@ state it uses (``fed``, ``auth``, ``rate``, ...).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 import time
@@ -51,6 +52,17 @@ CHUNK_HEADROOM = 64
 MIN_RECEIVE_BYTES = 1024
 UNPARSEABLE = "the request bytes are not a valid"
 UNPARSEABLE_LOG_SECONDS = 60.0
+
+
+# Why the current call was refused: a word from a fixed set (the check that failed, or the
+# refusing exception's class), never the caller's text, so a metric label stays bounded. Each
+# gRPC call runs in its own task, with its own copy of this variable.
+REFUSAL_REASON: contextvars.ContextVar[str] = contextvars.ContextVar("refusal", default="request")
+
+
+def reason_of(exc: BaseException) -> str:
+    """A refusing exception's class as a reason: NonFiniteResult -> non_finite_result."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
 
 
 def strategy_code(exc: StrategyError) -> grpc.StatusCode:
@@ -142,6 +154,7 @@ class RequestChecks:
                 "refused credentials: %s", exc,
                 extra={"event": "auth", "outcome": exc.code_name, "peer": context.peer()},
             )  # fmt: skip
+            REFUSAL_REASON.set("credentials")
             await context.abort(SC[exc.code_name], str(exc))
         assert principal is not None
         denied = None
@@ -155,6 +168,7 @@ class RequestChecks:
         if denied is not None:
             self.fed.metrics.auth_failures.labels(code="PERMISSION_DENIED").inc()
             log.warning(denied, extra={"event": "auth", "outcome": "PERMISSION_DENIED"})
+            REFUSAL_REASON.set("permission")
             await context.abort(SC.PERMISSION_DENIED, denied)
         return principal
 
@@ -165,6 +179,7 @@ class RequestChecks:
                 context,
                 SC.INVALID_ARGUMENT,
                 f"{what} {shown!r} is not 1 to 128 characters of [A-Za-z0-9._:@-]",
+                reason="bad_id",
             )
 
     async def _check_rate(
@@ -180,6 +195,7 @@ class RequestChecks:
                 f"client {client_id!r} is over its rate limit{what} "
                 f"({self.fed.config.rate_limit_per_second:g} calls/s, burst "
                 f"{self.fed.config.rate_limit_burst}); retry in {wait:.2f} s",
+                reason="rate_limited",
             )
 
     async def _next_message(self, stream: AsyncIterator, context: grpc.aio.ServicerContext):
@@ -220,8 +236,12 @@ class RequestChecks:
             )  # fmt: skip
         await context.abort(SC.INVALID_ARGUMENT, request.details)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: SC, message: str) -> None:
-        # Refusals of updates are counted by PushUpdate (StatusResponse counts updates only).
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, code: SC, message: str, reason: str = "request"
+    ) -> None:
+        # Refusals of updates are counted by PushUpdate (StatusResponse counts updates only),
+        # by code and REFUSAL_REASON.
+        REFUSAL_REASON.set(reason)
         await context.abort(code, message)
 
     async def _check_open(self, context: grpc.aio.ServicerContext) -> None:
@@ -263,7 +283,10 @@ class RequestChecks:
     async def _require_client(self, client_id: str, context: grpc.aio.ServicerContext) -> None:
         if client_id not in self.fed.clients:
             await self._abort(
-                context, SC.NOT_FOUND, f"unknown client {client_id!r}: call Register first"
+                context,
+                SC.NOT_FOUND,
+                f"unknown client {client_id!r}: call Register first",
+                reason="unknown_client",
             )
 
     async def _require_hash(self, layout_hash: str, context: grpc.aio.ServicerContext) -> None:
@@ -275,6 +298,7 @@ class RequestChecks:
                 SC.FAILED_PRECONDITION,
                 f"layout hash {layout_hash[:16]!r}... does not match the server's model "
                 f"({layout.hash[:16]}...): the client's model has other tensor names or shapes",
+                reason="layout_mismatch",
             )
 
     async def _require_same_buffers(
@@ -354,6 +378,7 @@ class RequestChecks:
                 SC.INVALID_ARGUMENT,
                 f"the stream must carry exactly {expected} (name: elements), header says "
                 f"{declared}",
+                reason="tensor_sizes",
             )
         try:
             sparse = P.sparse_infos(infos)
@@ -384,10 +409,11 @@ class RequestChecks:
                         context, SC.INVALID_ARGUMENT, f"unexpected {kind!r} message in the stream"
                     )
         except CodecError as exc:
-            await self._abort(context, SC[exc.grpc_code_name], str(exc))
+            await self._abort(context, SC[exc.grpc_code_name], str(exc), reason=reason_of(exc))
         await self._abort(
-            context, SC.DATA_LOSS, "stream ended before its trailer: the upload was cut off"
-        )
+            context, SC.DATA_LOSS, "stream ended before its trailer: the upload was cut off",
+            reason="cut_off",
+        )  # fmt: skip
         raise AssertionError("unreachable")  # abort raises
 
     async def _check_labels(self, labels, context: grpc.aio.ServicerContext) -> None:

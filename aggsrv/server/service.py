@@ -28,6 +28,7 @@ from aggsrv.server.federation import DurabilityError, Federation, payload_sizes,
 from aggsrv.server.limits import RateLimiter
 from aggsrv.server.requests import (
     JOB_BUCKET,
+    REFUSAL_REASON,
     SC,
     UNPARSEABLE,
     UNPARSEABLE_LOG_SECONDS,
@@ -35,6 +36,7 @@ from aggsrv.server.requests import (
     RequestChecks,
     Unparseable,
     _job_number,
+    reason_of,
     strategy_code,
     tolerant_parser,
 )
@@ -369,8 +371,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             code = context.code()
             # UNAVAILABLE (shutting down) says nothing about the update: the client retries it.
             if code is not None and code != SC.UNAVAILABLE:
-                self.fed.reject(code.name)
+                reason = REFUSAL_REASON.get()
+                self.fed.reject(code.name, reason)
                 self.fed.metrics.record_update(code.name)
+                self.fed.metrics.refusals.labels(code=code.name.lower(), reason=reason).inc()
                 self._log_refusal(seen.get("header"), code, context)
                 self._trace_refusal(seen, code)
             raise
@@ -410,7 +414,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         await self._require_model(context)
         first = await self._next_message(request_iterator, context)
         if first is None or first.WhichOneof("kind") != "header":
-            await self._abort(context, SC.INVALID_ARGUMENT, "PushUpdate must start with a header")
+            await self._abort(
+                context, SC.INVALID_ARGUMENT, "PushUpdate must start with a header",
+                reason="bad_header",
+            )  # fmt: skip
         h = first.header
         seen["header"] = h
         fed = self.fed
@@ -426,17 +433,22 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 SC.FAILED_PRECONDITION,
                 f"this slice is for shard {h.shard_rank}; this server is "
                 + (f"shard {rank}" if fed.shards is not None else "not sharded (shard_rank 0)"),
+                reason="wrong_shard",
             )
         await self._check_rate(h.client_id, context)
         await self._require_hash(h.layout_hash, context)
         await self._check_id("update_id", h.update_id, context)
         kind = P.PB_TO_KIND.get(h.kind)
         if kind is None:
-            await self._abort(context, SC.INVALID_ARGUMENT, "kind must be WEIGHTS or DELTA")
+            await self._abort(
+                context, SC.INVALID_ARGUMENT, "kind must be WEIGHTS or DELTA", reason="bad_header"
+            )
         try:
             dtype = P.wire_dtype(h.dtype, "dtype")
         except ValueError as exc:
-            await self._abort(context, SC.INVALID_ARGUMENT, f"bad header: {exc}")
+            await self._abort(
+                context, SC.INVALID_ARGUMENT, f"bad header: {exc}", reason="bad_header"
+            )
         job_id = _job_number(h.job_id)
         if job_id is None:
             await self._abort(
@@ -444,13 +456,15 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 SC.INVALID_ARGUMENT,
                 f"job_id {h.job_id[:40]!r} is not a job id this server issued (the JobHeader's "
                 "job_id, echoed exactly)",
+                reason="unknown_job",
             )
         fed.touch(h.client_id)
         key = (h.client_id, h.update_id)
         if key in fed.in_flight_updates:
             await self._abort(
-                context, SC.ABORTED, f"update {h.update_id!r} is being uploaded on another stream"
-            )
+                context, SC.ABORTED, f"update {h.update_id!r} is being uploaded on another stream",
+                reason="in_flight",
+            )  # fmt: skip
         fed.in_flight_updates.add(key)
         slot = None
         waiting = False
@@ -491,7 +505,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 else:
                     staleness, outcome = await fed.apply_update(update, views)
             except StrategyError as exc:
-                await self._abort(context, strategy_code(exc), str(exc))
+                await self._abort(context, strategy_code(exc), str(exc), reason=reason_of(exc))
         finally:
             if waiting:
                 fed.updates_waiting -= 1

@@ -10,6 +10,7 @@ The document (``format`` 1), documented for scripts in docs/operations.md:
 ``time``, ``started`` (server clock, Unix seconds), ``strategy`` {``name``, ``settings``},
 ``version``, ``versions_last_minute``, ``updates`` {``accepted``,
 ``applied``, ``duplicate``, ``rejected``}, ``refusals`` {status code: count},
+``refusal_reasons`` [{``code``, ``reason``, ``count``}],
 ``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
 ``staleness``, ``job_turnaround_seconds``, ``client_lag`` (each {``le``: upper bounds,
 ``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
@@ -148,6 +149,10 @@ def status_document(fed: Federation) -> dict[str, Any]:
             k: int(fed.counters[k]) for k in ("accepted", "applied", "duplicate", "rejected")
         },  # fmt: skip
         "refusals": dict(sorted(fed.rejected_by_code.copy().items())),
+        "refusal_reasons": [
+            {"code": code, "reason": reason, "count": n}
+            for (code, reason), n in sorted(fed.rejected_by_reason.copy().items())
+        ],
         "clients": {
             "known": len(fed.clients),
             "states": clients.states,

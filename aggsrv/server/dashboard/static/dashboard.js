@@ -153,7 +153,7 @@ function render(s) {
   drawEvaluation("chart-eval", s.evaluation);
   setText("eval-count", s.evaluation.length);
   fillRows("slowest", s.clients.slowest.map((r) => [r.client, r.seconds.toFixed(1)]));
-  fillRows("refusals", Object.entries(s.refusals));
+  fillRows("refusals", s.refusal_reasons.map((r) => [r.code, r.reason, r.count]));
   fillRows("settings", Object.entries(s.strategy.settings).map(([k, v]) => [k, JSON.stringify(v)]));
   const groups = $("groups");
   groups.replaceChildren();
