@@ -456,3 +456,35 @@ def test_round_trip_strided_and_float64_sources(seed, wd):
     _feed_all(dec, chunks)
     out = dec.finish(enc.crc32c)
     assert torch.equal(out["t"], base.t().reshape(-1).to(wd.torch_dtype).float()), seed
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), 3e38])
+def test_a_reference_direction_gives_norm_and_cosine_from_the_check(seed, value):
+    """With a reference direction the check, the norm and the cosine come from one fused pass;
+    NaN/Inf are still refused, and finite values whose float32 squares overflow still pass."""
+    g = torch.Generator().manual_seed(seed)
+    n = 10_007
+    x = torch.randn(n, generator=g)
+    if value is not None:
+        x[n // 3] = value
+    r = torch.randn(n, generator=g)
+    r_norm = float(torch.linalg.vector_norm(r.double()))
+    enc, chunks = encode_all([("x", x)], "float32", 4096)
+    lay = layout_of([("x", x)])
+    dec = T.Decoder(T.StagingSlot(n), lay, "float32", 4096, reference=(r, r_norm))
+    for c in chunks:
+        dec.feed(*c)
+    if value is not None and not np.isfinite(value):
+        with pytest.raises(T.NonFinite):
+            dec.finish(enc.crc32c)
+        return
+    dec.finish(enc.crc32c)
+    x64, r64 = x.double(), r.double()
+    norm = float(torch.linalg.vector_norm(x64))
+    assert dec.norm == pytest.approx(norm, rel=1e-12)
+    assert dec.cosine == pytest.approx(float(x64 @ r64) / (norm * r_norm), rel=1e-9, abs=1e-12)
+    wrong_size = T.Decoder(T.StagingSlot(n), lay, "float32", 4096, reference=(r[:-1], r_norm))
+    for c in chunks:
+        wrong_size.feed(*c)
+    wrong_size.finish(enc.crc32c)
+    assert wrong_size.cosine is None and wrong_size.norm == pytest.approx(norm, rel=1e-4)

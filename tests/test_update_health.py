@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from server_helpers import RunningServer, scrape_metrics, tiny_model
 
@@ -63,5 +64,47 @@ def test_a_real_server_counts_norms_and_flags_the_scaled_update() -> None:
             m = _scrape(srv.server.metrics_port)
             assert m["aggsrv_update_norm_count"] == 41
             assert m["aggsrv_update_norm_outliers_total"] == 1
+    finally:
+        srv.stop()
+
+
+def test_the_recent_change_is_refreshed_at_most_once_an_interval() -> None:
+    from aggsrv.server.update_health import RecentChange
+
+    change = RecentChange(interval=1.0)
+    w0, w1, w2 = torch.zeros(5), torch.ones(5), torch.full((5,), 3.0)
+    change.refresh(w0, now=0.0)
+    assert change.current is None  # nothing to compare with yet
+    change.refresh(w1, now=0.5)  # within the interval: ignored
+    assert change.current is None
+    change.refresh(w2, now=1.0)
+    direction, norm = change.current
+    assert torch.equal(direction, w2 - w0) and norm == pytest.approx(3.0 * 5**0.5)
+
+
+def test_a_sign_flipped_update_is_a_cosine_outlier_on_a_real_server() -> None:
+    """Clients whose updates share a direction (plus noise), then one that sends the opposite:
+    its cosine to the model's recent change is counted as an outlier."""
+    srv = RunningServer(strategy="fedasync", metrics_port=0, rate_limit_per_second=0.0)
+    try:
+        with Client(srv.address, "c1") as client:
+            client.register(tiny_model(14))
+            srv.federation.direction.interval = 0.0  # refresh on every version (a short test)
+            D = client.layout.numel
+            g = torch.Generator().manual_seed(14)
+            common = torch.randn(D, generator=g)
+            for _ in range(40):
+                client.push(client.get_job(), 0.01 * (common + 0.3 * torch.randn(D, generator=g)))
+            m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_cosine_count"] == 39  # the first had no change to compare
+            # Histograms with negative buckets have no _sum: most cosines lie above 0.6.
+            low = scrape_metrics(srv.server.metrics_port)[
+                ("aggsrv_update_cosine_bucket", frozenset({("le", "0.6")}))
+            ]
+            assert low <= 3
+            assert m["aggsrv_update_cosine_outliers_total"] == 0
+            client.push(client.get_job(), -0.01 * common)
+            m = _scrape(srv.server.metrics_port)
+            assert m["aggsrv_update_cosine_outliers_total"] == 1
     finally:
         srv.stop()

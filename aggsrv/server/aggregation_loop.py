@@ -210,6 +210,7 @@ class AggregationLoop:
             return
         self._captured = strategy.version
         self._unpublished.append((self._snapshot_of(strategy), lsn))
+        self.direction.refresh(strategy.global_model(), self.clock())
 
     def publish_recovered(self) -> None:
         """After recovery replayed the log (all of it durable): publish the state reached."""

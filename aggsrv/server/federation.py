@@ -46,7 +46,7 @@ from aggsrv.server.persistence import RecoveryError, restore
 from aggsrv.server.replication import Replication, _staleness, update_meta
 from aggsrv.server.shard_follower import ShardFollower, _Reply
 from aggsrv.server.trace import TraceWriter
-from aggsrv.server.update_health import UpdateNorms
+from aggsrv.server.update_health import RecentChange, RobustOutliers, UpdateNorms
 from aggsrv.server.versions import (
     LeaseHandoff,
     RetainedVersions,
@@ -135,6 +135,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         )
         self.publish_rate = PublishRate()
         self.update_norms = UpdateNorms()  # the norms of recent updates, for outliers
+        self.update_cosines = RobustOutliers()  # their cosines to the model's recent change
+        self.direction = RecentChange()
         self.strategy_events = StrategyEvents()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None
@@ -404,6 +406,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self._captured = strategy.version
         self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # on disk already
         self._retain(self._snapshot_of(strategy))
+        self.direction = RecentChange()  # from this model on
+        self.direction.refresh(strategy.global_model(), self.clock())
         self.strategy = strategy
 
     # ------------------------------------------------------------------ clients and slots

@@ -33,6 +33,7 @@ TURNAROUND_BUCKETS = (
 )  # fmt: skip
 # An update's L2 norm: decades from a tiny fine-tuning step to a diverging client.
 NORM_BUCKETS = tuple(10.0**e for e in range(-4, 5)) + (float("inf"),)
+COSINE_BUCKETS = tuple(round(-1.0 + 0.2 * i, 1) for i in range(11)) + (float("inf"),)
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 EVAL_HISTORY = 500  # --eval results the dashboard keeps
 
@@ -107,6 +108,15 @@ class ServerMetrics:
         self.update_norm_outliers = Counter(
             "aggsrv_update_norm_outliers", "Updates whose norm lies far from the recent ones "
             "(log-norm beyond 3.5 robust sd of the last 512): a client to look at",
+            registry=r,
+        )  # fmt: skip
+        self.update_cosine = Histogram(
+            "aggsrv_update_cosine", "Cosine of each DELTA update to the model's recent change "
+            "(the last second or more of versions)", buckets=COSINE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.update_cosine_outliers = Counter(
+            "aggsrv_update_cosine_outliers", "Updates whose cosine to the model's recent change "
+            "lies far from the recent updates' (beyond 3.5 robust sd of the last 512)",
             registry=r,
         )  # fmt: skip
         self.versions_published = Counter(

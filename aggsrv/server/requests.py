@@ -368,9 +368,11 @@ class RequestChecks:
         dtype: WireDtype,
         context: grpc.aio.ServicerContext,
         stats: dict[str, float] | None = None,
+        reference: tuple[torch.Tensor, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
-        ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass)."""
+        ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
+        a ``reference`` direction (and its norm), the ``cosine`` to it from the same pass."""
         declared = {i.name: int(i.numel) for i in infos}
         if declared != expected:
             await self._abort(
@@ -385,7 +387,10 @@ class RequestChecks:
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
         try:
-            decoder = Decoder(slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse)
+            decoder = Decoder(
+                slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse,
+                reference=reference,
+            )  # fmt: skip
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
@@ -403,6 +408,8 @@ class RequestChecks:
                     views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
                     if stats is not None and decoder.norm is not None:
                         stats["norm"] = decoder.norm
+                    if stats is not None and decoder.cosine is not None:
+                        stats["cosine"] = decoder.cosine
                     return views
                 else:
                     await self._abort(

@@ -474,6 +474,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,
+                reference=fed.direction.current if kind is UpdateKind.DELTA else None,
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)
@@ -516,6 +517,17 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         label = "duplicate" if outcome.original is not None else outcome.status.name
         if "norm" in seen and outcome.original is None and kind is UpdateKind.DELTA:
             fed.metrics.update_norm.observe(seen["norm"])
+            if "cosine" in seen:
+                fed.metrics.update_cosine.observe(seen["cosine"])
+                if fed.update_cosines.observe(seen["cosine"]):
+                    fed.metrics.update_cosine_outliers.inc()
+                    log.warning(
+                        "update %s of %s: its cosine %.3f to the model's recent change lies "
+                        "far from the recent updates' (an outlier: look at this client)",
+                        h.update_id, h.client_id, seen["cosine"],
+                        extra={"event": "update_cosine_outlier", "client_id": h.client_id,
+                               "update_id": h.update_id, "cosine": seen["cosine"]},
+                    )  # fmt: skip
             if fed.update_norms.observe(seen["norm"]):
                 fed.metrics.update_norm_outliers.inc()
                 log.warning(

@@ -1,15 +1,18 @@
-"""Does some client's update look wrong? The norms of DELTA uploads against the recent ones
-(a WEIGHTS upload's norm is the model's, not a step's: not observed; a sharded server's
-followers see their slice's norm, so read rank 0's).
+"""Does some client's update look wrong? Each DELTA upload's norm, and its cosine to the model's
+recent change, against the recent updates'.
 
-The norm comes free with the upload's NaN/Inf check (one pass over the values gives both:
-``aggsrv.finite.squared_norm_if_finite``), so watching it costs no second pass over D. An
-update is an outlier when its log-norm lies more than ``threshold`` robust standard deviations
-(1.4826 x the median absolute deviation) from the median log-norm of the last ``window``
-updates (the deviation floored at ``SPREAD_FLOOR``); the median and the deviation are refreshed
-every ``refresh`` updates, and nothing is called an outlier before ``min_seen`` updates. Log
-scale, because norms spread by orders of magnitude between clients (data sizes, learning rates)
-and a scaled update is a multiple.
+Both come from the pass that checks the upload for NaN/Inf (``aggsrv.fused_dots``: one read of
+the update; with no recent change yet, ``aggsrv.finite.squared_norm_if_finite`` gives the norm
+alone), so watching them costs no second pass over D. A WEIGHTS upload's norm is the model's,
+not a step's: not observed. A sharded server's followers see their slice's values: read rank
+0's.
+
+A value is an outlier when it lies more than ``threshold`` robust standard deviations (1.4826 x
+the median absolute deviation, floored at ``SPREAD_FLOOR``) from the median of the last
+``window`` values; the median and the deviation are refreshed every ``refresh`` values, and
+nothing is called an outlier before ``min_seen``. Norms are compared on the log scale, because
+they spread by orders of magnitude between clients (data sizes, learning rates) and a scaled
+update is a multiple; cosines as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 from collections import deque
 
 import numpy as np
+import torch
 
 TINY = 1e-30  # a zero update's norm, on the log scale: far below any real one
 # Norms all equal (clients clipping to one bound) give no spread: a 5 % floor keeps an update
@@ -25,32 +29,70 @@ TINY = 1e-30  # a zero update's norm, on the log scale: far below any real one
 SPREAD_FLOOR = 0.05
 
 
-class UpdateNorms:
+class RobustOutliers:
+    """Values far from the recent ones: beyond ``threshold`` robust standard deviations
+    (1.4826 x the median absolute deviation, floored at ``floor``) of the last ``window``."""
+
     def __init__(
-        self, window: int = 512, threshold: float = 3.5, refresh: int = 32, min_seen: int = 32
+        self,
+        window: int = 512,
+        threshold: float = 3.5,
+        refresh: int = 32,
+        min_seen: int = 32,
+        floor: float = SPREAD_FLOOR,
     ) -> None:
         self.threshold = threshold
         self.refresh = refresh
         self.min_seen = min_seen
-        self._logs: deque[float] = deque(maxlen=window)
+        self.floor = floor
+        self._values: deque[float] = deque(maxlen=window)
         self._since = 0
         self._center: float | None = None
         self._spread = 0.0
 
-    def observe(self, norm: float) -> bool:
-        """Record an accepted update's norm; True when it is an outlier."""
-        x = math.log(max(norm, TINY))
-        outlier = False
-        if self._center is not None and self._spread > 0:
-            outlier = abs(x - self._center) > self.threshold * self._spread
-        self._logs.append(x)
+    def observe(self, x: float) -> bool:
+        """Record a value; True when it is an outlier against the ones before it."""
+        outlier = self._center is not None and abs(x - self._center) > self.threshold * max(
+            self._spread, self.floor
+        )
+        self._values.append(x)
         self._since += 1
-        if len(self._logs) >= self.min_seen and (
+        if len(self._values) >= self.min_seen and (
             self._center is None or self._since >= self.refresh
         ):
-            logs = np.fromiter(self._logs, dtype=np.float64, count=len(self._logs))
-            self._center = float(np.median(logs))
-            mad = 1.4826 * float(np.median(np.abs(logs - self._center)))
-            self._spread = max(mad, SPREAD_FLOOR)
+            values = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
+            self._center = float(np.median(values))
+            self._spread = 1.4826 * float(np.median(np.abs(values - self._center)))
             self._since = 0
         return outlier
+
+
+class UpdateNorms(RobustOutliers):
+    """Outliers of the log-norm (a scaled update is a multiple: far on the log scale)."""
+
+    def observe(self, norm: float) -> bool:  # type: ignore[override]
+        return super().observe(math.log(max(norm, TINY)))
+
+
+class RecentChange:
+    """The model's recent change, the direction each update's cosine is taken to: the global
+    weights now minus those of the last refresh, refreshed (on the aggregation thread, after a
+    new version) at most every ``interval`` seconds, so it costs one pass over D per interval
+    whatever the version rate. ``current`` is replaced whole, never written in place: the event
+    loop reads it while uploads are checked."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.current: tuple[torch.Tensor, float] | None = None  # (direction, its norm)
+        self._base: torch.Tensor | None = None
+        self._base_at = -math.inf
+
+    def refresh(self, weights: torch.Tensor, now: float) -> None:
+        """``weights``: the new version's (an immutable snapshot: kept, not copied, on a CPU)."""
+        if now - self._base_at < self.interval:
+            return
+        host = weights.detach().reshape(-1).to("cpu", torch.float32)
+        if self._base is not None and self._base.numel() == host.numel():
+            change = host - self._base
+            self.current = (change, float(torch.linalg.vector_norm(change, dtype=torch.float64)))
+        self._base, self._base_at = host, now

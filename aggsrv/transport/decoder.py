@@ -127,10 +127,14 @@ class Decoder:
         wire_dtype: WireDtype | str | torch.dtype,
         max_chunk_bytes: int,
         sparse: Mapping[str, tuple[Encoding, int]] | None = None,
+        reference: tuple[torch.Tensor, float] | None = None,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
-        a sparse section that is not smaller than the dense bytes is refused (WrongLength)."""
+        a sparse section that is not smaller than the dense bytes is refused (WrongLength).
+        ``reference``: a CPU float32 direction the size of the main buffer and its norm, to
+        which the finished upload's :attr:`cosine` is taken in the same pass as its check."""
         self.slot = slot
+        self.reference = reference
         self.wire_dtype = WireDtype.parse(wire_dtype)
         if max_chunk_bytes < self.wire_dtype.itemsize:
             raise ValueError(
@@ -185,6 +189,7 @@ class Decoder:
         self._crc = Crc32c()
         self._state = "open"
         self.norm: float | None = None  # the L2 norm of the main buffer, once finished
+        self.cosine: float | None = None  # its cosine to ``reference``, when one was given
 
     def reset(self) -> None:
         """Forget the previous upload (successful or not) and accept a new one into the slot."""
@@ -192,7 +197,7 @@ class Decoder:
             t.received = 0
         self._crc.reset()
         self._state = "open"
-        self.norm = None
+        self.norm = self.cosine = None
 
     @property
     def bytes_received(self) -> int:
@@ -348,6 +353,8 @@ class Decoder:
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
         for i, buf in enumerate(buffers):
+            if i == 0 and self._fused_check(buf):
+                continue
             # A finite sum of squares proves every element finite (aggsrv.finite); an overflow
             # of finite values only sends us to the exact (slow, rare) check below.
             sq = squared_norm_if_finite(buf) if buf.numel() else 0.0
@@ -358,6 +365,26 @@ class Decoder:
                 sq = squared_norm(buf)  # the squares overflowed in float32
             if i == 0:
                 self.norm = math.sqrt(sq)
+
+    def _fused_check(self, buf: torch.Tensor) -> bool:
+        """With a reference direction: the check, the norm and the cosine in one pass (float64
+        squares cannot overflow: a finite sum proves every value finite). False when there is
+        none that fits, or the sum is not finite (the caller's exact check then tells)."""
+        ref = self.reference
+        if ref is None or buf.numel() == 0:
+            return False
+        direction, direction_norm = ref
+        if direction.numel() != buf.numel() or buf.dtype != torch.float32 or not buf.is_cpu:
+            return False
+        from aggsrv.fused_dots import squares_and_dot  # numba: a server's, never a client's
+
+        uu, ur = squares_and_dot(buf.reshape(-1).numpy(), direction.reshape(-1).numpy())
+        if not math.isfinite(uu):
+            return False
+        self.norm = math.sqrt(uu)
+        if self.norm > 0 and direction_norm > 0:
+            self.cosine = max(-1.0, min(1.0, ur / (self.norm * direction_norm)))
+        return True
 
     def _raise_non_finite(self, buf: torch.Tensor, index: int, count: int) -> None:
         for t in self._targets.values():

@@ -1,0 +1,25 @@
+"""``u . u`` and ``u . r`` in one read of ``u`` (and one of ``r``), float64 accumulation.
+
+The server's check of a DELTA upload (every value finite) and the two numbers its health
+metrics need (the update's norm, and its cosine to the model's recent change ``r``) come from
+this single pass. A float64 sum of float32 squares cannot overflow (each is below 1.2e77), so
+a finite ``u . u`` proves every element of ``u`` finite, exactly. Compiled by numba, on the
+calling thread (no thread team to wait for on a busy server), imported only by a server that
+has a direction to compare with: a client never loads numba for it.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+
+@nb.njit(cache=True, nogil=True)  # no fastmath: NaN and Inf must propagate
+def squares_and_dot(u: np.ndarray, r: np.ndarray) -> tuple[float, float]:  # pragma: no cover
+    uu = 0.0
+    ur = 0.0
+    for i in range(u.shape[0]):
+        x = np.float64(u[i])
+        uu += x * x
+        ur += x * np.float64(r[i])
+    return uu, ur
