@@ -14,7 +14,10 @@ import numba as nb
 import numpy as np
 
 
-@nb.njit(cache=True, nogil=True)  # no fastmath: NaN and Inf must propagate
+# Reassociation lets LLVM vectorize the sums (19 ms against 4.3 ms for 2^24 float32 elements
+# here); NaN and Inf still propagate in any order, and squares never cancel, so the proof
+# holds. No "nnan"/"ninf": those would let the compiler assume them away.
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def squares_and_dot(u: np.ndarray, r: np.ndarray) -> tuple[float, float]:  # pragma: no cover
     uu = 0.0
     ur = 0.0
@@ -23,3 +26,10 @@ def squares_and_dot(u: np.ndarray, r: np.ndarray) -> tuple[float, float]:  # pra
         uu += x * x
         ur += x * np.float64(r[i])
     return uu, ur
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) before the first upload needs it: at server start,
+    not on the event loop in the middle of a call."""
+    one = np.zeros(1, dtype=np.float32)
+    squares_and_dot(one, one)

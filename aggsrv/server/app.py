@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from aggsrv.fused_dots import warm_up as warm_up_fused_dots
 from aggsrv.server import auth as A
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.dashboard.status import status_document
@@ -115,6 +116,7 @@ class Server:
         if cfg.model_init and fed.strategy is None and not fed.follower:
             self._load_initial_model(cfg.model_init)
         fed.open_trace()
+        await asyncio.get_running_loop().run_in_executor(None, warm_up_fused_dots)
         self._watch_metrics()
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
