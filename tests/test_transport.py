@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -471,7 +472,8 @@ def test_a_reference_direction_gives_norm_and_cosine_from_the_check(seed, value)
     r_norm = float(torch.linalg.vector_norm(r.double()))
     enc, chunks = encode_all([("x", x)], "float32", 4096)
     lay = layout_of([("x", x)])
-    dec = T.Decoder(T.StagingSlot(n), lay, "float32", 4096, reference=(r, r_norm))
+    source = types.SimpleNamespace(current=(r, r_norm), generation=2)
+    dec = T.Decoder(T.StagingSlot(n), lay, "float32", 4096, reference=source)
     for c in chunks:
         dec.feed(*c)
     if value is not None and not np.isfinite(value):
@@ -483,8 +485,12 @@ def test_a_reference_direction_gives_norm_and_cosine_from_the_check(seed, value)
     norm = float(torch.linalg.vector_norm(x64))
     assert dec.norm == pytest.approx(norm, rel=1e-12)
     assert dec.cosine == pytest.approx(float(x64 @ r64) / (norm * r_norm), rel=1e-9, abs=1e-12)
-    wrong_size = T.Decoder(T.StagingSlot(n), lay, "float32", 4096, reference=(r[:-1], r_norm))
-    for c in chunks:
-        wrong_size.feed(*c)
-    wrong_size.finish(enc.crc32c)
-    assert wrong_size.cosine is None and wrong_size.norm == pytest.approx(norm, rel=1e-4)
+    for current, generation in (((r[:-1], r_norm), 2), ((r, r_norm), 3)):  # wrong size; writing
+        other = T.Decoder(
+            T.StagingSlot(n), lay, "float32", 4096,
+            reference=types.SimpleNamespace(current=current, generation=generation),
+        )  # fmt: skip
+        for c in chunks:
+            other.feed(*c)
+        other.finish(enc.crc32c)
+        assert other.cosine is None and other.norm == pytest.approx(norm, rel=1e-4)

@@ -72,14 +72,20 @@ def test_the_recent_change_is_refreshed_at_most_once_an_interval() -> None:
     from aggsrv.server.update_health import RecentChange
 
     change = RecentChange(interval=1.0)
-    w0, w1, w2 = torch.zeros(5), torch.ones(5), torch.full((5,), 3.0)
+    w0, w1, w2, w3 = (torch.full((5,), v) for v in (0.0, 1.0, 3.0, 4.0))
     change.refresh(w0, now=0.0)
-    assert change.current is None  # nothing to compare with yet
+    assert change.current is None and change.generation == 0  # nothing to compare with yet
     change.refresh(w1, now=0.5)  # within the interval: ignored
     assert change.current is None
     change.refresh(w2, now=1.0)
-    direction, norm = change.current
-    assert torch.equal(direction, w2 - w0) and norm == pytest.approx(3.0 * 5**0.5)
+    first, norm = change.current
+    assert torch.equal(first, w2 - w0) and norm == pytest.approx(3.0 * 5**0.5)
+    assert change.generation == 2
+    change.refresh(w3, now=2.0)
+    second, norm = change.current
+    # Written into the other buffer: a reader still holding the first sees it unchanged.
+    assert torch.equal(second, w3 - w2) and torch.equal(first, w2 - w0) and norm > 0
+    assert second.data_ptr() != first.data_ptr() and change.generation == 4
 
 
 def test_a_sign_flipped_update_is_a_cosine_outlier_on_a_real_server() -> None:

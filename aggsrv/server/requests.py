@@ -16,6 +16,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -368,11 +369,11 @@ class RequestChecks:
         dtype: WireDtype,
         context: grpc.aio.ServicerContext,
         stats: dict[str, float] | None = None,
-        reference: tuple[torch.Tensor, float] | None = None,
+        reference: Any = None,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
-        a ``reference`` direction (and its norm), the ``cosine`` to it from the same pass."""
+        a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass."""
         declared = {i.name: int(i.numel) for i in infos}
         if declared != expected:
             await self._abort(

@@ -474,7 +474,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,
-                reference=fed.direction.current if kind is UpdateKind.DELTA else None,
+                reference=fed.direction if kind is UpdateKind.DELTA else None,
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)

@@ -127,12 +127,15 @@ class Decoder:
         wire_dtype: WireDtype | str | torch.dtype,
         max_chunk_bytes: int,
         sparse: Mapping[str, tuple[Encoding, int]] | None = None,
-        reference: tuple[torch.Tensor, float] | None = None,
+        reference: Any = None,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
         a sparse section that is not smaller than the dense bytes is refused (WrongLength).
-        ``reference``: a CPU float32 direction the size of the main buffer and its norm, to
-        which the finished upload's :attr:`cosine` is taken in the same pass as its check."""
+        ``reference``: where to find a CPU float32 direction the size of the main buffer, to
+        which the finished upload's :attr:`cosine` is taken in the same pass as its check: an
+        object with ``current`` ((direction, its norm) or None) and ``generation`` (odd while
+        the direction is written; a cosine computed across a change is dropped), read when the
+        upload finishes (``aggsrv.server.update_health.RecentChange``)."""
         self.slot = slot
         self.reference = reference
         self.wire_dtype = WireDtype.parse(wire_dtype)
@@ -370,10 +373,13 @@ class Decoder:
         """With a reference direction: the check, the norm and the cosine in one pass (float64
         squares cannot overflow: a finite sum proves every value finite). False when there is
         none that fits, or the sum is not finite (the caller's exact check then tells)."""
-        ref = self.reference
-        if ref is None or buf.numel() == 0:
+        source = self.reference
+        if source is None or buf.numel() == 0:
             return False
-        direction, direction_norm = ref
+        generation, current = source.generation, source.current
+        if current is None or generation % 2:
+            return False
+        direction, direction_norm = current
         if direction.numel() != buf.numel() or buf.dtype != torch.float32 or not buf.is_cpu:
             return False
         from aggsrv.fused_dots import squares_and_dot  # numba: a server's, never a client's
@@ -382,7 +388,7 @@ class Decoder:
         if not math.isfinite(uu):
             return False
         self.norm = math.sqrt(uu)
-        if self.norm > 0 and direction_norm > 0:
+        if self.norm > 0 and direction_norm > 0 and source.generation == generation:
             self.cosine = max(-1.0, min(1.0, ur / (self.norm * direction_norm)))
         return True
 
