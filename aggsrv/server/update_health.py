@@ -23,6 +23,8 @@ from collections import deque
 import numpy as np
 import torch
 
+from aggsrv.fused_dots import squares_and_dot
+
 TINY = 1e-30  # a zero update's norm, on the log scale: far below any real one
 # Norms all equal (clients clipping to one bound) give no spread: a 5 % floor keeps an update
 # 1000x larger an outlier.
@@ -109,7 +111,10 @@ class RecentChange:
         target = self._buffers[self._next]  # not the one readers may hold
         self.generation += 1  # odd: writing
         torch.sub(host, base, out=target)
-        norm = float(torch.linalg.vector_norm(target, dtype=torch.float64))
+        # The fused kernel's float64 sum of squares: torch's float64 norm would first make a
+        # float64 copy (134 MB for 2^24 values: page faults on every refresh).
+        squares, _ = squares_and_dot(target.numpy(), target.numpy())
+        norm = math.sqrt(squares)
         self.current = (target, norm)
         self.generation += 1
         self._next ^= 1
