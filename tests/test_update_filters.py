@@ -9,13 +9,11 @@ trip (FILTERED with its reason, DUPLICATE of it, a new job, the metrics and stat
 from __future__ import annotations
 
 import math
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import tiny_model
+from server_helpers import scrape_metrics, tiny_model
 from state_helpers import assert_same_state
 from strategy_cases import strategy_cases
 from strategy_runs import run_layout
@@ -383,16 +381,6 @@ def test_send_differences_refuses_centered_clip() -> None:
 # ----------------------------------------------------------------------------- over gRPC
 
 
-def _scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def test_grpc_round_trip_filtered_duplicate_new_job_and_metrics(servers) -> None:
     model = tiny_model(3)
     d = ModelLayout.from_module(model).numel
@@ -431,7 +419,7 @@ def test_grpc_round_trip_filtered_duplicate_new_job_and_metrics(servers) -> None
     assert fresh.job_id != job.job_id and fresh.base_version == job.base_version
     assert a.push(fresh, honest(), epochs=1.0).status is Status.APPLIED
 
-    m = _scrape(srv.server.metrics_port)
+    m = scrape_metrics(srv.server.metrics_port)
     assert m[("aggsrv_updates_total", frozenset({("outcome", "filtered")}))] == 1
     assert m[("aggsrv_updates_total", frozenset({("outcome", "duplicate")}))] == 1
     assert m[("aggsrv_updates_total", frozenset({("outcome", "applied")}))] == 4
