@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 import torch
 from server_helpers import (
     RunningServer,
@@ -55,6 +56,11 @@ def test_states_lags_and_the_slowest_by_hand() -> None:
         ("c", 10.0), ("d", 10.0)
     ]  # fmt: skip
     assert a.slowest(10.0, 5)[-1] == ("a", 5.0)
+    # Update rates: a sent at 1.0; b at 3.0 and 4.0 (a repeat still arrived): 1 in 1 s.
+    assert a.update_rates() == [60.0]
+    for t in (20.0, 21.0, 23.0):
+        a.update_received("a", 7, now=t)  # 4 arrivals over 22 s: 3 per 22 s
+    assert sorted(a.update_rates()) == [pytest.approx(3 * 60.0 / 22.0), 60.0]
 
 
 _scrape = scrape_metrics
@@ -79,6 +85,8 @@ def test_a_real_servers_metrics_count_jobs_turnarounds_and_versions() -> None:
             assert states["idle"] >= 1  # c1 holds no job after its push
             # One held job (c2's, base 0) at version 3: one lag of 3.
             assert m[("aggsrv_client_lag_gcount", frozenset())] == 1
+            # c1 sent 3 updates (a rate); c2 none yet.
+            assert m[("aggsrv_client_update_rate_gcount", frozenset())] == 1
             assert m[("aggsrv_client_lag_gsum", frozenset())] == 3
             assert m[("aggsrv_client_lag_bucket", frozenset({("le", "2.0")}))] == 0
             assert m[("aggsrv_client_lag_bucket", frozenset({("le", "4.0")}))] == 1

@@ -12,6 +12,7 @@ the last ``window`` updates. From those, at scrape time:
   except by lease.
 - **lag**: for each client holding a job, the global version minus the job's base version.
 - **slowest**: the ``n`` clients holding their job longest, with its age.
+- **update rates**: each client's updates per minute over its last ``RATE_WINDOW`` updates.
 
 Everything is keyed by client id, so it is bounded by ``max_clients``; the metrics built on it
 (``aggsrv.server.metrics``) are bounded sets (counts by state, histograms, a top-N), never one
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 STATES = ("active", "idle", "straggling", "dropped_out")
+RATE_WINDOW = 8  # a client's update rate is taken over its last this many updates
 
 
 @dataclass
@@ -54,6 +56,7 @@ class ClientActivity:
         self._held: dict[str, _Held] = {}
         self._seen: dict[str, float] = {}
         self._turnarounds: deque[float] = deque(maxlen=window)
+        self._arrivals: dict[str, deque[float]] = {}  # each client's last RATE_WINDOW updates
 
     def seen(self, client: str, now: float) -> None:
         self._seen[client] = now
@@ -67,6 +70,10 @@ class ClientActivity:
     def update_received(self, client: str, job_id: int, now: float) -> float | None:
         """The job's turnaround, if ``client`` held job ``job_id`` (it no longer does)."""
         self._seen[client] = now
+        arrivals = self._arrivals.get(client)
+        if arrivals is None:
+            arrivals = self._arrivals[client] = deque(maxlen=RATE_WINDOW)
+        arrivals.append(now)
         held = self._held.get(client)
         if held is None or held.job_id != job_id:
             return None
@@ -106,6 +113,15 @@ class ClientActivity:
     def lags(self, version: int) -> list[int]:
         """Global version minus the base of each held job."""
         return [max(0, version - h.base_version) for h in list(self._held.values())]
+
+    def update_rates(self) -> list[float]:
+        """Updates per minute of each client with two or more, over its last ``RATE_WINDOW``."""
+        rates = []
+        for arrivals in list(self._arrivals.values()):
+            times = list(arrivals)
+            if len(times) >= 2 and times[-1] > times[0]:
+                rates.append((len(times) - 1) * 60.0 / (times[-1] - times[0]))
+        return rates
 
     def slowest(self, now: float, n: int) -> list[tuple[str, float]]:
         """The ``n`` clients holding a job longest: (client id, seconds), longest first."""

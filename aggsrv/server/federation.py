@@ -443,7 +443,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         activity = self.activity
         return ClientsNow(
             activity.states(now, leases), activity.lags(self.version),
-            activity.slowest(now, SLOWEST),
+            activity.slowest(now, SLOWEST), activity.update_rates(),
         )  # fmt: skip
 
     def active_clients(self) -> int:

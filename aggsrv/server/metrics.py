@@ -34,6 +34,8 @@ TURNAROUND_BUCKETS = (
 # An update's L2 norm: decades from a tiny fine-tuning step to a diverging client.
 NORM_BUCKETS = tuple(10.0**e for e in range(-4, 5)) + (float("inf"),)
 COSINE_BUCKETS = tuple(round(-1.0 + 0.2 * i, 1) for i in range(11)) + (float("inf"),)
+# A client's updates per minute: a phone once an hour to a fast worker many times a second.
+RATE_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0, 3600.0, float("inf"))
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 EVAL_HISTORY = 500  # --eval results the dashboard keeps
 
@@ -189,6 +191,7 @@ class ClientsNow:
     states: dict[str, int]
     lags: list[int]  # global version minus the base of each held job
     slowest: list[tuple[str, float]]  # (client, seconds holding its job), longest first
+    update_rates: list[float]  # per client: updates per minute over its last few updates
 
 
 class _ClientsCollector:
@@ -223,6 +226,14 @@ class _ClientsCollector:
         buckets = [(_le(le), c) for le, c in zip(STALENESS_BUCKETS, counts, strict=True)]
         lag.add_metric([], buckets, gsum_value=float(sum(now.lags)))
         yield lag
+        rates = GaugeHistogramMetricFamily(
+            "aggsrv_client_update_rate", "Per client with two updates or more: its updates per "
+            "minute over its last 8 (the spread of client speeds)",
+        )  # fmt: skip
+        counts = [sum(1 for v in now.update_rates if v <= le) for le in RATE_BUCKETS]
+        buckets = [(_le(le), c) for le, c in zip(RATE_BUCKETS, counts, strict=True)]
+        rates.add_metric([], buckets, gsum_value=float(sum(now.update_rates)))
+        yield rates
         # No rank label: the value orders them, and a client keeps one series whatever its rank.
         slowest = GaugeMetricFamily(
             "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "

@@ -12,7 +12,8 @@ The document (``format`` 1), documented for scripts in docs/operations.md:
 ``applied``, ``duplicate``, ``rejected``}, ``refusals`` {status code: count},
 ``refusal_reasons`` [{``code``, ``reason``, ``count``}],
 ``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
-``staleness``, ``job_turnaround_seconds``, ``client_lag`` (each {``le``: upper bounds,
+``staleness``, ``job_turnaround_seconds``, ``client_lag``, ``client_update_rate`` (each client's
+updates per minute; each of the four {``le``: upper bounds,
 ``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
 ``time``, ``metrics``}] (the last 500 ``--eval`` results), ``groups`` (FedDGIC's last grouping:
 {``version``, ``k``, ``groups``: [[client ids]]} or null) and ``dropped_flags`` (client ids the
@@ -119,14 +120,14 @@ def _buckets_json(
     }
 
 
-def values_json(values: list[int], bounds: tuple[float, ...]) -> dict[str, Any]:
+def values_json(values: list[int] | list[float], bounds: tuple[float, ...]) -> dict[str, Any]:
     cumulative = [float(sum(1 for v in values if v <= b)) for b in bounds]
     return _buckets_json(list(bounds), cumulative, len(values), float(sum(values)))
 
 
 def status_document(fed: Federation) -> dict[str, Any]:
     """The snapshot (HTTP thread)."""
-    from aggsrv.server.metrics import STALENESS_BUCKETS
+    from aggsrv.server.metrics import RATE_BUCKETS, STALENESS_BUCKETS
 
     now = fed.clock()
     metrics = fed.metrics
@@ -161,6 +162,7 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "staleness": histogram_json(metrics.staleness),
         "job_turnaround_seconds": histogram_json(metrics.job_turnaround),
         "client_lag": values_json(clients.lags, STALENESS_BUCKETS),
+        "client_update_rate": values_json(clients.update_rates, RATE_BUCKETS),
         "evaluation": list(metrics.eval_history),
         "groups": events.groups,
         "dropped_flags": sorted(events.dropped),
