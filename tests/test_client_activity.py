@@ -183,12 +183,19 @@ def test_refusals_are_counted_by_status_and_a_bounded_reason() -> None:
             ]
             for messages in cases:
                 assert isinstance(raw_push(srv.address, messages), grpc.RpcError)
-        m = scrape_metrics(srv.server.metrics_port)
-        got = {
-            (dict(labels)["code"], dict(labels)["reason"]): v
-            for (name, labels), v in m.items()
-            if name == "aggsrv_refusals_total"
-        }
+
+        def refusals() -> dict[tuple[str, str], float]:
+            return {
+                (dict(labels)["code"], dict(labels)["reason"]): v
+                for (name, labels), v in scrape_metrics(srv.server.metrics_port).items()
+                if name == "aggsrv_refusals_total"
+            }
+
+        # The server counts a refusal just after it answered it: wait for all eight.
+        deadline = time.monotonic() + 10
+        while sum(refusals().values()) < len(cases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = refusals()
         assert got == {
             ("not_found", "unknown_client"): 1,
             ("failed_precondition", "layout_mismatch"): 1,

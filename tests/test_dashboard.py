@@ -84,7 +84,8 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
         bad[0] = float("nan")
         with pytest.raises(Exception, match="INVALID_ARGUMENT|NaN|finite"):
             c2.push(held, bad)
-        doc = _status(port)
+        # The server counts a refusal just after it answered it: wait for the count.
+        doc = _wait(lambda: (d := _status(port))["refusals"] and d, "the refusal's count", 10.0)
         assert doc["refusals"] == {"INVALID_ARGUMENT": 1} and doc["updates"]["rejected"] == 1
     # The eval hook runs on its own thread: wait for its results to reach the document.
     deadline = time.monotonic() + 20
