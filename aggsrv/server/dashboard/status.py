@@ -86,9 +86,10 @@ class PublishRate:
         self.total += 1
 
     def last_minute(self, now: float) -> int:
-        samples = list(self._samples)
-        before = [total for t, total in samples if now - t > 60.0]
-        return self.total - (before[-1] if before else 0)
+        # The running count before the first sample inside the minute: what came after it is
+        # the minute's (a minute with no sample had no publication).
+        inside = [total for t, total in list(self._samples) if now - t <= 60.0]
+        return self.total - inside[0] if inside else 0
 
 
 def histogram_json(hist: Histogram) -> dict[str, Any]:
