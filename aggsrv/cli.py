@@ -415,7 +415,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     from aggsrv.sim.config import SimConfig
     from aggsrv.sim.sweep import report_sweep, run_sweep
-    from aggsrv.sim.tune import parse_grid, tune_sweep
+    from aggsrv.sim.tune import CURRENT, parse_grid, tune_sweep
+    from aggsrv.sim.tune_report import tune_report
 
     try:
         base = SimConfig.load(args.config) if args.config else None
@@ -432,8 +433,9 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     failed = run_sweep(sweep, out, jobs=args.jobs, progress=args.progress, phases=("main",))
-    text, _ = report_sweep(sweep, out, plot=False)
-    sys.stdout.write(text + f"\ntables: {out / 'sweep.md'}\n")
+    report_sweep(sweep, out, plot=False)
+    text = tune_report(sweep, out, args.trace, baseline=CURRENT)
+    sys.stdout.write(text + f"\ntable: {out / 'tune.md'} (the sweep's own: {out / 'sweep.md'})\n")
     if failed:
         sys.stderr.write(f"aggsrv tune: {failed} runs failed (in the table; rerun to retry)\n")
         return 1

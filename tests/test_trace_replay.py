@@ -203,9 +203,57 @@ def test_tune_replays_a_trace_under_each_setting(tmp_path: Path) -> None:
         # give or take the one job in flight when the budget ends.
         sent = Counter(u.client for u in replayed.updates)
         assert sum(sent.values()) >= sum(recorded.values()) - len(recorded), run_dir
+    _check_tune_table(out, trace, p.stdout)
     bad = subprocess.run(
         [sys.executable, "-m", "aggsrv.cli", "tune", "--trace", str(trace), "--strategy",
          "fedbuff", "--grid", "buffer_sise=2", "--out", str(out / "bad")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "buffer_sise" in bad.stderr
+
+
+def _raw_updates(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["ev"] == "update"]
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def _check_tune_table(out: Path, recorded: Path, printed: str) -> None:
+    """Each setting's row against its runs' files, read as plain JSON: the versions in the
+    summaries, the answered uploads per virtual second, and the staleness of the folded-in
+    updates pooled over the seeds; the recorded row against the recording."""
+    rows = _table_rows((out / "tune.md").read_text())
+    assert rows == _table_rows(printed)
+    assert list(rows) == ["recorded (fedasync)", "current", "buffer_size=2", "buffer_size=3"]
+    by_arm: dict[str, list[Path]] = {}
+    for r in map(json.loads, (out / "results.jsonl").read_text().splitlines()):
+        by_arm.setdefault(r["arm"], []).append(out / r["run_dir"])
+    for arm, dirs in by_arm.items():
+        versions, rates, stale = [], [], []
+        for d in dirs:
+            summary = json.loads((d / "summary.json").read_text())
+            ups = _raw_updates(d / "trace.jsonl")
+            versions.append(summary["versions"])
+            rates.append(len(ups) / summary["virtual_time"])
+            stale += [u["s"] for u in ups if u["out"] in ("applied", "buffered")]
+        row = rows[arm]
+        assert float(row[2]) == pytest.approx(np.mean(versions), abs=0.05), (arm, row)
+        assert float(row[3]) == pytest.approx(np.mean(rates), rel=1e-2), (arm, row)
+        assert float(row[5]) == pytest.approx(np.mean(stale), abs=0.005), (arm, row)
+        assert float(row[6]) == pytest.approx(np.percentile(stale, 90), abs=0.5), (arm, row)
+        assert float(row[7]) == max(stale), (arm, row)
+        accuracy = [json.loads((d / "summary.json").read_text())["final_accuracy"] for d in dirs]
+        assert float(row[0].split()[0]) == pytest.approx(np.mean(accuracy), abs=5e-4)
+    assert rows["current"][1] == "baseline"
+    ups = _raw_updates(recorded)
+    row = rows["recorded (fedasync)"]
+    assert float(row[7]) == max(u["s"] for u in ups)
+    assert float(row[5]) == pytest.approx(np.mean([u["s"] for u in ups]), abs=0.005)
+    span = max(u["t"] for u in ups) - min(
+        [r["asked"] for r in map(json.loads, recorded.read_text().splitlines()) if r["ev"] == "job"]
+        + [u["start"] for u in ups]
+    )  # fmt: skip
+    assert float(row[3]) == pytest.approx(len(ups) / span, rel=1e-2)

@@ -5,9 +5,8 @@ A recorded trace (``aggsrv serve --trace``) becomes the straggler profile of a s
 (``trace:file=FILE``): as many simulated clients as the trace holds, a budget of the recorded
 span, on the virtual clock. Its arms are the current setting (the baseline: the strategy with the
 setting's keys) and one arm per point of the grid (the strategy with the point's keys on top),
-each over the seeds. The sweep's report then gives every point's final accuracy and its margin
-over the current setting; the runs' own directories hold the staleness and arrival figures
-(``aggsrv report``).
+each over the seeds. ``aggsrv.sim.tune_report`` then tabulates each setting's final accuracy,
+its margin over the current setting, and the replayed runs' versions, arrivals and staleness.
 """
 
 from __future__ import annotations

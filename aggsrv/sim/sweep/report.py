@@ -18,13 +18,20 @@ from aggsrv.sim.sweep.definition import Sweep, slug
 from aggsrv.sim.sweep.margins import CellSummary, Margin, summarize
 from aggsrv.sim.sweep.table import load_results
 
-__all__ = ["format_report", "plot_heatmaps", "report_sweep"]
+__all__ = [
+    "accuracy_text",
+    "ahead_text",
+    "format_report",
+    "margin_text",
+    "plot_heatmaps",
+    "report_sweep",
+]
 
 _MARK = {"wins": "", "loses": "", "noise": "~", "n<2": "?", "broken": "!"}
 _UNIT = {"virtual_time": " s", "version": " v", "rounds": " r"}
 
 
-def _ahead(m: Margin) -> str:
+def ahead_text(m: Margin) -> str:
     """Where the arm goes ahead for good, in the budget's unit ("" if it never does)."""
     if m.ahead_from is None:
         return ""
@@ -41,14 +48,14 @@ def _partial(summary: CellSummary) -> str:
     return f" (partial: {n} baseline run{'s' * (n != 1)} to come)" if n else ""
 
 
-def _margin_text(m: Margin | None) -> str:
+def margin_text(m: Margin | None) -> str:
     if m is None:
         return "-"
     sd = "" if math.isnan(m.sd) else f" ± {100 * m.sd:.1f}"
     return f"{_MARK[m.verdict]}{_points(m.mean)}{sd}"
 
 
-def _acc(mean: float, sd: float) -> str:
+def accuracy_text(mean: float, sd: float) -> str:
     if math.isnan(mean):
         return "-"
     return f"{mean:.3f}" + ("" if math.isnan(sd) else f" ± {sd:.3f}")
@@ -103,14 +110,14 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
                 for col in cols:
                     s = by_cell.get(_cell_labels(sweep, row, col, panel))
                     m = s.margins.get(arm) if s else None
-                    text = _margin_text(m)
+                    text = margin_text(m)
                     if m is not None and m.verdict == "wins":
                         text = f"**{text}**"
                     if m is None:
                         text = "not run"
                     else:
                         text += f" vs {m.baseline}"
-                        text += f", {_ahead(m)}" if _ahead(m) else ""
+                        text += f", {ahead_text(m)}" if ahead_text(m) else ""
                         text += _partial(s)
                     cells.append(text)
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
@@ -127,7 +134,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
         cells = []
         for label in arms:
             r = s.arms[label]
-            text = _acc(r.mean, r.sd)
+            text = accuracy_text(r.mean, r.sd)
             if r.diverged:
                 text += " D" + ",".join(str(x) for x in r.diverged)
             if r.stalled:
@@ -184,9 +191,9 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                         ax.text(j, i, "not run", ha="center", va="center", fontsize=7)
                         continue
                     grid[i, j] = 100 * m.mean
-                    text = _margin_text(m) + f"\nvs {m.baseline}"
-                    if _ahead(m):
-                        text += "\n" + _ahead(m)
+                    text = margin_text(m) + f"\nvs {m.baseline}"
+                    if ahead_text(m):
+                        text += "\n" + ahead_text(m)
                     text += _partial(s).replace(" (", "\n(")
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
