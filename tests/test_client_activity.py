@@ -61,6 +61,8 @@ def test_states_lags_and_the_slowest_by_hand() -> None:
     for t in (20.0, 21.0, 23.0):
         a.update_received("a", 7, now=t)  # 4 arrivals over 22 s: 3 per 22 s
     assert sorted(a.update_rates()) == [pytest.approx(3 * 60.0 / 22.0), 60.0]
+    # Last seen: a at 23 (its last update), b at 4, e at 8; "z" registered but never seen here.
+    assert a.silences(30.0, ["a", "b", "e", "z"]) == [7.0, 26.0, 22.0, 0.0]
 
 
 _scrape = scrape_metrics
@@ -87,6 +89,9 @@ def test_a_real_servers_metrics_count_jobs_turnarounds_and_versions() -> None:
             assert m[("aggsrv_client_lag_gcount", frozenset())] == 1
             # c1 sent 3 updates (a rate); c2 none yet.
             assert m[("aggsrv_client_update_rate_gcount", frozenset())] == 1
+            # Both are registered and were seen within the last second or so.
+            assert m[("aggsrv_client_silence_seconds_gcount", frozenset())] == 2
+            assert m[("aggsrv_client_silence_seconds_bucket", frozenset({("le", "5.0")}))] == 2
             assert m[("aggsrv_client_lag_gsum", frozenset())] == 3
             assert m[("aggsrv_client_lag_bucket", frozenset({("le", "2.0")}))] == 0
             assert m[("aggsrv_client_lag_bucket", frozenset({("le", "4.0")}))] == 1

@@ -78,6 +78,9 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
         assert doc["job_turnaround_seconds"]["count"] == 4
         lag = doc["client_lag"]  # c2 holds a job of base 0 at version 4
         assert lag["count"] == 1 and lag["sum"] == 4 and lag["le"][-1] is None
+        assert doc["client_update_rate"]["count"] == 1  # c1's 4 updates; c2 sent none
+        silence = doc["client_silence_seconds"]  # both registered, both just seen
+        assert silence["count"] == 2 and silence["counts"][0] == 2 and silence["le"][0] == 1.0
         assert doc["strategy"] == {"name": "fedasync", "settings": doc["strategy"]["settings"]}
         assert doc["strategy"]["settings"]["alpha"] == 0.6
         bad = torch.randn(D)
@@ -157,6 +160,8 @@ def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> 
             bars = browser.find_elements(By.CSS_SELECTOR, "#chart-staleness svg rect")
             assert bars, "the staleness histogram has bars"
             assert browser.find_elements(By.CSS_SELECTOR, "#chart-eval svg path")
+            for chart in ("chart-lag", "chart-rate", "chart-silence"):
+                assert browser.find_elements(By.CSS_SELECTOR, f"#{chart} svg rect"), chart
             rows = browser.find_elements(By.CSS_SELECTOR, "#slowest tr")
             assert rows and rows[0].text.startswith("c2")
             assert "error" not in browser.find_element(By.ID, "connection").get_attribute("class")

@@ -51,6 +51,8 @@ def test_the_dashboard_is_valid_and_covers_the_operators_questions() -> None:
         "aggsrv_clients",
         "aggsrv_slowest_job_seconds",
         "aggsrv_client_lag_bucket",
+        "aggsrv_client_update_rate_bucket",
+        "aggsrv_client_silence_seconds_bucket",
         "aggsrv_staleness_bucket",
         "aggsrv_job_turnaround_seconds_bucket",
         "aggsrv_versions_published_total",

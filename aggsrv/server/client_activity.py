@@ -13,6 +13,7 @@ the last ``window`` updates. From those, at scrape time:
 - **lag**: for each client holding a job, the global version minus the job's base version.
 - **slowest**: the ``n`` clients holding their job longest, with its age.
 - **update rates**: each client's updates per minute over its last ``RATE_WINDOW`` updates.
+- **silences**: for each registered client, the seconds since it last called (its "last seen").
 
 Everything is keyed by client id, so it is bounded by ``max_clients``; the metrics built on it
 (``aggsrv.server.metrics``) are bounded sets (counts by state, histograms, a top-N), never one
@@ -122,6 +123,12 @@ class ClientActivity:
             if len(times) >= 2 and times[-1] > times[0]:
                 rates.append((len(times) - 1) * 60.0 / (times[-1] - times[0]))
         return rates
+
+    def silences(self, now: float, clients: Iterable[str]) -> list[float]:
+        """Seconds since each of ``clients`` last called (0 for one never seen since it
+        registered here: a restarted server has not heard from it yet, but it has not gone)."""
+        seen = self._seen
+        return [max(0.0, now - seen.get(c, now)) for c in clients]
 
     def slowest(self, now: float, n: int) -> list[tuple[str, float]]:
         """The ``n`` clients holding a job longest: (client id, seconds), longest first."""

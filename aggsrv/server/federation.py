@@ -444,6 +444,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         return ClientsNow(
             activity.states(now, leases), activity.lags(self.version),
             activity.slowest(now, SLOWEST), activity.update_rates(),
+            activity.silences(now, (c for c, _ in leases)),
         )  # fmt: skip
 
     def active_clients(self) -> int:

@@ -35,6 +35,7 @@ TURNAROUND_BUCKETS = (
 NORM_BUCKETS = tuple(10.0**e for e in range(-4, 5)) + (float("inf"),)
 COSINE_BUCKETS = tuple(round(-1.0 + 0.2 * i, 1) for i in range(11)) + (float("inf"),)
 # A client's updates per minute: a phone once an hour to a fast worker many times a second.
+SILENCE_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, 86400.0, float("inf"))
 RATE_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0, 3600.0, float("inf"))
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 EVAL_HISTORY = 500  # --eval results the dashboard keeps
@@ -192,11 +193,13 @@ class ClientsNow:
     lags: list[int]  # global version minus the base of each held job
     slowest: list[tuple[str, float]]  # (client, seconds holding its job), longest first
     update_rates: list[float]  # per client: updates per minute over its last few updates
+    silences: list[float]  # per registered client: seconds since it last called
 
 
 class _ClientsCollector:
-    """``aggsrv_clients{state}``, ``aggsrv_client_lag`` and ``aggsrv_slowest_job_seconds``,
-    computed when Prometheus scrapes: bounded sets, whatever the number of clients."""
+    """``aggsrv_clients{state}``, ``aggsrv_client_lag``, ``aggsrv_client_update_rate``,
+    ``aggsrv_client_silence_seconds`` and ``aggsrv_slowest_job_seconds``, computed when
+    Prometheus scrapes: bounded sets, whatever the number of clients."""
 
     def __init__(self, read: Callable[[], ClientsNow]) -> None:
         self.read = read
@@ -234,6 +237,14 @@ class _ClientsCollector:
         buckets = [(_le(le), c) for le, c in zip(RATE_BUCKETS, counts, strict=True)]
         rates.add_metric([], buckets, gsum_value=float(sum(now.update_rates)))
         yield rates
+        silence = GaugeHistogramMetricFamily(
+            "aggsrv_client_silence_seconds", "Per registered client: seconds since it last "
+            "called (last seen), for how long the quiet ones have been quiet",
+        )  # fmt: skip
+        counts = [sum(1 for v in now.silences if v <= le) for le in SILENCE_BUCKETS]
+        buckets = [(_le(le), c) for le, c in zip(SILENCE_BUCKETS, counts, strict=True)]
+        silence.add_metric([], buckets, gsum_value=float(sum(now.silences)))
+        yield silence
         # No rank label: the value orders them, and a client keeps one series whatever its rank.
         slowest = GaugeMetricFamily(
             "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "

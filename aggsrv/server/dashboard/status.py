@@ -13,7 +13,8 @@ The document (``format`` 1), documented for scripts in docs/operations.md:
 ``refusal_reasons`` [{``code``, ``reason``, ``count``}],
 ``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
 ``staleness``, ``job_turnaround_seconds``, ``client_lag``, ``client_update_rate`` (each client's
-updates per minute; each of the four {``le``: upper bounds,
+updates per minute), ``client_silence_seconds`` (per registered client, the seconds since it
+last called; each of the five {``le``: upper bounds,
 ``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
 ``time``, ``metrics``}] (the last 500 ``--eval`` results), ``groups`` (FedDGIC's last grouping:
 {``version``, ``k``, ``groups``: [[client ids]]} or null) and ``dropped_flags`` (client ids the
@@ -128,7 +129,7 @@ def values_json(values: list[int] | list[float], bounds: tuple[float, ...]) -> d
 
 def status_document(fed: Federation) -> dict[str, Any]:
     """The snapshot (HTTP thread)."""
-    from aggsrv.server.metrics import RATE_BUCKETS, STALENESS_BUCKETS
+    from aggsrv.server.metrics import RATE_BUCKETS, SILENCE_BUCKETS, STALENESS_BUCKETS
 
     now = fed.clock()
     metrics = fed.metrics
@@ -164,6 +165,7 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "job_turnaround_seconds": histogram_json(metrics.job_turnaround),
         "client_lag": values_json(clients.lags, STALENESS_BUCKETS),
         "client_update_rate": values_json(clients.update_rates, RATE_BUCKETS),
+        "client_silence_seconds": values_json(clients.silences, SILENCE_BUCKETS),
         "evaluation": list(metrics.eval_history),
         "groups": events.groups,
         "dropped_flags": sorted(events.dropped),

@@ -150,6 +150,8 @@ function render(s) {
   drawHistogram("chart-staleness", s.staleness, "#2e90fa");
   drawHistogram("chart-turnaround", s.job_turnaround_seconds, "#12b76a");
   drawHistogram("chart-lag", s.client_lag, "#f79009");
+  drawHistogram("chart-rate", s.client_update_rate, "#7a5af8");
+  drawHistogram("chart-silence", s.client_silence_seconds, "#667085");
   drawEvaluation("chart-eval", s.evaluation);
   setText("eval-count", s.evaluation.length);
   fillRows("slowest", s.clients.slowest.map((r) => [r.client, r.seconds.toFixed(1)]));
