@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from server_helpers import (
@@ -216,3 +217,17 @@ def test_refusals_are_counted_by_status_and_a_bounded_reason() -> None:
         ] == 1
     finally:
         srv.stop()
+
+
+def test_bucket_counts_match_counting_each_bucket() -> None:
+    """Scrape-time histograms count values <= each bound (Prometheus's `le`), bounds included,
+    for any mix of values, none at all, or +Inf."""
+    from aggsrv.server.metrics import RATE_BUCKETS, SILENCE_BUCKETS, cumulative_counts
+
+    rng = np.random.default_rng()
+    for bounds in (RATE_BUCKETS, SILENCE_BUCKETS):
+        for n in (0, 1, 7, 1001):
+            values = rng.choice([*bounds[:-1], 0.0, 1e9], size=n).tolist()
+            values += rng.exponential(100.0, size=n).tolist()
+            expect = [sum(1 for v in values if v <= b) for b in bounds]
+            assert cumulative_counts(values, bounds) == expect

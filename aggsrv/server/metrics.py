@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
 
@@ -225,7 +226,7 @@ class _ClientsCollector:
         lag = GaugeHistogramMetricFamily(
             "aggsrv_client_lag", "Per client holding a job now: global version minus the job's base"
         )
-        counts = [sum(1 for v in now.lags if v <= le) for le in STALENESS_BUCKETS]
+        counts = cumulative_counts(now.lags, STALENESS_BUCKETS)
         buckets = [(_le(le), c) for le, c in zip(STALENESS_BUCKETS, counts, strict=True)]
         lag.add_metric([], buckets, gsum_value=float(sum(now.lags)))
         yield lag
@@ -233,7 +234,7 @@ class _ClientsCollector:
             "aggsrv_client_update_rate", "Per client with two updates or more: its updates per "
             "minute over its last 8 (the spread of client speeds)",
         )  # fmt: skip
-        counts = [sum(1 for v in now.update_rates if v <= le) for le in RATE_BUCKETS]
+        counts = cumulative_counts(now.update_rates, RATE_BUCKETS)
         buckets = [(_le(le), c) for le, c in zip(RATE_BUCKETS, counts, strict=True)]
         rates.add_metric([], buckets, gsum_value=float(sum(now.update_rates)))
         yield rates
@@ -241,7 +242,7 @@ class _ClientsCollector:
             "aggsrv_client_silence_seconds", "Per registered client: seconds since it last "
             "called (last seen), for how long the quiet ones have been quiet",
         )  # fmt: skip
-        counts = [sum(1 for v in now.silences if v <= le) for le in SILENCE_BUCKETS]
+        counts = cumulative_counts(now.silences, SILENCE_BUCKETS)
         buckets = [(_le(le), c) for le, c in zip(SILENCE_BUCKETS, counts, strict=True)]
         silence.add_metric([], buckets, gsum_value=float(sum(now.silences)))
         yield silence
@@ -253,6 +254,13 @@ class _ClientsCollector:
         for client, age in now.slowest:
             slowest.add_metric([client], age)
         yield slowest
+
+
+def cumulative_counts(values: list[int] | list[float], bounds: tuple[float, ...]) -> list[int]:
+    """How many of ``values`` are <= each bound: one sort, not one pass per bucket, since a
+    scrape at 10^5 clients must not hold the GIL from the event loop for long."""
+    ordered = np.sort(np.asarray(values, dtype=np.float64))
+    return np.searchsorted(ordered, np.asarray(bounds, dtype=np.float64), side="right").tolist()
 
 
 def _le(bound: float) -> str:

@@ -123,7 +123,9 @@ def _buckets_json(
 
 
 def values_json(values: list[int] | list[float], bounds: tuple[float, ...]) -> dict[str, Any]:
-    cumulative = [float(sum(1 for v in values if v <= b)) for b in bounds]
+    from aggsrv.server.metrics import cumulative_counts
+
+    cumulative = [float(c) for c in cumulative_counts(values, bounds)]
     return _buckets_json(list(bounds), cumulative, len(values), float(sum(values)))
 
 
