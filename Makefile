@@ -12,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS := dev,sim,flower
+EXTRAS := dev,sim,flower,dp
 PYTEST_ARGS ?=
 # The Debian package dataset-fashion-mnist installs this file; the data tests skip without it.
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz

@@ -130,7 +130,10 @@ class Update:
     ``tensor`` is the flat [D] float32 staging slot on the strategy's device, reused once
     ``on_update`` returns. ``work_done`` counts completed epochs or steps (as the recipe does).
     ``buffers`` is the client's flat [B] float buffers (absolute values, never a delta): required
-    when the layout has float buffers, None otherwise; also a staging view.
+    when the layout has float buffers, None otherwise; also a staging view. ``norm``: the L2
+    norm of ``tensor`` in float64 when the code that built the update computed it on the way
+    (the server's decoder does, in its NaN/Inf pass), so a strategy that clips need not read
+    the tensor again; None: the strategy computes it.
     """
 
     client_id: str
@@ -142,6 +145,7 @@ class Update:
     kind: UpdateKind
     tensor: torch.Tensor
     buffers: torch.Tensor | None = None
+    norm: float | None = None
 
 
 class PendingReason(enum.IntEnum):

@@ -45,12 +45,13 @@ Conventions every strategy here follows (the server is written against them):
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import logging
 import math
 import types
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -80,6 +81,7 @@ from aggsrv.strategies.errors import (
 from aggsrv.strategies.float_buffers import FloatBuffers
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.ledger import LEDGER_SIZE, UpdateLedger
+from aggsrv.strategies.privacy import GaussianPrivacy, PrivacyConfig
 from aggsrv.strategies.state_copy import SharedCopies, clone_tensors, restore_tensor
 from aggsrv.strategies.update_filters import Screening, UpdateFilters
 from aggsrv.values import (
@@ -220,6 +222,19 @@ class Strategy(ABC):
         # The config's update_filter chain (only the configs of FilteredConfig have the key).
         text = getattr(self.config, "update_filter", None)
         self.update_filters = UpdateFilters(text, self.dim, self.device) if text else None
+        # Differential privacy (the configs of DP_STRATEGIES have the dp_ keys).
+        self.privacy = (
+            GaussianPrivacy(self.config, self.dim, self.device, self.reducer.rank)
+            if isinstance(self.config, PrivacyConfig) and self.config.private
+            else None
+        )
+        if self.privacy is not None and layout.buffer_numel:
+            raise ValueError(
+                f"differential privacy covers the model's weights, and this model has "
+                f"{layout.buffer_numel} float buffer values (BatchNorm statistics) that would "
+                "be published without noise: use a model without running statistics "
+                "(GroupNorm or LayerNorm instead of BatchNorm) with the dp_ keys"
+            )
 
     # --------------------------------------------------------------------------- public API
 
@@ -294,6 +309,7 @@ class Strategy(ABC):
         prior = self.ledger.lookup(update.client_id, update.update_id)
         try:
             if prior is None:
+                self._require_privacy_budget()
                 job = self._validate(update)
                 self._require_leased(job, now)
                 s = self.version - job.base_version
@@ -495,6 +511,33 @@ class Strategy(ABC):
         self.version += 1
         return self.version
 
+    @contextlib.contextmanager
+    def _noise_for_release(self) -> Iterator[torch.Tensor | None]:
+        """Differential privacy's noise for the version about to be published: a [D] draw of
+        N(0, (z C)^2) to add to the clipped sum before the strategy scales it (None without DP
+        or noise). A refusal inside the block puts the noise generator back, so the version
+        that is finally published gets the draw a replay of the log gets too."""
+        privacy = self.privacy
+        if privacy is None or privacy.noise_std == 0:
+            yield None
+            return
+        state = privacy.generator_state()
+        try:
+            yield privacy.noise()
+        except BaseException:
+            privacy.restore_generator(state)
+            raise
+
+    def _released(self) -> None:
+        """A version was published: the accountant spends the contributions it held."""
+        if self.privacy is not None:
+            self.privacy.accountant.release()
+
+    def _require_privacy_budget(self) -> None:
+        """Refuse (PrivacyBudgetSpent) once the privacy budget stopped the publications."""
+        if self.privacy is not None and self.privacy.exhausted:
+            self.privacy.require_budget()
+
     def model_absmax(self) -> float:
         """max |x| over the current version (cached per version), for strategies that bound
         what a step can reach instead of computing it; on a sharded server the sum of the
@@ -603,7 +646,9 @@ class Strategy(ABC):
 
     def _issue_job(self, client_id: str, deadline: float | None, now: float | None = None) -> Job:
         """The client's outstanding job if it starts from the current version and its lease
-        has not ended, else a new one issued at ``now`` (default: the latest time seen)."""
+        has not ended, else a new one issued at ``now`` (default: the latest time seen).
+        PrivacyBudgetSpent once the privacy budget stopped the publications: no more work."""
+        self._require_privacy_budget()
         now = self._now if now is None else float(now)
         old = self.outstanding_job(client_id)
         if old is not None and old.base_version == self.version and not self._expired(old, now):
@@ -843,6 +888,8 @@ class Strategy(ABC):
         }
         if self.update_filters is not None:
             state["update_filter"] = self.update_filters.state_dict()
+        if self.privacy is not None:
+            state["privacy"] = self.privacy.state()
         return clone_tensors(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -900,6 +947,14 @@ class Strategy(ABC):
         self._load_extra_state(state["extra"])
         if self.update_filters is not None:
             self.update_filters.load_state_dict(state.get("update_filter"))
+        if self.privacy is not None:
+            saved = state.get("privacy")
+            if saved is None:
+                raise ValueError(
+                    "the saved state has no privacy accountant (it was saved without the dp_ "
+                    "keys): resuming it with differential privacy would start epsilon at 0"
+                )
+            self.privacy.load(saved)
         del self._copy_saved
         # The loaded jobs (a subclass may have given them tensors of its own) hold theirs.
         for lease in self._job_leases.values():

@@ -102,6 +102,11 @@ class StrategyConfig:
         """Build from a mapping (a TOML table), rejecting keys the config does not have."""
         data = dict(data or {})
         known = {f.name for f in dataclasses.fields(cls)}
+        private = [k for k in data if k.startswith("dp_") and k not in known]
+        if private:
+            from aggsrv.strategies.privacy import refuse_privacy_keys
+
+            refuse_privacy_keys(cls.KIND, private)
         for key in data:
             if key not in known:
                 raise ValueError(

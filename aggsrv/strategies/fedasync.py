@@ -28,6 +28,7 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.update_filters import FilteredConfig
 
 __all__ = ["FedAsync", "FedAsyncConfig", "staleness_weight"]
@@ -51,7 +52,7 @@ def staleness_weight(
 
 
 @dataclass
-class FedAsyncConfig(FilteredConfig):
+class FedAsyncConfig(FilteredConfig, PrivacyConfig):
     """FedAsync settings: mixing weight ``alpha`` and the staleness function with its knobs."""
 
     HELP: ClassVar[Mapping[str, str]] = {
@@ -79,6 +80,7 @@ class FedAsyncConfig(FilteredConfig):
             )
         if self.a < 0 or self.hinge_a < 0 or self.hinge_b < 0:
             raise ValueError("a, hinge_a and hinge_b must be >= 0")
+        self.check_privacy()
 
 
 class FedAsync(Strategy):
@@ -97,22 +99,41 @@ class FedAsync(Strategy):
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         a = self.mixing_weight(staleness)
         x = self._model
-        # The next version is another tensor (the current one is a published snapshot), written
-        # in as few passes as possible: a clone followed by in-place passes cost twice as much
-        # on a 64 MB model (bench/test_bench_ingest.py).
-        new = self._new_model_buffer()
-        if update.kind is UpdateKind.WEIGHTS:
-            torch.lerp(x, update.tensor, a, out=new)  # x + a (u - x) = (1-a) x + a u
-        elif job.weights is x:
-            # A fresh job (base = x): (1-a) x + a (x + delta) = x + a delta, in one pass.
-            torch.add(x, update.tensor, alpha=a, out=new)
-        else:
-            # (1-a) x + a (base + delta) = lerp(x, base, a) + a delta, no [D] temporary.
-            torch.lerp(x, job.weights, a, out=new)
-            new.add_(update.tensor, alpha=a)
+        privacy = self.privacy
+        # Under DP every update is a release: x <- (1-a) x + a (base + f delta + noise), with
+        # the clip factor f = min(1, C / |delta|) and noise N(0, (z C)^2) scaled by a like it.
+        f = 1.0
+        if privacy is not None:
+            privacy.require_budget(update.client_id, 1.0)
+            f = privacy.clip_factor(update, job, self.delta_norm)
+        with self._noise_for_release() as noise:
+            # The next version is another tensor (the current one is a published snapshot),
+            # written in as few passes as possible: a clone followed by in-place passes cost
+            # twice as much on a 64 MB model (bench/test_bench_ingest.py).
+            new = self._new_model_buffer()
+            if update.kind is UpdateKind.WEIGHTS and (f == 1.0 or job.weights is x):
+                # x + a f (u - x): with f = 1, (1-a) x + a u; with base = x, the clipped delta.
+                torch.lerp(x, update.tensor, a * f, out=new)
+            elif update.kind is UpdateKind.WEIGHTS:
+                # lerp(x, base, a) + a f (u - base), no [D] temporary.
+                torch.lerp(x, job.weights, a, out=new)
+                new.add_(update.tensor, alpha=a * f).sub_(job.weights, alpha=a * f)
+            elif job.weights is x:
+                # A fresh job (base = x): (1-a) x + a (x + delta) = x + a delta, in one pass.
+                torch.add(x, update.tensor, alpha=a * f, out=new)
+            else:
+                # (1-a) x + a (base + delta) = lerp(x, base, a) + a delta, no [D] temporary.
+                torch.lerp(x, job.weights, a, out=new)
+                new.add_(update.tensor, alpha=a * f)
+            if noise is not None:
+                new.add_(noise, alpha=a)
+                self._check_version(new)
         if update.buffers is not None:
             assert self.float_buffers.current is not None
             self.float_buffers.set(torch.lerp(self.float_buffers.current, update.buffers, a))
+        if privacy is not None:
+            privacy.accountant.contribute(update.client_id, 1.0)
         version = self._publish(new)
+        self._released()
         logger.debug("fedasync: %s s=%d alpha=%.4g -> v%d", update.client_id, staleness, a, version)
         return Outcome(Status.APPLIED, version)

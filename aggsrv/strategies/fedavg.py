@@ -45,6 +45,7 @@ version) for the one that triggered it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -64,6 +65,7 @@ from aggsrv.strategies.base import (
     StrategyConfig,
     Update,
 )
+from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
     check_aggregator,
@@ -77,7 +79,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class FedAvgConfig(StrategyConfig):
+class FedAvgConfig(StrategyConfig, PrivacyConfig):
     """FedAvg settings (see the module docstring for the meaning of each).
 
     ``learning_rate`` defaults to 0.05, not the shared 0.01: a sync round waits for its slowest
@@ -144,6 +146,7 @@ class FedAvgConfig(StrategyConfig):
         # k_async aggregates k rows (fewer only when some weigh 0); a sync round's count varies.
         k_async = self.mode == "k_async"
         check_aggregator(self.aggregator, self.k if k_async else None, "k")
+        self.check_privacy(self.aggregator)
 
     @property
     def effective_server_lr(self) -> float:
@@ -214,7 +217,9 @@ class FedAvg(Strategy):
         return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:
-        """The open round's deadline (sync mode)."""
+        """The open round's deadline (sync mode; none once the privacy budget is spent)."""
+        if self.privacy is not None and self.privacy.exhausted:
+            return None
         return self._deadline if self._round_open else None
 
     def _on_timer(self, now: float) -> None:
@@ -223,6 +228,13 @@ class FedAvg(Strategy):
             return
         if self._round_open and self._deadline is not None and now >= self._deadline:
             if self._acc_count >= self.config.min_clients:
+                if self.privacy is not None:
+                    try:
+                        self.privacy.require_budget()
+                    except PrivacyBudgetSpent as exc:
+                        logger.warning("%s: round %d not published: %s", self.name,
+                                       self.version, exc)  # fmt: skip
+                        return
                 self._close_round(now)
             else:
                 timeout = self.config.round_timeout
@@ -253,9 +265,13 @@ class FedAvg(Strategy):
                 r for c, r in self._participants.items() if c != update.client_id
             )
         step = None
-        if partial and cfg.partial_work == "drop":
-            logger.debug("%s: dropped partial work of %s", self.name, update.client_id)
+        contributes = not (partial and cfg.partial_work == "drop")
+        if not contributes:
             closes = closes and cfg.mode == "sync"  # k_async counts contributions only
+        if closes and self.privacy is not None:
+            self.privacy.require_budget(update.client_id, 1.0 if contributes else 0.0)
+        if not contributes:
+            logger.debug("%s: dropped partial work of %s", self.name, update.client_id)
         elif self._rows is not None:
             # The robust path: the delta is a row (counted last), checked like the sum below.
             weight = self._weight_of(update)
@@ -268,9 +284,15 @@ class FedAvg(Strategy):
         else:
             # Everything is computed and checked before the first change of state.
             weight = self._weight_of(update)
-            acc = self._summed(update, job, weight)
+            clip = 1.0
+            if self.privacy is not None:
+                clip = self.privacy.clip_factor(update, job, self.delta_norm)
+            acc = self._summed(update, job, weight * clip)
             if closes:
-                step = self._checked_step(self._server_step(acc, self._acc_weight + weight))
+                with self._noise_for_release() as noise:
+                    # The sum is emptied by the step: the noise may go into it in place.
+                    noised = acc if noise is None else acc.add_(noise)
+                    step = self._checked_step(self._server_step(noised, self._acc_weight + weight))
             else:
                 self._check_aggregate(acc, self._acc_weight + weight)
             self._commit_sum(update, acc, weight)
@@ -284,12 +306,14 @@ class FedAvg(Strategy):
         return Outcome(Status.BUFFERED, self.version)
 
     def _weight_of(self, update: Update) -> float:
-        """How much the update's delta counts in the mean: its ``num_samples``."""
-        return float(update.num_samples)
+        """How much the update's delta counts in the mean: its ``num_samples``; 1 for every
+        update under differential privacy (a weight is a sensitivity there)."""
+        return 1.0 if self.privacy is not None else float(update.num_samples)
 
     def _summed(self, update: Update, job: Job, weight: float) -> torch.Tensor:
         """The running sum with ``weight * delta`` added, in a spare buffer (checked finite;
-        the sum itself is untouched until :meth:`_commit_sum`)."""
+        the sum itself is untouched until :meth:`_commit_sum`). Under DP ``weight`` carries
+        the clip factor too; the mean divides by the unclipped weights."""
         delta = self.client_delta(update, job, out=self._scratch)
         if delta is self._scratch:
             self._require_finite(delta, "the client's delta (its weights minus the job's)")
@@ -307,6 +331,8 @@ class FedAvg(Strategy):
         self._acc, self._spare = acc, self._acc
         self._acc_weight += weight
         self._acc_count += 1
+        if self.privacy is not None:
+            self.privacy.accountant.contribute(update.client_id, weight)
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, weight)
 
@@ -453,6 +479,7 @@ class FedAvg(Strategy):
         self._acc_count = 0
         self._acc_weight = 0.0
         version = self._publish(new)
+        self._released()
         logger.debug("%s: aggregated -> v%d", self.name, version)
         return version
 
@@ -461,7 +488,16 @@ class FedAvg(Strategy):
         if self._rows is not None:
             return self._commit_step(self._robust_step())
         weight = self._acc_weight if self._acc_count else 0.0
-        return self._commit_step(self._checked_step(self._server_step(self._acc, weight)))
+        # An empty round releases nothing: no noise drawn.
+        with self._noise_for_release() if weight else contextlib.nullcontext() as noise:
+            acc = self._acc
+            if noise is not None:
+                # Beside the sum, not in it: a refused step must find the sum as it was.
+                if self._spare is None:
+                    self._spare = torch.empty_like(self._acc)
+                acc = torch.add(self._acc, noise, out=self._spare)
+            step = self._checked_step(self._server_step(acc, weight))
+        return self._commit_step(step)
 
     # --------------------------------------------------------------------------- rounds
 

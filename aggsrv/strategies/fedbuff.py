@@ -38,6 +38,7 @@ from aggsrv.strategies.base import (
     Update,
     UpdateKind,
 )
+from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
     check_aggregator,
@@ -73,14 +74,20 @@ class BufferedConfig(StrategyConfig):
 
 
 @dataclass
-class FedBuffConfig(BufferedConfig):
-    """FedBuff settings: buffer size M, server learning rate, optional staleness weighting."""
+class FedBuffConfig(BufferedConfig, PrivacyConfig):
+    """FedBuff settings: buffer size M, server learning rate, optional staleness weighting,
+    and differential privacy (the ``dp_`` keys, :mod:`aggsrv.strategies.privacy`)."""
 
     HELP: ClassVar[Mapping[str, str]] = {
         "staleness_weighting": "weight each buffered update by 1 / sqrt(1 + staleness)",
     }
 
     staleness_weighting: bool = False
+
+    def __post_init__(self) -> None:
+        """Check ranges, and the dp_ keys against the aggregator."""
+        super().__post_init__()
+        self.check_privacy(self.aggregator)
 
 
 class FedBuff(Strategy):
@@ -115,13 +122,16 @@ class FedBuff(Strategy):
         m = self.config.buffer_size
         step = self.config.server_lr / m
         base = job.weights if update.kind is UpdateKind.WEIGHTS else None
+        privacy = self.privacy
+        # Under DP the delta is clipped by scaling its weight: w f (u - base), |.| <= w C.
+        wf = w if privacy is None else w * privacy.clip_factor(update, job, self.delta_norm)
 
         def summed(s: slice) -> torch.Tensor:
             """The running sum with this update's w (u - base) added, elements ``s`` (float64)."""
-            acc = update.tensor[s].double().mul_(w)
+            acc = update.tensor[s].double().mul_(wf)
             if self._weights:
                 acc.add_(self._sum[s])
-            return acc if base is None else acc.sub_(base[s], alpha=w)
+            return acc if base is None else acc.sub_(base[s], alpha=wf)
 
         if len(self._weights) + 1 < m:
             # Buffered: the sum (float64) cannot overflow, but the flush it leads to could. Check
@@ -133,26 +143,38 @@ class FedBuff(Strategy):
             # The staging slot goes straight into the sum (no copy of the delta is kept); a
             # WEIGHTS update adds w (u - base) as two in-place passes, without a [D] temporary.
             if not self._weights:
-                torch.mul(update.tensor, w, out=self._sum)
+                torch.mul(update.tensor, wf, out=self._sum)
             else:
-                self._sum.add_(update.tensor, alpha=w)
+                self._sum.add_(update.tensor, alpha=wf)
             if base is not None:
-                self._sum.sub_(base, alpha=w)
+                self._sum.sub_(base, alpha=wf)
             self._weights.append(w)
+            if privacy is not None:
+                privacy.accountant.contribute(update.client_id, w)
             if update.buffers is not None:
                 self.float_buffers.add(update.buffers, w)
             return Outcome(Status.BUFFERED, self.version)
         # The M-th delta: x + (lr / M) * sum, in float64 and rounded once to float32, written
         # straight into the next version (the sum itself is not touched until it is published).
-        new = self._new_model_buffer()
-        for start in range(0, self.dim, 1 << 18):
-            s = slice(start, min(start + (1 << 18), self.dim))
-            torch.add(self._model[s], summed(s), alpha=step, out=new[s])
-        self._check_version(new)
+        # Under DP the sum gets its noise once, here: x + (lr / M) (sum + N(0, (z C)^2)).
+        if privacy is not None:
+            privacy.require_budget(update.client_id, w)
+        with self._noise_for_release() as noise:
+            new = self._new_model_buffer()
+            for start in range(0, self.dim, 1 << 18):
+                s = slice(start, min(start + (1 << 18), self.dim))
+                total = summed(s)
+                if noise is not None:
+                    total.add_(noise[s])
+                torch.add(self._model[s], total, alpha=step, out=new[s])
+            self._check_version(new)
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, w)
         self._weights.clear()
+        if privacy is not None:
+            privacy.accountant.contribute(update.client_id, w)
         version = self._publish(new)
+        self._released()
         logger.debug("fedbuff: applied %d deltas -> v%d", m, version)
         return Outcome(Status.APPLIED, version)
 

@@ -84,6 +84,10 @@ class FedENConfig(FedAvgConfig):
     def __post_init__(self) -> None:
         """Check ranges and choices with messages that name the key."""
         super().__post_init__()
+        if self.private:  # FedAvg's keys, but FedEN weighs its updates by p_i
+            from aggsrv.strategies.privacy import refuse_privacy_keys
+
+            refuse_privacy_keys("feden", ["dp_clip_norm"])
         if not 0.0 <= self.lam < float("inf"):
             raise ValueError(
                 f"lam (the elastic-net strength) must be finite and >= 0, got {self.lam}"

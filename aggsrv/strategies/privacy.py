@@ -1,0 +1,325 @@
+"""Client-level differential privacy for the strategies whose published model is a sum of
+clipped contributions (FedAvg in both modes, FedBuff, FedAsync): clipping, Gaussian noise once
+per published version, and an accountant of what was really released (docs/privacy.md).
+
+**Mechanism.** Each accepted update's delta ``u`` (client weights minus its job's start
+weights) is clipped to ``u * min(1, C / |u|)`` (``C = dp_clip_norm``, the whole model's L2
+norm), so one contribution moves the strategy's running sum by at most ``w C`` (``w <= 1``, the
+weight the strategy gives it). When a version is published, Gaussian noise ``N(0, (z C)^2 I)``
+(``z = dp_noise_multiplier``) is added to that sum once, then the strategy divides and steps as
+it always does (FedBuff's ``server_lr / M``, FedAvg's mean and server optimizer, FedAsync's
+``alpha_s``): the noise is scaled as the aggregate is. FedAvg weighs every contribution alike
+under DP (a weight by ``num_samples`` would let one client's weight, so its sensitivity, grow).
+
+**Neighbouring federations** differ in the content of one client's updates (every update of
+that client replaced by zero: the "zero-out" relation), while who contributed to which version,
+and when, stays the same. Asynchronous arrivals are not a sampling step the server controls, so
+no amplification by sampling is claimed, and the arrival pattern is treated as public (an
+observer of the published versions sees their timing anyway).
+
+**Accounting.** A published version is a Gaussian mechanism on the clipped sum: for a client
+whose contributions to that version weigh ``s`` in total (``s = 1`` for one unweighted update),
+its sensitivity is ``s C`` against noise ``z C``. Gaussian mechanisms compose exactly into one
+Gaussian mechanism with ``(s_1^2 + s_2^2 + ...)^(1/2) / z`` in place of ``1 / z`` (the Rényi
+divergences add, and so do the squared means of Gaussian DP), so the accountant keeps one
+number per client, ``S = sum_t s_t^2`` over the versions it contributed to, and the guarantee of
+the run is that of the client with the largest ``S``: epsilon for ``dp_delta`` from
+``dp-accounting``'s Rényi accountant for one ``GaussianDpEvent(z / sqrt(S))``, which equals
+composing every release one by one. A version is counted when it is published; updates waiting
+in a buffer are not released yet. ``dp_target_epsilon`` refuses a release that would take any
+client past it, and from then on the strategy publishes nothing more
+(:class:`PrivacyBudgetSpent`).
+
+**Noise source.** A torch generator on the model's device, seeded from the operating system's
+entropy (``secrets``) unless ``dp_seed`` is set (the simulator sets it from the run's seed, for
+reproducible experiments). Its state is part of the strategy's state dict, so a server that
+replays its write-ahead log after a crash draws the same noise again, and never publishes two
+differently noised copies of one sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from aggsrv.strategies.errors import StrategyError
+from aggsrv.strategies.job import Job
+from aggsrv.values import Update, UpdateKind
+
+__all__ = [
+    "DP_STRATEGIES",
+    "GaussianPrivacy",
+    "PrivacyAccountant",
+    "PrivacyBudgetSpent",
+    "PrivacyConfig",
+    "gaussian_epsilon",
+    "refuse_privacy_keys",
+]
+
+DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync")
+_INSTALL = "pip install 'aggsrv[dp]'"
+
+
+class PrivacyBudgetSpent(StrategyError):
+    """Publishing the next version would take the privacy loss past ``dp_target_epsilon``: the
+    strategy publishes no more versions (updates already acknowledged stay in its state)."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "privacy_budget_spent"
+
+
+def _dp_accounting() -> Any:
+    try:
+        import dp_accounting
+    except ImportError as exc:  # an optional dependency: say how to get it
+        raise ImportError(
+            f"differential privacy's accountant needs the dp-accounting package ({_INSTALL})"
+        ) from exc
+    return dp_accounting
+
+
+def gaussian_epsilon(noise_multiplier: float, squared_sensitivity: float, delta: float) -> float:
+    """Epsilon at ``delta`` of Gaussian mechanisms whose squared sensitivities (in units of the
+    clipping norm) sum to ``squared_sensitivity``, each with noise ``noise_multiplier`` times the
+    clipping norm: 0 with nothing released, infinite without noise."""
+    if squared_sensitivity <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    dpa = _dp_accounting()
+    accountant = dpa.rdp.RdpAccountant()
+    accountant.compose(dpa.GaussianDpEvent(noise_multiplier / math.sqrt(squared_sensitivity)))
+    return float(accountant.get_epsilon(delta))
+
+
+@dataclass
+class PrivacyConfig:
+    """The ``dp_`` keys (a mixin of the configs of :data:`DP_STRATEGIES`)."""
+
+    HELP: ClassVar[Mapping[str, str]] = {
+        "dp_clip_norm": "differential privacy: clip each update's delta to this L2 norm C; "
+        "unset = no DP",
+        "dp_noise_multiplier": "DP: Gaussian noise of std z * C on each published sum (z)",
+        "dp_delta": "DP: the delta that epsilon is reported for",
+        "dp_target_epsilon": "DP: publish no version that takes epsilon past this; unset = "
+        "no limit",
+        "dp_seed": "DP: seed of the noise; unset = from the OS's entropy (a server's choice)",
+    }
+
+    dp_clip_norm: float | None = None
+    dp_noise_multiplier: float = 0.0
+    dp_delta: float = 1e-5
+    dp_target_epsilon: float | None = None
+    dp_seed: int | None = None
+
+    @property
+    def private(self) -> bool:
+        """Whether the ``dp_`` keys turn differential privacy on."""
+        return self.dp_clip_norm is not None
+
+    def check_privacy(self, aggregator: str = "mean") -> None:
+        """Ranges, and that the keys make sense together (call from ``__post_init__``)."""
+        c = self.dp_clip_norm
+        if c is not None and not (math.isfinite(c) and c > 0):
+            raise ValueError(f"dp_clip_norm must be a finite number > 0 or unset, got {c}")
+        z = self.dp_noise_multiplier
+        if not (math.isfinite(z) and z >= 0):
+            raise ValueError(f"dp_noise_multiplier must be a finite number >= 0, got {z}")
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ValueError(f"dp_delta must be in (0, 1), got {self.dp_delta}")
+        target = self.dp_target_epsilon
+        if target is not None and not (math.isfinite(target) and target > 0):
+            raise ValueError(f"dp_target_epsilon must be a finite number > 0, got {target}")
+        if c is None:
+            extra = [
+                f.name for f in dataclasses.fields(PrivacyConfig)
+                if f.name != "dp_clip_norm" and getattr(self, f.name) != f.default
+            ]  # fmt: skip
+            if extra:
+                raise ValueError(
+                    f"{', '.join(extra)} set without dp_clip_norm: differential privacy needs "
+                    "a clipping norm (set dp_clip_norm, or leave the dp_ keys out)"
+                )
+            return
+        if aggregator != "mean":
+            raise ValueError(
+                f"differential privacy bounds a sum of clipped updates; the {aggregator!r} "
+                "aggregator is not a sum, so its sensitivity is not bounded by the clipping "
+                "norm: use aggregator = 'mean' with the dp_ keys"
+            )
+        if target is not None and z == 0:
+            raise ValueError(
+                "dp_target_epsilon needs dp_noise_multiplier > 0 (without noise the first "
+                "release has epsilon = infinity)"
+            )
+        _dp_accounting()  # fail at configuration, not at the first release
+
+
+def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
+    """The error for ``dp_`` keys given to a strategy that does not support them."""
+    raise ValueError(
+        f"{kind} does not support differential privacy ({', '.join(keys)}): its published "
+        "model is not a sum of clipped contributions that Gaussian noise can bound. The dp_ "
+        f"keys work with {', '.join(DP_STRATEGIES)} (docs/privacy.md)"
+    )
+
+
+class PrivacyAccountant:
+    """Per client, the summed squared sensitivities of the versions it contributed to (see the
+    module docstring); the contributions waiting for the next release."""
+
+    def __init__(self, noise_multiplier: float, delta: float) -> None:
+        self.noise_multiplier = noise_multiplier
+        self.delta = delta
+        self.spent: dict[str, float] = {}  # client -> sum over releases of s^2
+        self.pending: dict[str, float] = {}  # client -> s in the release being gathered
+        self.releases = 0  # versions published with a contribution in them
+        self._worst = 0.0  # max(spent.values())
+        self._epsilons: dict[float, float] = {}
+
+    def contribute(self, client: str, weight: float) -> None:
+        self.pending[client] = self.pending.get(client, 0.0) + weight
+
+    def worst_after(self, client: str | None = None, weight: float = 0.0) -> float:
+        """The largest ``S`` over clients once the pending contributions (and ``weight`` more
+        for ``client``) are released."""
+        worst = self._worst
+        extra = {client: weight} if client is not None else {}
+        for c in self.pending.keys() | extra.keys():
+            s = self.pending.get(c, 0.0) + extra.get(c, 0.0)
+            worst = max(worst, self.spent.get(c, 0.0) + s * s)
+        return worst
+
+    def epsilon_of(self, squared_sensitivity: float) -> float:
+        eps = self._epsilons.get(squared_sensitivity)
+        if eps is None:
+            eps = gaussian_epsilon(self.noise_multiplier, squared_sensitivity, self.delta)
+            if len(self._epsilons) > 4096:  # a cache, not a record
+                self._epsilons.clear()
+            self._epsilons[squared_sensitivity] = eps
+        return eps
+
+    def epsilon(self) -> float:
+        """The run's epsilon at ``delta`` so far: the worst-off client's."""
+        return self.epsilon_of(self._worst)
+
+    def release(self) -> None:
+        """A version was published: the pending contributions are spent."""
+        if not self.pending:
+            return
+        for c, s in self.pending.items():
+            total = self.spent.get(c, 0.0) + s * s
+            self.spent[c] = total
+            self._worst = max(self._worst, total)
+        self.pending.clear()
+        self.releases += 1
+
+    def discard_pending(self) -> None:
+        self.pending.clear()
+
+    def state(self) -> dict[str, Any]:
+        return {"spent": dict(self.spent), "pending": dict(self.pending),
+                "releases": self.releases}  # fmt: skip
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        self.spent = {str(c): float(v) for c, v in state["spent"].items()}
+        self.pending = {str(c): float(v) for c, v in state["pending"].items()}
+        self.releases = int(state["releases"])
+        self._worst = max(self.spent.values(), default=0.0)
+
+
+class GaussianPrivacy:
+    """A strategy's DP machinery: the clip factor of each update, the noise of each release,
+    the accountant and the budget (``strategy.privacy``; None when DP is off)."""
+
+    def __init__(self, config: PrivacyConfig, dim: int, device: torch.device, rank: int = 0):
+        assert config.dp_clip_norm is not None
+        self.clip_norm = float(config.dp_clip_norm)
+        self.noise_multiplier = float(config.dp_noise_multiplier)
+        self.target_epsilon = config.dp_target_epsilon
+        self.accountant = PrivacyAccountant(self.noise_multiplier, config.dp_delta)
+        self.dim = dim
+        self.device = device
+        self.exhausted = False  # a release was refused for the budget: no more versions
+        self.generator = torch.Generator(device=device)
+        seed = config.dp_seed if config.dp_seed is not None else secrets.randbits(63)
+        # Each shard draws its own slice's noise: independent streams, together N(0, s^2 I).
+        self.generator.manual_seed((int(seed) + 7919 * rank) % (1 << 63))
+        self._noise: torch.Tensor | None = None
+        self.clipped = 0  # updates whose delta was scaled down (not part of the state)
+        self.last_noise_std = 0.0
+
+    @property
+    def noise_std(self) -> float:
+        """The std of the noise added to each published sum: z * C."""
+        return self.noise_multiplier * self.clip_norm
+
+    def clip_factor(
+        self, update: Update, job: Job, delta_norm: Callable[[Update, Job], float]
+    ) -> float:
+        """``min(1, C / |u|)`` for the update's delta ``u``: the decoder's float64 norm of a DELTA
+        upload when it computed one (:attr:`Update.norm`), else the strategy's."""
+        norm = update.norm if update.kind is UpdateKind.DELTA else None
+        if norm is None:
+            norm = delta_norm(update, job)
+        if norm <= self.clip_norm:
+            return 1.0
+        self.clipped += 1
+        return self.clip_norm / norm
+
+    def require_budget(self, client: str | None = None, weight: float = 0.0) -> None:
+        """Refuse (:class:`PrivacyBudgetSpent`) a release, with the pending contributions and
+        ``weight`` more for ``client``, that would take epsilon past the target; changes nothing
+        but the exhausted flag."""
+        if self.exhausted:
+            raise PrivacyBudgetSpent(self._spent_text())
+        if self.target_epsilon is None:
+            return
+        after = self.accountant.epsilon_of(self.accountant.worst_after(client, weight))
+        if after > self.target_epsilon:
+            self.exhausted = True
+            raise PrivacyBudgetSpent(
+                f"publishing the next version would take epsilon to {after:.4g}, past "
+                f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
+            )
+
+    def _spent_text(self) -> str:
+        return (
+            f"the privacy budget is spent (epsilon = {self.accountant.epsilon():.4g} at delta = "
+            f"{self.accountant.delta:g} after {self.accountant.releases} releases); the server "
+            "publishes no more versions and takes no more updates"
+        )
+
+    def noise(self) -> torch.Tensor:
+        """A fresh [D] float32 draw of N(0, (z C)^2) (a scratch buffer, overwritten by the next
+        draw). Draw it only for a version that is then published, or restore the generator
+        (:meth:`generator_state`) when the publication is refused."""
+        if self._noise is None:
+            self._noise = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        self._noise.normal_(0.0, self.noise_std, generator=self.generator)
+        self.last_noise_std = self.noise_std
+        return self._noise
+
+    def generator_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def restore_generator(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            **self.accountant.state(),
+            "generator": self.generator.get_state(),
+            "exhausted": self.exhausted,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        self.accountant.load(state)
+        self.generator.set_state(state["generator"].to("cpu", torch.uint8))
+        self.exhausted = bool(state["exhausted"])

@@ -1,0 +1,351 @@
+"""Differential privacy (aggsrv.strategies.privacy): clipping and noise against a float64
+reference, the noise's spread, the accountant against dp-accounting's own composition, the
+budget stop, and the accountant's survival of a restart (state_dict)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aggsrv.layout import ModelLayout
+from aggsrv.strategies import Update, UpdateKind, make_strategy
+from aggsrv.strategies.privacy import PrivacyBudgetSpent
+
+dpa = pytest.importorskip("dp_accounting", reason="the dp extra (pip install 'aggsrv[dp]')")
+
+LAYOUT = ModelLayout.from_named_shapes([("w", (37, 27)), ("b", (13,))])  # D = 1012
+D = LAYOUT.numel
+
+
+def _strategy(name: str, x0: torch.Tensor, **config):
+    s = make_strategy(name, layout=LAYOUT, initial=x0, config=config)
+    return s
+
+
+class Clients:
+    """Registers clients and sends their updates, DELTA or WEIGHTS, through on_update."""
+
+    def __init__(self, strategy, names: str) -> None:
+        self.s = strategy
+        self.n = 0
+        for c in names:
+            strategy.on_register(c, 0.0)
+
+    def send(self, client: str, delta: torch.Tensor, kind=UpdateKind.DELTA, samples: int = 1):
+        job = self.s.job_for(client, float(self.n))
+        assert job is not None
+        tensor = delta if kind is UpdateKind.DELTA else job.weights + delta
+        self.n += 1
+        update = Update(client, job.job_id, job.base_version, f"u{self.n}", samples, 1.0, kind,
+                        tensor.float())  # fmt: skip
+        return self.s.on_update(update, float(self.n)), job
+
+
+def _clipped(delta: torch.Tensor, c: float) -> torch.Tensor:
+    d = delta.double()
+    return d * min(1.0, c / float(torch.linalg.vector_norm(d)))
+
+
+def _noise(seed: int, std: float, draws: int) -> list[torch.Tensor]:
+    """The draws a strategy with dp_seed = seed makes, in order (one per release)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.empty(D).normal_(0.0, std, generator=g).double() for _ in range(draws)]
+
+
+def _deltas(rng: torch.Generator, scales: list[float]) -> list[torch.Tensor]:
+    return [torch.randn(D, generator=rng) * s for s in scales]
+
+
+@pytest.mark.parametrize("kind", [UpdateKind.DELTA, UpdateKind.WEIGHTS])
+@pytest.mark.parametrize("weighting", [False, True])
+def test_fedbuff_publishes_the_clipped_sum_plus_one_noise_draw(kind, weighting) -> None:
+    """x + lr / M (sum_i w_i min(1, C/|u_i|) u_i + N(0, (z C)^2)) per buffer, in float64, for
+    updates below and above the clipping norm, with and without staleness weights."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C, z, lr, seed = 0.7, 0.9, 0.8, int(torch.randint(1 << 30, ()))
+    s = _strategy("fedbuff", x0, buffer_size=3, server_lr=lr, staleness_weighting=weighting,
+                  dp_clip_norm=C, dp_noise_multiplier=z, dp_seed=seed)  # fmt: skip
+    clients = Clients(s, "abcd")
+    noise = _noise(seed, z * C, 2)
+    expect = x0.double()
+    sent = []
+    # Buffer 1: a (small, not clipped), b, c. Buffer 2: d (stale by one), a, b.
+    for client, scale in zip("abcdab", [0.001, 1.0, 3.0, 0.5, 2.0, 0.002], strict=True):
+        delta = torch.randn(D, generator=rng) * scale
+        outcome, job = clients.send(client, delta, kind)
+        stale = s.version - job.base_version if outcome.status.name == "APPLIED" else None
+        sent.append((delta, job.base_version))
+        if len(sent) == 3:
+            v = s.version - 1  # the version the buffer was applied to
+            total = sum(
+                _clipped(d, C) * ((1 / math.sqrt(1 + v - b)) if weighting else 1.0) for d, b in sent
+            )
+            expect = expect + lr / 3 * (total + noise[s.version - 1])
+            sent = []
+            assert stale is not None
+            torch.testing.assert_close(s.global_model().double(), expect, rtol=0, atol=2e-6)
+    assert s.version == 2
+
+
+def test_fedasync_mixes_in_each_clipped_update_with_its_own_noise() -> None:
+    """x <- (1 - a) x + a (base + f u + N(0, (z C)^2)): one release per update, fresh and stale
+    jobs, DELTA and WEIGHTS."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C, z, alpha, seed = 1.3, 0.6, 0.5, 11
+    s = _strategy("fedasync", x0, alpha=alpha, staleness="constant", dp_clip_norm=C,
+                  dp_noise_multiplier=z, dp_seed=seed)  # fmt: skip
+    clients = Clients(s, "ab")
+    noise = _noise(seed, z * C, 4)
+    held = s.job_for("b", 0.0)  # b trains from version 0 while a publishes
+    x = x0.double()
+    for i, kind in enumerate([UpdateKind.DELTA, UpdateKind.WEIGHTS]):
+        delta = torch.randn(D, generator=rng) * 2.0
+        clients.send("a", delta, kind)
+        x = (1 - alpha) * x + alpha * (x + _clipped(delta, C) + noise[i])
+        torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=2e-6)
+    base = held.weights.double()
+    for i, kind in enumerate([UpdateKind.WEIGHTS]):
+        delta = torch.randn(D, generator=rng) * 0.01
+        tensor = (held.weights + delta) if kind is UpdateKind.WEIGHTS else delta
+        s.on_update(Update("b", held.job_id, 0, "b1", 1, 1.0, kind, tensor.float()), 9.0)
+        x = (1 - alpha) * x + alpha * (base + _clipped(delta, C) + noise[2 + i])
+        torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("mode", ["sync", "k_async"])
+def test_fedavg_weighs_every_client_alike_and_noises_the_sum(mode) -> None:
+    """Under DP FedAvg's mean ignores num_samples (a weight would be a sensitivity):
+    x + (sum_i f_i u_i + N(0, (z C)^2)) / n."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C, z, seed = 0.5, 1.1, 5
+    extra = {"k": 3} if mode == "k_async" else {"participation": 1.0, "min_clients": 3}
+    s = _strategy("fedavg", x0, mode=mode, dp_clip_norm=C, dp_noise_multiplier=z,
+                  dp_seed=seed, **extra)  # fmt: skip
+    clients = Clients(s, "abc")
+    noise = _noise(seed, z * C, 1)
+    deltas = _deltas(rng, [0.01, 1.0, 4.0])
+    for client, delta, samples in zip("abc", deltas, [5, 500, 50], strict=True):
+        clients.send(client, delta, UpdateKind.WEIGHTS if client == "b" else UpdateKind.DELTA,
+                     samples)  # fmt: skip
+    assert s.version == 1
+    expect = x0.double() + (sum(_clipped(d, C) for d in deltas) + noise[0]) / 3
+    torch.testing.assert_close(s.global_model().double(), expect, rtol=0, atol=2e-6)
+
+
+def test_the_noise_has_std_z_times_c_scaled_as_the_aggregate() -> None:
+    """Zero updates, many releases: every version moves by (lr / M) N(0, (z C)^2) alone, so the
+    steps' sample std over D x releases values estimates (lr / M) z C (within 3 %)."""
+    x0 = torch.zeros(D)
+    C, z, lr, m = 2.0, 0.8, 0.5, 2
+    s = _strategy(
+        "fedbuff", x0, buffer_size=m, server_lr=lr, dp_clip_norm=C, dp_noise_multiplier=z
+    )  # fmt: skip (dp_seed unset: drawn from the OS)
+    clients = Clients(s, "ab")
+    steps = []
+    for _ in range(20):
+        before = s.global_model().clone()
+        clients.send("a", torch.zeros(D))
+        clients.send("b", torch.zeros(D))
+        steps.append((s.global_model() - before).double())
+    values = torch.cat(steps).numpy()
+    sd = lr / m * z * C
+    assert abs(values.mean()) < 4 * sd / math.sqrt(values.size)
+    assert values.std(ddof=1) == pytest.approx(sd, rel=0.03)
+    # Two servers without dp_seed draw different noise.
+    other = _strategy("fedbuff", x0, buffer_size=1, dp_clip_norm=C, dp_noise_multiplier=z)
+    Clients(other, "a").send("a", torch.zeros(D))
+    mine = _strategy("fedbuff", x0, buffer_size=1, dp_clip_norm=C, dp_noise_multiplier=z)
+    Clients(mine, "a").send("a", torch.zeros(D))
+    assert not torch.equal(other.global_model(), mine.global_model())
+
+
+def _rdp_epsilon(multipliers: list[float], delta: float) -> float:
+    """dp-accounting composing one Gaussian event per release, each as it is."""
+    acc = dpa.rdp.RdpAccountant()
+    for m in multipliers:
+        acc.compose(dpa.GaussianDpEvent(m))
+    return acc.get_epsilon(delta)
+
+
+def test_the_accountant_composes_what_each_client_released_as_dp_accounting_does() -> None:
+    """A hand-set FedBuff run (M = 2, staleness weights): each client's releases as Gaussian
+    events of noise z / s (s: the weights of its contributions to that version); the run's
+    epsilon is the worst client's, as dp-accounting composes it event by event."""
+    z, delta = 1.3, 1e-6
+    s = _strategy("fedbuff", torch.zeros(D), buffer_size=2, staleness_weighting=True,
+                  dp_clip_norm=1.0, dp_noise_multiplier=z, dp_delta=delta)  # fmt: skip
+    clients = Clients(s, "abc")
+    held = s.job_for("c", 0.0)
+    for client in "ab":  # v1 = {a: 1, b: 1}
+        clients.send(client, torch.randn(D))
+    clients.send("a", torch.randn(D))  # a fresh; waits
+    clients.send("a", torch.randn(D))  # a twice in v2: s = 2
+    clients.send("b", torch.randn(D))  # waits
+    stale = s.version - held.base_version  # c's job is from v0: weight 1 / sqrt(1 + 2)
+    s.on_update(Update("c", held.job_id, 0, "c1", 1, 1.0, UpdateKind.DELTA, torch.randn(D)), 9.0)
+    assert s.version == 3 and stale == 2
+    w = 1 / math.sqrt(3)
+    events = {"a": [z / 1, z / 2], "b": [z / 1, z / 1], "c": [z / w]}
+    acct = s.privacy.accountant
+    for client, multipliers in events.items():
+        squared = sum((z / m) ** 2 for m in multipliers)
+        assert acct.spent[client] == pytest.approx(squared, rel=1e-12)
+        assert acct.epsilon_of(acct.spent[client]) == pytest.approx(
+            _rdp_epsilon(multipliers, delta), rel=1e-9
+        )
+    assert acct.epsilon() == pytest.approx(_rdp_epsilon(events["a"], delta), rel=1e-9)
+    assert acct.releases == 3
+    # Sync FedAvg, T rounds of everyone once (Flower's fixed-clipping setting): T events of z.
+    f = _strategy("fedavg", torch.zeros(D), participation=1.0, min_clients=3,
+                  dp_clip_norm=0.3, dp_noise_multiplier=z, dp_delta=delta)  # fmt: skip
+    clients = Clients(f, "abc")
+    for _ in range(7):
+        for client in "abc":
+            clients.send(client, torch.randn(D))
+    assert f.version == 7
+    assert f.privacy.accountant.epsilon() == pytest.approx(_rdp_epsilon([z] * 7, delta), 1e-9)
+
+
+def test_the_budget_stops_publishing_and_loses_nothing_acknowledged() -> None:
+    """dp_target_epsilon between the epsilon of 4 and of 5 releases: FedBuff publishes 4
+    versions; the update that would make the 5th is refused (FAILED_PRECONDITION) with the
+    model and the acknowledged buffered update untouched; then jobs and updates are refused."""
+    z, delta = 2.0, 1e-5
+    four, five = _rdp_epsilon([z] * 4, delta), _rdp_epsilon([z] * 5, delta)
+    s = _strategy("fedbuff", torch.zeros(D), buffer_size=2, dp_clip_norm=1.0,
+                  dp_noise_multiplier=z, dp_delta=delta, dp_target_epsilon=(four + five) / 2,
+                  dp_seed=1)  # fmt: skip
+    clients = Clients(s, "ab")
+    for _ in range(4):
+        clients.send("a", torch.randn(D))
+        clients.send("b", torch.randn(D))
+    assert s.version == 4
+    assert s.privacy.accountant.epsilon() == pytest.approx(four, rel=1e-9)
+    waiting = torch.randn(D)
+    outcome, _ = clients.send("a", waiting)
+    assert outcome.status.name == "BUFFERED"
+    before = s.state_dict()
+    with pytest.raises(PrivacyBudgetSpent, match="dp_target_epsilon") as refused:
+        clients.send("b", torch.randn(D))
+    assert refused.value.code == "FAILED_PRECONDITION"
+    assert s.version == 4 and torch.equal(s.global_model(), before["model"])
+    after = s.state_dict()
+    assert after["extra"]["weights"] == [1.0]  # a's update is still in the buffer
+    torch.testing.assert_close(after["extra"]["sum"], _clipped(waiting, 1.0))
+    with pytest.raises(PrivacyBudgetSpent, match="budget is spent"):
+        s.job_for("a", 99.0)
+    with pytest.raises(PrivacyBudgetSpent):
+        s.on_update(Update("b", 1, 4, "late", 1, 1.0, UpdateKind.DELTA, torch.zeros(D)), 99.0)
+
+
+def test_a_sync_round_closed_by_its_deadline_stops_at_the_budget_too() -> None:
+    z, delta = 1.0, 1e-5
+    one, two = _rdp_epsilon([z], delta), _rdp_epsilon([z, z], delta)
+    f = _strategy(
+        "fedavg",
+        torch.zeros(D),
+        participation=1.0,
+        min_clients=1,
+        round_timeout=5.0,
+        dp_clip_norm=1.0,
+        dp_noise_multiplier=z,
+        dp_target_epsilon=(one + two) / 2,
+    )
+    clients = Clients(f, "ab")
+    clients.send("a", torch.randn(D))
+    f.on_timer(100.0)  # the deadline closes round 1 with a alone
+    assert f.version == 1
+    clients.send("a", torch.randn(D))
+    f.on_timer(200.0)  # round 2 would be a's second release: refused, nothing published
+    assert f.version == 1 and f.privacy.exhausted and f.next_deadline() is None
+
+
+def test_the_accountant_and_the_noise_stream_survive_a_restart() -> None:
+    """state_dict -> load_state_dict: the resumed strategy reports the same epsilon and draws
+    the same noise next (a replay of the write-ahead log publishes the same versions)."""
+    z = 0.7
+    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": z}
+    s = _strategy("fedbuff", torch.zeros(D), **config)  # dp_seed unset: from the OS
+    clients = Clients(s, "ab")
+    for client in "abab":
+        clients.send(client, torch.randn(D))
+    state = s.state_dict()
+    resumed = _strategy("fedbuff", torch.zeros(D), **config)
+    resumed.load_state_dict(state)
+    assert resumed.privacy.accountant.epsilon() == s.privacy.accountant.epsilon() > 0
+    assert resumed.privacy.accountant.spent == {"a": 2.0, "b": 2.0}
+    delta = torch.randn(D)
+    clients.send("a", delta)
+    job = resumed.job_for("a", 50.0)
+    resumed.on_update(Update("a", job.job_id, job.base_version, "x", 1, 1.0, UpdateKind.DELTA,
+                             delta), 51.0)  # fmt: skip
+    assert torch.equal(resumed.global_model(), s.global_model())
+    # A state saved without DP cannot be resumed with it: epsilon would restart at 0.
+    plain = _strategy("fedbuff", torch.zeros(D), buffer_size=1)
+    with pytest.raises(ValueError, match="privacy accountant"):
+        _strategy("fedbuff", torch.zeros(D), **config).load_state_dict(plain.state_dict())
+
+
+def test_a_refused_release_does_not_advance_the_noise() -> None:
+    """A release refused after its noise was drawn (the model would overflow) puts the
+    generator back: the next published version gets the draw it would have had."""
+    big = torch.zeros(D)
+    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0, "dp_seed": 4,
+              "server_lr": 1e38}  # fmt: skip
+    s = _strategy("fedbuff", big, **config)
+    clients = Clients(s, "a")
+    with pytest.raises(Exception, match="non-finite|float32"):
+        clients.send("a", torch.full((D,), 10.0))
+    assert s.version == 0
+    s2 = _strategy("fedbuff", big, **{**config, "server_lr": 1e-3})
+    s.config.server_lr = 1e-3  # the same strategy, now with a step that fits
+    clients.send("a", torch.zeros(D))
+    Clients(s2, "a").send("a", torch.zeros(D))
+    assert torch.equal(s.global_model(), s2.global_model())
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "message"),
+    [
+        ("fedhist", {"dp_clip_norm": 1.0}, "fedhist does not support differential privacy"),
+        ("orthofl", {"dp_noise_multiplier": 1.0}, "orthofl does not support"),
+        ("feden", {"dp_clip_norm": 1.0}, "feden does not support"),
+        ("fedbuff", {"dp_clip_norm": 1.0, "aggregator": "median"}, "not a sum"),
+        ("fedasync", {"dp_noise_multiplier": 1.0}, "without dp_clip_norm"),
+        ("fedavg", {"dp_clip_norm": -1.0}, "dp_clip_norm must be"),
+        ("fedavg", {"dp_clip_norm": 1.0, "dp_target_epsilon": 1.0}, "needs dp_noise_multiplier"),
+        ("fedbuff", {"dp_clip_norm": 1.0, "dp_delta": 1.0}, "dp_delta must be in"),
+    ],
+)
+def test_keys_that_cannot_give_a_guarantee_are_refused(name, config, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_strategy(name, layout=LAYOUT, initial=torch.zeros(D), config=config)
+
+
+def test_a_model_with_batchnorm_statistics_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    layout = ModelLayout.from_module(model)
+    with pytest.raises(ValueError, match="float buffer"):
+        make_strategy("fedbuff", layout=layout, initial=torch.zeros(layout.numel),
+                      initial_buffers=torch.ones(layout.buffer_numel),
+                      config={"dp_clip_norm": 1.0})  # fmt: skip
+
+
+def test_epsilon_grows_with_releases_and_falls_with_noise() -> None:
+    """Sanity of the closed form against dp-accounting over a grid (no amplification)."""
+    from aggsrv.strategies.privacy import gaussian_epsilon
+
+    for z in (0.5, 1.0, 4.0):
+        eps = [gaussian_epsilon(z, float(t), 1e-5) for t in (1, 10, 100)]
+        assert eps == sorted(eps)
+        for t, e in zip((1, 10, 100), eps, strict=True):
+            assert e == pytest.approx(_rdp_epsilon([z] * t, 1e-5), rel=1e-9)
+    assert gaussian_epsilon(0.0, 1.0, 1e-5) == math.inf
+    assert gaussian_epsilon(1.0, 0.0, 1e-5) == 0.0
+    assert np.isfinite(gaussian_epsilon(1.0, 3.5, 1e-5))
