@@ -5,6 +5,7 @@ bearer tokens, `pull` downloads the global model, `info` describes this installa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -42,6 +43,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["resume"] = True
     try:
         config = ServerConfig.load(args.config, overrides)
+        if args.dp_target_epsilon is not None:  # a strategy key, with a flag of its own
+            keys = {**config.strategy_config, "dp_target_epsilon": args.dp_target_epsilon}
+            config = dataclasses.replace(config, strategy_config=keys)
+            config.strategy_settings()
     except (OSError, ValueError, TypeError) as exc:
         sys.stderr.write(f"aggsrv serve: {exc}\n")
         return 2
@@ -213,6 +218,19 @@ def format_status(s) -> str:
          if s.HasField("eval_version") else "none"),
         ("uptime", f"{s.uptime.ToTimedelta()}"),
     ]  # fmt: skip
+    if s.HasField("privacy"):
+        p = s.privacy
+        budget = f"of {p.target_epsilon:g}" if p.HasField("target_epsilon") else "(no budget)"
+        rows.insert(
+            3,
+            (
+                "privacy",
+                f"epsilon {p.epsilon:.4g} {budget} at delta {p.delta:g}, "
+                f"{p.releases} releases, C {p.clip_norm:g}, z {p.noise_multiplier:g}, "
+                f"{p.updates_clipped} clipped"
+                + (": budget spent, no more versions" if p.budget_spent else ""),
+            ),
+        )
     return "\n".join(f"{k:<11} {v}" for k, v in rows)
 
 
@@ -552,6 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--resume", metavar="DIR",
         help="continue the run whose checkpoints and log are in DIR (sets --state-dir DIR)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--dp-target-epsilon", type=float, metavar="EPS",
+        help="differential privacy (the strategy's dp_ keys, docs/privacy.md): publish no "
+        "version that takes epsilon past EPS (sets strategy_config.dp_target_epsilon)",
     )  # fmt: skip
     serve.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"

@@ -28,8 +28,19 @@ def squares_and_dot(u: np.ndarray, r: np.ndarray) -> tuple[float, float]:  # pra
     return uu, ur
 
 
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def squares(u: np.ndarray) -> float:  # pragma: no cover
+    """``u . u`` in float64 (the exact norm that clipping under differential privacy needs)."""
+    uu = 0.0
+    for i in range(u.shape[0]):
+        x = np.float64(u[i])
+        uu += x * x
+    return uu
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) before the first upload needs it: at server start,
     not on the event loop in the middle of a call."""
     one = np.zeros(1, dtype=np.float32)
     squares_and_dot(one, one)
+    squares(one)

@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -291,6 +293,23 @@ class Server:
                 lambda: fed.buffer_now()[0])  # fmt: skip
         m.gauge("buffer_size", "The buffer's size: a step when it is full (0: not buffered)",
                 lambda: fed.buffer_now()[1])  # fmt: skip
+
+        def privacy(key: str, off: float) -> Callable[[], float]:
+            return lambda: float((fed.privacy_now() or {key: off})[key])
+
+        m.gauge("dp_epsilon", "Differential privacy: the worst-off client's epsilon at dp_delta "
+                "for the versions published so far (NaN without DP)",
+                privacy("epsilon", math.nan))  # fmt: skip
+        m.gauge("dp_releases", "Differential privacy: versions published with contributions",
+                privacy("releases", 0.0))  # fmt: skip
+        m.gauge("dp_budget_spent", "Differential privacy: 1 once dp_target_epsilon stopped the "
+                "publications", privacy("budget_spent", 0.0))  # fmt: skip
+        m.gauge(
+            "dp_updates_clipped",
+            "Differential privacy: updates scaled down to the "
+            "clipping norm since this process started",
+            privacy("updates_clipped", 0.0),
+        )
 
     async def _tick(self) -> None:
         """Once a second: the time-based checkpoint and the evaluation hook."""

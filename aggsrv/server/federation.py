@@ -220,6 +220,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 kind=UpdateKind[m["kind"]],
                 tensor=_on(tensors["update"], strategy.device),
                 buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
+                norm=m.get("norm"),
             )
             outcome = strategy.on_update(update, m["now"])
             logged = Outcome.from_tuple(m["outcome"])
@@ -430,6 +431,12 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             now = self.clock()
             rec.lease_expires = now + self.config.lease_seconds
             self.activity.seen(client_id, now)
+
+    def privacy_now(self) -> dict[str, Any] | None:
+        """Differential privacy's spending (None without it): any thread."""
+        strategy = self.strategy
+        privacy = strategy.privacy if strategy is not None else None
+        return privacy.snapshot() if privacy is not None else None
 
     def buffer_now(self) -> tuple[int, int]:
         """(waiting, size) of a buffered strategy after the last call; (0, 0) otherwise."""

@@ -34,6 +34,7 @@ def update_meta(update: Update, now: float) -> dict[str, Any]:
         "work_done": update.work_done,
         "kind": update.kind.name,
         "now": now,
+        "norm": update.norm,  # a replay clips with the norm the live call used
     }
 
 

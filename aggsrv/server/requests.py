@@ -370,6 +370,7 @@ class RequestChecks:
         context: grpc.aio.ServicerContext,
         stats: dict[str, float] | None = None,
         reference: Any = None,
+        exact_norm: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
@@ -390,7 +391,7 @@ class RequestChecks:
         try:
             decoder = Decoder(
                 slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse,
-                reference=reference,
+                reference=reference, exact_norm=exact_norm,
             )  # fmt: skip
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")
@@ -409,6 +410,7 @@ class RequestChecks:
                     views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
                     if stats is not None and decoder.norm is not None:
                         stats["norm"] = decoder.norm
+                        stats["norm_exact"] = decoder.norm_exact
                     if stats is not None and decoder.cosine is not None:
                         stats["cosine"] = decoder.cosine
                     return views

@@ -475,6 +475,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,
                 reference=fed.direction if kind is UpdateKind.DELTA else None,
+                exact_norm=fed.strategy.privacy is not None and kind is UpdateKind.DELTA,
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)
@@ -497,6 +498,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 kind=kind,
                 tensor=tensor,
                 buffers=moved,
+                # The decoder's float64 norm of a DELTA (what clipping under DP reads).
+                norm=seen["norm"] if seen.get("norm_exact") else None,
             )
             fed.updates_waiting += 1
             waiting = True
@@ -710,6 +713,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         if fed.last_eval is not None:
             resp.eval_version = fed.last_eval[0]
             resp.eval_metrics.update(fed.last_eval[1])
+        spent = fed.privacy_now()
+        if spent is not None:
+            target = spent.pop("target_epsilon")
+            resp.privacy.CopyFrom(pb.PrivacyStatus(**spent))
+            if target is not None:
+                resp.privacy.target_epsilon = target
         if fed.strategy is not None:
             resp.cache_bytes = await fed.read(fed.cache_bytes)  # walks the strategy's state
         # Limits always: a client offering the initial model needs chunk_bytes before Register.

@@ -528,6 +528,14 @@ class Strategy(ABC):
             privacy.restore_generator(state)
             raise
 
+    def _clip_factor(self, update: Update, job: Job) -> float:
+        """Differential privacy's ``min(1, C / |delta|)`` for this update: with the norm the
+        decoder computed for a DELTA upload (:attr:`Update.norm`, float64) on one server, else
+        the whole model's, computed here."""
+        assert self.privacy is not None
+        norm = update.norm if update.kind is UpdateKind.DELTA and self.reduce is None else None
+        return self.privacy.clip_factor(norm if norm is not None else self.delta_norm(update, job))
+
     def _released(self) -> None:
         """A version was published: the accountant spends the contributions it held."""
         if self.privacy is not None:

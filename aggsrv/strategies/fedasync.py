@@ -105,7 +105,7 @@ class FedAsync(Strategy):
         f = 1.0
         if privacy is not None:
             privacy.require_budget(update.client_id, 1.0)
-            f = privacy.clip_factor(update, job, self.delta_norm)
+            f = self._clip_factor(update, job)
         with self._noise_for_release() as noise:
             # The next version is another tensor (the current one is a published snapshot),
             # written in as few passes as possible: a clone followed by in-place passes cost

@@ -286,7 +286,7 @@ class FedAvg(Strategy):
             weight = self._weight_of(update)
             clip = 1.0
             if self.privacy is not None:
-                clip = self.privacy.clip_factor(update, job, self.delta_norm)
+                clip = self._clip_factor(update, job)
             acc = self._summed(update, job, weight * clip)
             if closes:
                 with self._noise_for_release() as noise:

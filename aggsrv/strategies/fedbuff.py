@@ -124,7 +124,7 @@ class FedBuff(Strategy):
         base = job.weights if update.kind is UpdateKind.WEIGHTS else None
         privacy = self.privacy
         # Under DP the delta is clipped by scaling its weight: w f (u - base), |.| <= w C.
-        wf = w if privacy is None else w * privacy.clip_factor(update, job, self.delta_norm)
+        wf = w if privacy is None else w * self._clip_factor(update, job)
 
         def summed(s: slice) -> torch.Tensor:
             """The running sum with this update's w (u - base) added, elements ``s`` (float64)."""

@@ -42,15 +42,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from aggsrv.strategies.errors import StrategyError
-from aggsrv.strategies.job import Job
-from aggsrv.values import Update, UpdateKind
 
 __all__ = [
     "DP_STRATEGIES",
@@ -125,6 +123,11 @@ class PrivacyConfig:
 
     def check_privacy(self, aggregator: str = "mean") -> None:
         """Ranges, and that the keys make sense together (call from ``__post_init__``)."""
+        # Plain floats (a numpy float64 from a program would not load back from a checkpoint).
+        for key in ("dp_clip_norm", "dp_noise_multiplier", "dp_delta", "dp_target_epsilon"):
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, float(value))
         c = self.dp_clip_norm
         if c is not None and not (math.isfinite(c) and c > 0):
             raise ValueError(f"dp_clip_norm must be a finite number > 0 or unset, got {c}")
@@ -260,14 +263,8 @@ class GaussianPrivacy:
         """The std of the noise added to each published sum: z * C."""
         return self.noise_multiplier * self.clip_norm
 
-    def clip_factor(
-        self, update: Update, job: Job, delta_norm: Callable[[Update, Job], float]
-    ) -> float:
-        """``min(1, C / |u|)`` for the update's delta ``u``: the decoder's float64 norm of a DELTA
-        upload when it computed one (:attr:`Update.norm`), else the strategy's."""
-        norm = update.norm if update.kind is UpdateKind.DELTA else None
-        if norm is None:
-            norm = delta_norm(update, job)
+    def clip_factor(self, norm: float) -> float:
+        """``min(1, C / |u|)`` for a delta of L2 norm ``norm`` (float64, the whole model's)."""
         if norm <= self.clip_norm:
             return 1.0
         self.clipped += 1
@@ -311,6 +308,19 @@ class GaussianPrivacy:
 
     def restore_generator(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What has been spent, for status and metrics (any thread: reads plain values)."""
+        return {
+            "epsilon": self.accountant.epsilon(),
+            "delta": self.accountant.delta,
+            "clip_norm": self.clip_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "releases": self.accountant.releases,
+            "target_epsilon": self.target_epsilon,
+            "budget_spent": self.exhausted,
+            "updates_clipped": self.clipped,
+        }
 
     def state(self) -> dict[str, Any]:
         return {

@@ -128,6 +128,7 @@ class Decoder:
         max_chunk_bytes: int,
         sparse: Mapping[str, tuple[Encoding, int]] | None = None,
         reference: Any = None,
+        exact_norm: bool = False,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
         a sparse section that is not smaller than the dense bytes is refused (WrongLength).
@@ -135,9 +136,12 @@ class Decoder:
         which the finished upload's :attr:`cosine` is taken in the same pass as its check: an
         object with ``current`` ((direction, its norm) or None) and ``generation`` (odd while
         the direction is written; a cosine computed across a change is dropped), read when the
-        upload finishes (``aggsrv.server.update_health.RecentChange``)."""
+        upload finishes (``aggsrv.server.update_health.RecentChange``). ``exact_norm``: the
+        main buffer's :attr:`norm` is accumulated in float64 (clipping under differential
+        privacy needs it exact; the health metrics do with float32's partial sums)."""
         self.slot = slot
         self.reference = reference
+        self.exact_norm = exact_norm
         self.wire_dtype = WireDtype.parse(wire_dtype)
         if max_chunk_bytes < self.wire_dtype.itemsize:
             raise ValueError(
@@ -192,6 +196,7 @@ class Decoder:
         self._crc = Crc32c()
         self._state = "open"
         self.norm: float | None = None  # the L2 norm of the main buffer, once finished
+        self.norm_exact = False  # whether norm was accumulated in float64
         self.cosine: float | None = None  # its cosine to ``reference``, when one was given
 
     def reset(self) -> None:
@@ -201,6 +206,7 @@ class Decoder:
         self._crc.reset()
         self._state = "open"
         self.norm = self.cosine = None
+        self.norm_exact = False
 
     @property
     def bytes_received(self) -> int:
@@ -358,6 +364,8 @@ class Decoder:
         for i, buf in enumerate(buffers):
             if i == 0 and self._fused_check(buf):
                 continue
+            if i == 0 and self.exact_norm and self._exact_check(buf):
+                continue
             # A finite sum of squares proves every element finite (aggsrv.finite); an overflow
             # of finite values only sends us to the exact (slow, rare) check below.
             sq = squared_norm_if_finite(buf) if buf.numel() else 0.0
@@ -368,6 +376,20 @@ class Decoder:
                 sq = squared_norm(buf)  # the squares overflowed in float32
             if i == 0:
                 self.norm = math.sqrt(sq)
+
+    def _exact_check(self, buf: torch.Tensor) -> bool:
+        """The check and the float64 norm in one pass over a CPU float32 buffer (False: not
+        one, or not finite, and the caller's checks tell)."""
+        if buf.dtype != torch.float32 or not buf.is_cpu or buf.numel() == 0:
+            return False
+        from aggsrv.fused_dots import squares  # numba: a server's, never a client's
+
+        uu = squares(buf.reshape(-1).numpy())
+        if not math.isfinite(uu):
+            return False
+        self.norm = math.sqrt(uu)
+        self.norm_exact = True
+        return True
 
     def _fused_check(self, buf: torch.Tensor) -> bool:
         """With a reference direction: the check, the norm and the cosine in one pass (float64
@@ -388,6 +410,7 @@ class Decoder:
         if not math.isfinite(uu):
             return False
         self.norm = math.sqrt(uu)
+        self.norm_exact = True
         if self.norm > 0 and direction_norm > 0 and source.generation == generation:
             self.cosine = max(-1.0, min(1.0, ur / (self.norm * direction_norm)))
         return True

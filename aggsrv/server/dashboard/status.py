@@ -17,8 +17,9 @@ updates per minute), ``client_silence_seconds`` (per registered client, the seco
 last called; each of the five {``le``: upper bounds,
 ``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
 ``time``, ``metrics``}] (the last 500 ``--eval`` results), ``groups`` (FedDGIC's last grouping:
-{``version``, ``k``, ``groups``: [[client ids]]} or null) and ``dropped_flags`` (client ids the
-strategy flags as dropped out now).
+{``version``, ``k``, ``groups``: [[client ids]]} or null), ``dropped_flags`` (client ids the
+strategy flags as dropped out now) and ``privacy`` (differential privacy's spending, as
+GetStatus's PrivacyStatus, epsilon null when infinite; null without DP).
 """
 
 from __future__ import annotations
@@ -171,7 +172,16 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "evaluation": list(metrics.eval_history),
         "groups": events.groups,
         "dropped_flags": sorted(events.dropped),
+        "privacy": _privacy_json(fed.privacy_now()),
     }
+
+
+def _privacy_json(spent: dict[str, Any] | None) -> dict[str, Any] | None:
+    """JSON has no infinity: an infinite epsilon (no noise) is null."""
+    if spent is None:
+        return None
+    eps = spent["epsilon"]
+    return {**spent, "epsilon": eps if math.isfinite(eps) else None}
 
 
 def _plain(value: Any) -> Any:

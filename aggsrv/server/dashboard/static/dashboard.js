@@ -147,6 +147,15 @@ function render(s) {
     }
   }
   setText("uptime", fmtDuration(Math.max(0, s.time - s.started)));
+  const dp = s.privacy;
+  $("privacy-card").hidden = !dp;
+  if (dp) {
+    setText("dp-epsilon", dp.epsilon === null ? "∞" : dp.epsilon.toFixed(3));
+    setText("dp-delta", String(dp.delta));
+    setText("dp-releases", dp.releases);
+    setText("dp-target", dp.target_epsilon === null ? "none" : `ε ≤ ${dp.target_epsilon}`);
+    setText("dp-spent", dp.budget_spent ? "· spent: no more versions" : "");
+  }
   drawHistogram("chart-staleness", s.staleness, "#2e90fa");
   drawHistogram("chart-turnaround", s.job_turnaround_seconds, "#12b76a");
   drawHistogram("chart-lag", s.client_lag, "#f79009");

@@ -1,0 +1,125 @@
+"""Differential privacy through a real server on loopback: the decoder's norm clips what the
+float64 reference clips, epsilon reaches GetStatus, Prometheus and the status page, the budget
+stops the federation with a clear status, and a resumed server (its log replayed) neither
+resets epsilon nor draws other noise."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from server_helpers import RunningServer, scrape_metrics
+
+from aggsrv.client.client import Client
+from aggsrv.layout import ModelLayout
+from aggsrv.server import durability as D
+from aggsrv.strategies.base import UpdateKind
+
+dpa = pytest.importorskip("dp_accounting", reason="the dp extra (pip install 'aggsrv[dp]')")
+
+LAYOUT = ModelLayout.from_named_shapes([("a.weight", (331, 3)), ("a.bias", (8,))])  # D = 1001
+DIM = LAYOUT.numel
+
+
+def _epsilon(z: float, releases: int, delta: float) -> float:
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.GaussianDpEvent(z), releases)
+    return acc.get_epsilon(delta)
+
+
+def _clipped(delta: torch.Tensor, c: float) -> torch.Tensor:
+    d = delta.double()
+    return d * min(1.0, c / float(torch.linalg.vector_norm(d)))
+
+
+def test_a_dp_fedbuff_server_clips_noises_and_accounts_over_grpc(tmp_path: Path) -> None:
+    C, z, seed, delta = 0.5, 1.2, 77, 1e-5
+    keys = {"buffer_size": 2, "dp_clip_norm": C, "dp_noise_multiplier": z, "dp_seed": seed,
+            "dp_delta": delta}  # fmt: skip
+    srv = RunningServer(strategy="fedbuff", strategy_config=keys, metrics_port=0,
+                        dashboard_port=0, rate_limit_per_second=0.0)  # fmt: skip
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(DIM, generator=rng)
+    g = torch.Generator().manual_seed(seed)
+    expect = x0.double()
+    try:
+        with Client(srv.address, "a") as a, Client(srv.address, "b") as b:
+            a.register(layout=LAYOUT, initial=x0)
+            b.register(layout=LAYOUT)
+            for i in range(3):
+                # DELTA from a (the decoder's norm), WEIGHTS from b (the strategy's).
+                da = torch.randn(DIM, generator=rng) * (0.001 if i == 0 else 1.0)
+                db = torch.randn(DIM, generator=rng) * 2.0
+                a.push(a.get_job(), da, kind=UpdateKind.DELTA)
+                job = b.get_job()
+                b.push(job, job.weights + db, kind=UpdateKind.WEIGHTS)
+                noise = torch.empty(DIM).normal_(0.0, z * C, generator=g).double()
+                base = expect
+                expect = base + (_clipped(da, C) + _clipped(db, C) + noise) / 2
+            torch.testing.assert_close(srv.model().double(), expect, rtol=0, atol=5e-6)
+            status = a.status()
+        eps = _epsilon(z, 3, delta)
+        assert status.HasField("privacy")
+        p = status.privacy
+        assert p.releases == 3 and p.epsilon == pytest.approx(eps, rel=1e-9)
+        assert (p.clip_norm, p.noise_multiplier, p.delta) == (C, z, delta)
+        assert not p.HasField("target_epsilon") and not p.budget_spent
+        assert p.updates_clipped == 5  # all but a's first, tiny update
+        m = scrape_metrics(srv.server.metrics_port)
+        assert m[("aggsrv_dp_epsilon", frozenset())] == pytest.approx(eps, rel=1e-9)
+        assert m[("aggsrv_dp_releases", frozenset())] == 3
+        url = f"http://127.0.0.1:{srv.server.dashboard_port}/api/status"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            page = json.load(resp)["privacy"]
+        assert page["epsilon"] == pytest.approx(eps, rel=1e-9) and page["releases"] == 3
+    finally:
+        srv.stop()
+
+
+def test_the_budget_stops_the_server_and_a_resumed_one_keeps_its_epsilon(tmp_path) -> None:
+    """FedAsync (each update a release) with dp_target_epsilon between 3 and 4 releases: the
+    4th push is refused FAILED_PRECONDITION naming the budget, GetJob too; a server resumed
+    from its log (the checkpoint removed) has the same model, epsilon and spent budget."""
+    z, delta = 1.5, 1e-5
+    three, four = float(_epsilon(z, 3, delta)), float(_epsilon(z, 4, delta))
+    keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": z, "dp_target_epsilon": (three + four) / 2}
+    settings = {"strategy": "fedasync", "strategy_config": keys, "durability": "on",
+                "state_dir": str(tmp_path / "state"), "rate_limit_per_second": 0.0}  # fmt: skip
+    srv = RunningServer(**settings)
+    try:
+        with Client(srv.address, "a") as a:
+            a.register(layout=LAYOUT, initial=torch.randn(DIM))
+            for _ in range(3):
+                a.push(a.get_job(), torch.randn(DIM), kind=UpdateKind.DELTA)
+            job = a.get_job()
+            with pytest.raises(grpc.RpcError) as refused:
+                a.push(job, torch.randn(DIM), kind=UpdateKind.DELTA)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "dp_target_epsilon" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as no_job:
+                a.get_job()
+            assert no_job.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "privacy budget is spent" in no_job.value.details()
+            status = a.status()
+        assert status.version == 3 and status.privacy.budget_spent
+        assert status.privacy.epsilon == pytest.approx(three, rel=1e-9)
+        live = srv.state()
+    finally:
+        srv.stop()
+    state = Path(srv.config.state_dir)
+    for _, path in D.list_checkpoints(state)[1:]:
+        path.unlink()  # recovery replays the log from the first checkpoint
+    resumed = RunningServer(**settings, resume=True)
+    try:
+        assert torch.equal(resumed.model(), live["model"])
+        privacy = resumed.strategy.privacy
+        assert privacy.accountant.epsilon() == pytest.approx(three, rel=1e-9)
+        assert privacy.accountant.releases == 3
+    finally:
+        resumed.stop()
+    assert math.isfinite(three)
