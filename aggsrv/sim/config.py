@@ -117,13 +117,16 @@ class SimConfig(TomlConfig):
         """The strategy's keys as the run uses them: a round-based strategy waits for all the
         simulated clients before its first round (``min_available = clients``) unless the
         config says otherwise; otherwise the first round would hold only the first client to
-        register."""
+        register. Under differential privacy ``dp_seed`` defaults to the run's seed."""
         from aggsrv.strategies import strategy_class
 
         settings = dict(self.strategy_config)
         fields = {f.name for f in dataclasses.fields(strategy_class(self.strategy).config_class)}
         if "min_available" in fields and "min_available" not in settings:
             settings["min_available"] = self.clients
+        # An experiment's noise repeats with its seed (a server draws it from the OS).
+        if settings.get("dp_clip_norm") is not None and settings.get("dp_seed") is None:
+            settings["dp_seed"] = self.seed
         return settings
 
     def attack_spec(self):

@@ -88,6 +88,9 @@ class GrpcRun:
         self._stall_after = max(STALL_ARRIVALS, STALL_ROUNDS * self.n)
         settings = strategy_class(cfg.strategy).config_class.from_dict(cfg.strategy_config)
         self.round_based = is_round_based(settings)
+        self._private = getattr(settings, "private", False)  # the dp_ keys
+        self._privacy: dict[str, Any] | None = None
+        self.privacy_spent = False
         self.t0 = 0.0
         self.wall0 = time.perf_counter()
 
@@ -189,6 +192,10 @@ class GrpcRun:
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         continue  # no job yet; check whether the run ended
+                    spent = "privacy budget" in (exc.details() or "")
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and spent:
+                        self._end_for_privacy()
+                        return
                     raise
                 started = self.vnow()
                 plan = self.profile.plan(c, rounds)
@@ -251,6 +258,19 @@ class GrpcRun:
                 self._errors.append(exc)
                 self._stop.set()
 
+    def privacy_now(self) -> dict[str, Any] | None:
+        """Differential privacy's spending at the last evaluation (None without DP)."""
+        return self._privacy
+
+    def _end_for_privacy(self) -> None:
+        """The server spent its privacy budget (dp_target_epsilon): the run ends."""
+        with self._lock:
+            if self.privacy_spent:
+                return
+            self.privacy_spent = True
+        log.info("the privacy budget is spent at virtual time %.3f: the run ends", self.vnow())
+        self._stop.set()
+
     def _note_arrival(self, accepted: bool) -> None:
         """Count an update the server answered; stop the run as stalled once
         ``max(STALL_ARRIVALS, STALL_ROUNDS * clients)`` in a row were not accepted (refused,
@@ -276,10 +296,16 @@ class GrpcRun:
         t0 = time.perf_counter()
         acc, loss = evaluator(weights, buffers)
         self.counters.eval_seconds += time.perf_counter() - t0
+        epsilon = None
+        if self._private:
+            status = observer.status()
+            if status.HasField("privacy"):
+                self._privacy = _privacy_of(status.privacy)
+                epsilon = self._privacy["epsilon"]
         with self._lock:
             row = self.counters.metric_row(
                 version, round(vt, 6), time.perf_counter() - self.wall0, acc, loss,
-                self._rounds_done(version),
+                self._rounds_done(version), epsilon,
             )  # fmt: skip
         self.metrics.append(row)
         self.on_metric(row)
@@ -330,7 +356,7 @@ class GrpcRun:
                 t.start()
                 threads.append(t)
             self._drive_evaluations(evaluator, observer)
-            if self.stalled:  # the clients stopped early: the model the run ended with
+            if self.stalled or self.privacy_spent:  # stopped early: the model it ended with
                 self._evaluate(evaluator, observer)
         finally:
             self._stop.set()
@@ -383,3 +409,17 @@ class GrpcRun:
                 self._evaluate(evaluator, observer)
                 return
             time.sleep(0.02)
+
+
+def _privacy_of(p) -> dict[str, Any]:
+    """A PrivacyStatus as the summary's dict (the inproc transport's snapshot)."""
+    return {
+        "epsilon": p.epsilon,
+        "delta": p.delta,
+        "clip_norm": p.clip_norm,
+        "noise_multiplier": p.noise_multiplier,
+        "releases": p.releases,
+        "target_epsilon": p.target_epsilon if p.HasField("target_epsilon") else None,
+        "budget_spent": p.budget_spent,
+        "updates_clipped": p.updates_clipped,
+    }

@@ -72,10 +72,13 @@ class Counters:
 
     def metric_row(
         self, version: int, virtual_time: float, wall_time: float, accuracy: float, loss: float,
-        rounds: float,
+        rounds: float, epsilon: float | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """One metrics.jsonl line (both transports write the same fields)."""
+        """One metrics.jsonl line (both transports write the same fields; ``epsilon`` only
+        under differential privacy)."""
+        privacy = {} if epsilon is None else {"epsilon": epsilon}
         return {
+            **privacy,
             "version": version,
             "virtual_time": virtual_time,
             "wall_time": wall_time,
@@ -136,6 +139,7 @@ class InprocRun:
         self.wall0 = time.perf_counter()
         self.metrics: list[dict[str, Any]] = []
         self.stalled = False
+        self.privacy_spent = False  # dp_target_epsilon ended the run
         self._refused_in_a_row = 0  # arrivals since the last accepted update
         # The run's arrivals in the format of `aggsrv serve --trace` (virtual seconds), so a
         # simulated run and a served one are read, compared and replayed alike.
@@ -192,9 +196,10 @@ class InprocRun:
         t0 = time.perf_counter()
         acc, loss = self.evaluate(self.strategy.global_model(), self.strategy.global_buffers())
         self.counters.eval_seconds += time.perf_counter() - t0
+        privacy = self.strategy.privacy
         row = self.counters.metric_row(
             self.strategy.version, round(self.now, 9), time.perf_counter() - self.wall0, acc, loss,
-            self.rounds_done(),
+            self.rounds_done(), privacy.accountant.epsilon() if privacy is not None else None,
         )  # fmt: skip
         self.metrics.append(row)
         self.on_metric(row)
@@ -304,6 +309,10 @@ class InprocRun:
             max(0, staleness) if folded and staleness is not None else None, nbytes, outcome,
         )  # fmt: skip
 
+    def privacy_now(self) -> dict[str, Any] | None:
+        privacy = self.strategy.privacy
+        return privacy.snapshot() if privacy is not None else None
+
     def _on_timer(self, t: float) -> None:
         if self._timer_at is None or t < self._timer_at:
             return  # superseded by a later deadline
@@ -351,6 +360,15 @@ class InprocRun:
             self._maybe_evaluate_by_count()
             if self._budget_reached():
                 break
+            if self.strategy.privacy is not None and self.strategy.privacy.exhausted:
+                self.privacy_spent = True
+                log.info(
+                    "the privacy budget is spent at virtual time %.3f (epsilon %.4g after %d "
+                    "releases): the run ends",
+                    self.now, self.strategy.privacy.accountant.epsilon(),
+                    self.strategy.privacy.accountant.releases,
+                )  # fmt: skip
+                break
             if self._refused_in_a_row >= max(STALL_ARRIVALS, STALL_ROUNDS * self.n):
                 # A budget in rounds or versions counts accepted updates: when none is
                 # accepted any more (a diverged model whose updates overflow, a bound no
@@ -371,7 +389,8 @@ class InprocRun:
                     self.now,
                 )
         if self.budget.unit == "seconds":
-            self.now = max(self.now, horizon) if not self.stalled else self.now
+            ended_early = self.stalled or self.privacy_spent
+            self.now = max(self.now, horizon) if not ended_early else self.now
         if not self.metrics or self.metrics[-1]["virtual_time"] != round(self.now, 9):
             self._evaluate()
         return self.metrics

@@ -114,6 +114,8 @@ def table_rows(runs: list[Run], target: float) -> list[dict[str, Any]]:
                 "reached_target": len(reached),
                 "updates_applied": [r.summary["updates_applied"] for r in group],
                 "virtual_time": [r.summary["virtual_time"] for r in group],
+                # Differential privacy's epsilon at the end (None: the run had no DP).
+                "epsilon": [(r.summary.get("privacy") or {}).get("epsilon") for r in group],
             }
         )
     return rows
@@ -131,8 +133,12 @@ def format_table(runs: list[Run], target: float) -> str:
         f"time to {target:g} (vs)",
         "updates",
     )
+    rows = table_rows(runs, target)
+    private = any(e is not None for row in rows for e in row["epsilon"])
+    if private:
+        header = (*header, "epsilon")
     lines = []
-    for row in table_rows(runs, target):
+    for row in rows:
         ttt = _mean_sd(row["time_to_target"], digits=1)
         if row["reached_target"] < row["runs"]:
             ttt = f"{ttt} ({row['reached_target']}/{row['runs']} reached)"
@@ -148,6 +154,9 @@ def format_table(runs: list[Run], target: float) -> str:
                 f"{statistics.fmean(row['updates_applied']):.0f}",
             )
         )
+        if private:
+            eps = [e for e in row["epsilon"] if e is not None]
+            lines[-1] = (*lines[-1], _mean_sd(eps, digits=2) if eps else "no DP")
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     out.append("  ".join("-" * w for w in widths))

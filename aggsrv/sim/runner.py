@@ -110,6 +110,10 @@ def _summary(config: SimConfig, setup, engine, metrics, wall: float) -> dict[str
         "overhead_share": max(0.0, 1.0 - busy / run_wall) if run_wall > 0 else None,
         "updates_per_second": c.applied / run_wall if run_wall > 0 else None,
         "stalled": getattr(engine, "stalled", False),
+        # Differential privacy's spending (None without it); privacy_spent: the budget
+        # (dp_target_epsilon) ended the run before its own budget.
+        "privacy": engine.privacy_now(),
+        "privacy_spent": getattr(engine, "privacy_spent", False),
         "num_parameters": setup.layout.numel,
         "profile": setup.profile.describe(),
         "client_sizes": [s["size"] for s in setup.partition_summary],
