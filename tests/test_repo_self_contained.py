@@ -125,7 +125,7 @@ def test_no_path_outside_the_repository() -> None:
 
 
 # Markdown files that a command writes into its output folder: named, not referenced.
-GENERATED_MARKDOWN = {"sweep.md"}  # `aggsrv sweep`'s report, OUT/sweep.md
+GENERATED_MARKDOWN = {"sweep.md", "tune.md"}  # the reports of `aggsrv sweep` and `aggsrv tune`
 
 
 def test_markdown_references_resolve() -> None:
