@@ -117,6 +117,8 @@ def recipe_to_pb(recipe: Recipe) -> pb.Recipe:
         ),
         proximal_mu=recipe.proximal_mu,
     )
+    if recipe.clip_norm is not None:
+        msg.clip_norm = recipe.clip_norm
     extra = dict(recipe.extra)
     for key, (field, off, on) in ELASTIC_ENUMS.items():
         if extra.get(key) in (0.0, 1.0):
@@ -165,6 +167,7 @@ def recipe_from_pb(msg: pb.Recipe) -> Recipe:
         elastic_alpha=msg.elastic_net.mixing_alpha,
         proximal_mu=msg.proximal_mu,
         extra=extra,
+        clip_norm=msg.clip_norm if msg.HasField("clip_norm") else None,
     )
 
 

@@ -67,6 +67,8 @@ class Recipe:
     Fed-OGD's projection against the job's ``basis`` tensor; ``elastic_lambda``/``elastic_alpha``
     add FedEN's elastic-net penalty lambda*(alpha*|w-w0|_1 + (1-alpha)/2*|w-w0|^2); ``proximal_mu``
     adds FedProx's mu/2*|w-w0|^2. ``extra`` holds named scalars for later algorithms.
+    ``clip_norm``: differential privacy's client-side clipping (the client scales its delta down
+    to this L2 norm before sending).
     """
 
     local_epochs: float | None = 1.0
@@ -81,6 +83,7 @@ class Recipe:
     elastic_alpha: float = 0.0
     proximal_mu: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict, hash=False)
+    clip_norm: float | None = None
 
     def __post_init__(self) -> None:
         """Check the values and freeze ``extra`` so a shared recipe cannot change."""
@@ -100,6 +103,9 @@ class Recipe:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
         if not 0.0 <= self.elastic_alpha <= 1.0:
             raise ValueError(f"elastic_alpha must be in [0, 1], got {self.elastic_alpha}")
+        c = self.clip_norm
+        if c is not None and not (math.isfinite(c) and c > 0):
+            raise ValueError(f"clip_norm must be a finite number > 0 or None, got {c}")
         object.__setattr__(self, "projection", ProjectionMode(self.projection))
         object.__setattr__(
             self, "extra", types.MappingProxyType({str(k): float(v) for k, v in self.extra.items()})

@@ -349,3 +349,63 @@ def test_epsilon_grows_with_releases_and_falls_with_noise() -> None:
     assert gaussian_epsilon(0.0, 1.0, 1e-5) == math.inf
     assert gaussian_epsilon(1.0, 0.0, 1e-5) == 0.0
     assert np.isfinite(gaussian_epsilon(1.0, 3.5, 1e-5))
+
+
+def test_client_side_clipping_asks_the_client_and_refuses_what_it_did_not_clip() -> None:
+    """dp_clipping = "client": every job's recipe carries clip_norm; a delta above C (1 + 1e-3)
+    is refused (INVALID_ARGUMENT) with nothing changed; one a hair above C (float32 rounding of
+    a clipped delta) is folded in scaled to C exactly."""
+    from aggsrv.strategies import UpdateNormTooLarge
+
+    C = 0.8
+    x0 = torch.randn(D)
+    s = _strategy("fedbuff", x0, buffer_size=1, dp_clip_norm=C, dp_clipping="client",
+                  dp_noise_multiplier=0.0)  # fmt: skip
+    s.on_register("a", 0.0)
+    job = s.job_for("a", 0.0)
+    assert job.recipe.clip_norm == C
+    unclipped = torch.randn(D)
+    before = s.state_dict()
+    with pytest.raises(UpdateNormTooLarge, match="client-side clipping") as refused:
+        s.on_update(Update("a", job.job_id, 0, "u1", 1, 1.0, UpdateKind.DELTA, unclipped), 1.0)
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert torch.equal(s.state_dict()["model"], before["model"]) and s.version == 0
+    hair = unclipped / float(unclipped.double().norm()) * C * (1 + 5e-4)
+    s.on_update(Update("a", job.job_id, 0, "u2", 1, 1.0, UpdateKind.DELTA, hair), 2.0)
+    torch.testing.assert_close(s.global_model().double(), x0.double() + _clipped(hair, C),
+                               rtol=0, atol=1e-6)  # fmt: skip
+    # Server-side clipping asks nothing of the client.
+    server = _strategy("fedbuff", x0, dp_clip_norm=C)
+    server.on_register("a", 0.0)
+    assert server.job_for("a", 0.0).recipe.clip_norm is None
+
+
+@pytest.mark.parametrize("kind", [UpdateKind.DELTA, UpdateKind.WEIGHTS])
+def test_the_client_library_clips_to_the_recipes_norm(kind) -> None:
+    from aggsrv.client.clipping import clip_update
+
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    base = torch.randn(D, generator=rng) * 3
+    delta = torch.randn(D, generator=rng)
+    tensor = delta if kind is UpdateKind.DELTA else base + delta
+    C = 0.25
+    out = clip_update(tensor, kind, base, C)
+    sent = out.double() if kind is UpdateKind.DELTA else out.double() - base.double()
+    torch.testing.assert_close(sent, _clipped(delta, C), rtol=0, atol=2e-6)
+    assert float(torch.linalg.vector_norm(sent)) <= C * (1 + 1e-5)
+    small = tensor if kind is UpdateKind.DELTA else base + delta * 1e-3
+    assert clip_update(small, kind, base, 100.0) is small  # within the bound: untouched
+
+
+def test_a_recipes_clip_norm_travels_the_wire() -> None:
+    from aggsrv.protocol import recipe_from_pb, recipe_to_pb
+    from aggsrv.values import Recipe
+
+    clipped = Recipe(local_epochs=2.0, clip_norm=0.37)
+    assert recipe_to_pb(clipped).clip_norm == 0.37
+    assert recipe_from_pb(recipe_to_pb(clipped)) == clipped
+    plain = Recipe()
+    assert not recipe_to_pb(plain).HasField("clip_norm")
+    assert recipe_from_pb(recipe_to_pb(plain)).clip_norm is None
+    with pytest.raises(ValueError, match="clip_norm"):
+        Recipe(clip_norm=0.0)

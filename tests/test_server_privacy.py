@@ -123,3 +123,36 @@ def test_the_budget_stops_the_server_and_a_resumed_one_keeps_its_epsilon(tmp_pat
     finally:
         resumed.stop()
     assert math.isfinite(three)
+
+
+def test_client_side_clipping_over_grpc() -> None:
+    """dp_clipping = "client": the job's recipe carries clip_norm over the wire, the client
+    library clips (the update is accepted and the model moved by at most C), and an update a
+    client sends unclipped is refused INVALID_ARGUMENT naming the bound."""
+    import dataclasses
+
+    C = 0.3
+    keys = {"buffer_size": 1, "dp_clip_norm": C, "dp_clipping": "client",
+            "dp_noise_multiplier": 0.0}  # fmt: skip
+    srv = RunningServer(strategy="fedbuff", strategy_config=keys, rate_limit_per_second=0.0)
+    x0 = torch.randn(DIM)
+    try:
+        with Client(srv.address, "a") as a:
+            a.register(layout=LAYOUT, initial=x0)
+            job = a.get_job()
+            assert job.recipe.clip_norm == C
+            delta = torch.randn(DIM)
+            a.push(job, job.weights + delta, kind=UpdateKind.WEIGHTS)
+            torch.testing.assert_close(srv.model().double(), x0.double() + _clipped(delta, C),
+                                       rtol=0, atol=2e-6)  # fmt: skip
+            job = a.get_job()
+            careless = dataclasses.replace(
+                job, recipe=dataclasses.replace(job.recipe, clip_norm=None)
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                a.push(careless, torch.randn(DIM), kind=UpdateKind.DELTA)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "client-side clipping" in refused.value.details()
+            assert srv.strategy.version == 1
+    finally:
+        srv.stop()

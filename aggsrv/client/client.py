@@ -22,6 +22,7 @@ import torch
 
 from aggsrv import protocol as P
 from aggsrv.client.channel import open_channel, read_token
+from aggsrv.client.clipping import clip_update
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import ShardMap
 from aggsrv.transport import (
@@ -423,11 +424,16 @@ class Client:
         ``encoding``: "dense", "coo", "bitmap", or "auto" (by the share of non-zero elements:
         sparse updates such as FedEN's proximal ones travel in a fraction of the bytes).
         ``buffers``: the client's flat [B] float buffers after training (absolute values), which
-        every update of a model with float buffers must carry.
+        every update of a model with float buffers must carry. When the job's recipe sets
+        ``clip_norm`` (differential privacy's client-side clipping) the delta is scaled down to
+        it here (:func:`aggsrv.client.clipping.clip_update`).
         """
         layout = self._require_layout()
         if tensor.numel() != layout.numel:
             raise ValueError(f"update has {tensor.numel()} elements, the layout {layout.numel}")
+        if job.recipe.clip_norm is not None:
+            flat = tensor.detach().reshape(-1)
+            tensor = clip_update(flat, kind, job.weights.reshape(-1), job.recipe.clip_norm)
         if layout.buffer_numel and (buffers is None or buffers.numel() != layout.buffer_numel):
             got = "none" if buffers is None else f"{buffers.numel()} elements"
             raise ValueError(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aggsrv.client.clipping import clip_update
 from aggsrv.server.trace import TraceWriter
 from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
@@ -258,6 +259,9 @@ class InprocRun:
             self._ready(t, c)
             return
         job, result = flight.job, flight.result
+        delta = result.delta
+        if job.recipe.clip_norm is not None:  # the client clips, as the client library does
+            delta = clip_update(delta, UpdateKind.DELTA, job.weights, job.recipe.clip_norm)
         update = Update(
             client_id=client_id(c),
             job_id=job.job_id,
@@ -266,7 +270,7 @@ class InprocRun:
             num_samples=self.trainer.num_samples(c),
             work_done=result.work_done(job.recipe),
             kind=UpdateKind.DELTA,
-            tensor=result.delta,
+            tensor=delta,
             buffers=result.buffers,
         )
         self._sent[c] += 1

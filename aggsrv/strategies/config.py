@@ -144,6 +144,8 @@ class StrategyConfig:
             batch_size=self.batch_size,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
+            # Differential privacy's client-side clipping (PrivacyConfig), else None.
+            clip_norm=getattr(self, "client_clip_norm", None),
             **overrides,
         )
 

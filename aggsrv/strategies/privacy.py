@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from aggsrv.strategies.errors import StrategyError
+from aggsrv.strategies.errors import StrategyError, UpdateNormTooLarge
 
 __all__ = [
     "DP_STRATEGIES",
@@ -61,6 +61,10 @@ __all__ = [
 ]
 
 DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync")
+CLIPPING = ("server", "client")
+# Client-side clipping: a delta up to this much above C is float32 rounding of a clipped one
+# (scaled down by the server to C exactly); a larger one is refused.
+CLIENT_CLIP_SLACK = 1e-3
 _INSTALL = "pip install 'aggsrv[dp]'"
 
 
@@ -108,6 +112,8 @@ class PrivacyConfig:
         "dp_target_epsilon": "DP: publish no version that takes epsilon past this; unset = "
         "no limit",
         "dp_seed": "DP: seed of the noise; unset = from the OS's entropy (a server's choice)",
+        "dp_clipping": "DP: server (the server clips) or client (the job's recipe asks the "
+        "client to clip; the server refuses a larger delta)",
     }
 
     dp_clip_norm: float | None = None
@@ -115,6 +121,12 @@ class PrivacyConfig:
     dp_delta: float = 1e-5
     dp_target_epsilon: float | None = None
     dp_seed: int | None = None
+    dp_clipping: str = "server"
+
+    @property
+    def client_clip_norm(self) -> float | None:
+        """The clipping norm a job's recipe asks the client to apply (client-side clipping)."""
+        return self.dp_clip_norm if self.private and self.dp_clipping == "client" else None
 
     @property
     def private(self) -> bool:
@@ -128,6 +140,8 @@ class PrivacyConfig:
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, float(value))
+        if self.dp_clipping not in CLIPPING:
+            raise ValueError(f"dp_clipping must be one of {CLIPPING}, got {self.dp_clipping!r}")
         c = self.dp_clip_norm
         if c is not None and not (math.isfinite(c) and c > 0):
             raise ValueError(f"dp_clip_norm must be a finite number > 0 or unset, got {c}")
@@ -244,6 +258,7 @@ class GaussianPrivacy:
     def __init__(self, config: PrivacyConfig, dim: int, device: torch.device, rank: int = 0):
         assert config.dp_clip_norm is not None
         self.clip_norm = float(config.dp_clip_norm)
+        self.client_side = config.dp_clipping == "client"
         self.noise_multiplier = float(config.dp_noise_multiplier)
         self.target_epsilon = config.dp_target_epsilon
         self.accountant = PrivacyAccountant(self.noise_multiplier, config.dp_delta)
@@ -264,7 +279,16 @@ class GaussianPrivacy:
         return self.noise_multiplier * self.clip_norm
 
     def clip_factor(self, norm: float) -> float:
-        """``min(1, C / |u|)`` for a delta of L2 norm ``norm`` (float64, the whole model's)."""
+        """``min(1, C / |u|)`` for a delta of L2 norm ``norm`` (float64, the whole model's).
+        With client-side clipping a delta above ``C (1 + CLIENT_CLIP_SLACK)`` is refused
+        (:class:`UpdateNormTooLarge`): its client did not clip."""
+        if self.client_side and norm > self.clip_norm * (1.0 + CLIENT_CLIP_SLACK):
+            raise UpdateNormTooLarge(
+                f"the update's delta has L2 norm {norm:.6g}, above the clipping norm "
+                f"{self.clip_norm:g} that its job's recipe (clip_norm) asked the client to clip "
+                "to (differential privacy's client-side clipping); it was refused and nothing "
+                "changed. Scale the delta to at most clip_norm before sending it."
+            )
         if norm <= self.clip_norm:
             return 1.0
         self.clipped += 1

@@ -190,7 +190,7 @@ class ElasticNet(_message.Message):
     def __init__(self, penalty_lambda: _Optional[float] = ..., mixing_alpha: _Optional[float] = ..., anchor: _Optional[_Union[ElasticNetAnchor, str]] = ..., solver: _Optional[_Union[ElasticNetSolver, str]] = ..., exclude_biases: _Optional[bool] = ...) -> None: ...
 
 class Recipe(_message.Message):
-    __slots__ = ("local_epochs", "local_steps", "learning_rate", "batch_size", "momentum", "weight_decay", "projection", "elastic_net", "proximal_mu", "partial_work", "seed", "optimizer", "extra")
+    __slots__ = ("local_epochs", "local_steps", "learning_rate", "batch_size", "momentum", "weight_decay", "projection", "elastic_net", "proximal_mu", "partial_work", "seed", "optimizer", "clip_norm", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class Recipe(_message.Message):
     PARTIAL_WORK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     local_steps: int
@@ -223,8 +224,9 @@ class Recipe(_message.Message):
     partial_work: bool
     seed: int
     optimizer: str
+    clip_norm: float
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., learning_rate: _Optional[float] = ..., batch_size: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., projection: _Optional[_Union[Projection, _Mapping]] = ..., elastic_net: _Optional[_Union[ElasticNet, _Mapping]] = ..., proximal_mu: _Optional[float] = ..., partial_work: _Optional[bool] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., learning_rate: _Optional[float] = ..., batch_size: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., projection: _Optional[_Union[Projection, _Mapping]] = ..., elastic_net: _Optional[_Union[ElasticNet, _Mapping]] = ..., proximal_mu: _Optional[float] = ..., partial_work: _Optional[bool] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., clip_norm: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
