@@ -409,3 +409,78 @@ def test_a_recipes_clip_norm_travels_the_wire() -> None:
     assert recipe_from_pb(recipe_to_pb(plain)).clip_norm is None
     with pytest.raises(ValueError, match="clip_norm"):
         Recipe(clip_norm=0.0)
+
+
+def test_adaptive_clipping_replays_the_papers_rule_step_by_step() -> None:
+    """Andrew et al. 2021 on FedBuff (M = 4), against a hand-run of the rule with the same
+    generator: per release the update noise has std z_u C with 1/z^2 = 1/z_u^2 + 1/(2 s_b)^2,
+    then the count of unclipped updates gets N(0, s_b^2) on its centred sum, and
+    C <- C exp(-lr (share - quantile))."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C0, z, lr, q, sb, seed, m = 1.0, 0.5, 0.3, 0.5, 0.6, 21, 4
+    s = _strategy("fedbuff", x0, buffer_size=m, dp_clip_norm=C0, dp_noise_multiplier=z,
+                  dp_seed=seed, dp_adaptive_quantile=q, dp_adaptive_lr=lr,
+                  dp_adaptive_count_stddev=sb)  # fmt: skip
+    clients = Clients(s, "abcd")
+    g = torch.Generator().manual_seed(seed)
+    z_u = (z**-2 - (2 * sb) ** -2) ** -0.5
+    x, c = x0.double(), C0
+    for _ in range(3):
+        deltas = [torch.randn(D, generator=rng) * scale for scale in (0.01, 0.02, 0.5, 3.0)]
+        for client, d in zip("abcd", deltas, strict=True):
+            clients.send(client, d)
+        below = sum(float(d.double().norm()) <= c for d in deltas)
+        noise = torch.empty(D).normal_(0.0, z_u * c, generator=g).double()
+        x = x + (sum(_clipped(d, c) for d in deltas) + noise) / m
+        count_noise = float(torch.empty((), dtype=torch.float64).normal_(0.0, sb, generator=g))
+        share = (below - m / 2 + count_noise) / m + 0.5
+        c *= math.exp(-lr * (share - q))
+        torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=5e-6)
+        assert s.privacy.clip_norm == pytest.approx(c, rel=1e-12)
+    # Each release costs every contributor one Gaussian mechanism of multiplier z.
+    assert s.privacy.accountant.epsilon() == pytest.approx(_rdp_epsilon([z] * 3, 1e-5), 1e-9)
+    # A restart goes on with the C it had moved to, and the same draws.
+    clients.send("a", torch.randn(D, generator=rng))  # one contribution pending
+    resumed = make_strategy("fedbuff", layout=LAYOUT, initial=x0, config=s.config)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.privacy.clip_norm == s.privacy.clip_norm
+    assert (resumed.privacy.pending_count, resumed.privacy.pending_below) == (1, 0)
+    rest = [torch.randn(D, generator=rng) for _ in "bcd"]
+    for strategy in (s, resumed):
+        for client, d in zip("bcd", rest, strict=True):
+            job = strategy.job_for(client, 90.0)
+            strategy.on_update(Update(client, job.job_id, job.base_version, f"r{client}", 1, 1.0,
+                                      UpdateKind.DELTA, d), 91.0)  # fmt: skip
+    assert torch.equal(resumed.global_model(), s.global_model())
+    assert resumed.privacy.clip_norm == s.privacy.clip_norm
+
+
+def test_adaptive_clipping_finds_the_quantile_of_the_norms() -> None:
+    """No noise: with update norms spread evenly over [1, 3], C moves from far below (0.1)
+    and from far above (30) to within 10 % of the target quantile of the norms."""
+    for start, q, want in ((0.1, 0.5, 2.0), (30.0, 0.5, 2.0), (0.1, 0.9, 2.8)):
+        s = _strategy("fedbuff", torch.zeros(D), buffer_size=10, dp_clip_norm=start,
+                      dp_adaptive_quantile=q, dp_adaptive_lr=0.2)  # fmt: skip
+        clients = Clients(s, "abcdefghij")
+        rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+        for _ in range(150):
+            for client in "abcdefghij":
+                d = torch.randn(D, generator=rng)
+                norm = 1.0 + 2.0 * float(torch.rand((), generator=rng))
+                clients.send(client, d / d.norm() * norm)
+        assert s.privacy.clip_norm == pytest.approx(want, rel=0.1), (start, q)
+
+
+def test_adaptive_clipping_that_cannot_afford_the_count_keeps_c() -> None:
+    """FedAsync: one contribution per release gives s_b = 1/20, too little beside z = 1
+    (2 s_b <= z): the release costs Gaussian(z) on the update alone and C stays."""
+    s = _strategy("fedasync", torch.zeros(D), dp_clip_norm=0.5, dp_noise_multiplier=1.0,
+                  dp_adaptive_quantile=0.5)  # fmt: skip
+    clients = Clients(s, "a")
+    for _ in range(3):
+        clients.send("a", torch.randn(D))
+    assert s.privacy.clip_norm == 0.5 and s.privacy.last_noise_std == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="dp_clipping = 'server'"):
+        _strategy("fedbuff", torch.zeros(D), dp_clip_norm=1.0, dp_adaptive_quantile=0.5,
+                  dp_clipping="client")  # fmt: skip

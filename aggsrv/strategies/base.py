@@ -512,18 +512,19 @@ class Strategy(ABC):
         return self.version
 
     @contextlib.contextmanager
-    def _noise_for_release(self) -> Iterator[torch.Tensor | None]:
-        """Differential privacy's noise for the version about to be published: a [D] draw of
-        N(0, (z C)^2) to add to the clipped sum before the strategy scales it (None without DP
-        or noise). A refusal inside the block puts the noise generator back, so the version
-        that is finally published gets the draw a replay of the log gets too."""
+    def _noise_for_release(self, extra: int = 0) -> Iterator[torch.Tensor | None]:
+        """Differential privacy's noise for the version about to be published, made of the
+        contributions gathered and ``extra`` more: a [D] draw of N(0, (z C)^2) to add to the
+        clipped sum before the strategy scales it (None without DP or noise). A refusal inside
+        the block puts the noise generator back, so the version that is finally published gets
+        the draw a replay of the log gets too."""
         privacy = self.privacy
-        if privacy is None or privacy.noise_std == 0:
+        if privacy is None or privacy.noise_multiplier == 0:
             yield None
             return
         state = privacy.generator_state()
         try:
-            yield privacy.noise()
+            yield privacy.noise(extra)
         except BaseException:
             privacy.restore_generator(state)
             raise
@@ -537,9 +538,10 @@ class Strategy(ABC):
         return self.privacy.clip_factor(norm if norm is not None else self.delta_norm(update, job))
 
     def _released(self) -> None:
-        """A version was published: the accountant spends the contributions it held."""
+        """A version was published: the accountant spends the contributions it held (and
+        adaptive clipping moves C)."""
         if self.privacy is not None:
-            self.privacy.accountant.release()
+            self.privacy.released()
 
     def _require_privacy_budget(self) -> None:
         """Refuse (PrivacyBudgetSpent) once the privacy budget stopped the publications."""

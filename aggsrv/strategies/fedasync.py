@@ -106,7 +106,7 @@ class FedAsync(Strategy):
         if privacy is not None:
             privacy.require_budget(update.client_id, 1.0)
             f = self._clip_factor(update, job)
-        with self._noise_for_release() as noise:
+        with self._noise_for_release(extra=1) as noise:
             # The next version is another tensor (the current one is a published snapshot),
             # written in as few passes as possible: a clone followed by in-place passes cost
             # twice as much on a 64 MB model (bench/test_bench_ingest.py).
@@ -132,7 +132,7 @@ class FedAsync(Strategy):
             assert self.float_buffers.current is not None
             self.float_buffers.set(torch.lerp(self.float_buffers.current, update.buffers, a))
         if privacy is not None:
-            privacy.accountant.contribute(update.client_id, 1.0)
+            privacy.contribute(update.client_id, 1.0, f)
         version = self._publish(new)
         self._released()
         logger.debug("fedasync: %s s=%d alpha=%.4g -> v%d", update.client_id, staleness, a, version)

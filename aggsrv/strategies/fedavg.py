@@ -289,13 +289,13 @@ class FedAvg(Strategy):
                 clip = self._clip_factor(update, job)
             acc = self._summed(update, job, weight * clip)
             if closes:
-                with self._noise_for_release() as noise:
+                with self._noise_for_release(extra=1) as noise:
                     # The sum is emptied by the step: the noise may go into it in place.
                     noised = acc if noise is None else acc.add_(noise)
                     step = self._checked_step(self._server_step(noised, self._acc_weight + weight))
             else:
                 self._check_aggregate(acc, self._acc_weight + weight)
-            self._commit_sum(update, acc, weight)
+            self._commit_sum(update, acc, weight, clip)
         if closes and cfg.mode == "k_async":
             assert step is not None
             return Outcome(Status.APPLIED, self._commit_step(step))
@@ -326,13 +326,16 @@ class FedAvg(Strategy):
         self._require_finite(self._spare, "the running sum of the deltas")
         return self._spare
 
-    def _commit_sum(self, update: Update, acc: torch.Tensor, weight: float) -> None:
-        """Make ``acc`` (from :meth:`_summed`) the running sum and count the contribution."""
+    def _commit_sum(
+        self, update: Update, acc: torch.Tensor, weight: float, clip: float = 1.0
+    ) -> None:
+        """Make ``acc`` (from :meth:`_summed`) the running sum and count the contribution
+        (``clip``: differential privacy's clip factor of it)."""
         self._acc, self._spare = acc, self._acc
         self._acc_weight += weight
         self._acc_count += 1
         if self.privacy is not None:
-            self.privacy.accountant.contribute(update.client_id, weight)
+            self.privacy.contribute(update.client_id, weight, clip)
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, weight)
 

@@ -150,7 +150,7 @@ class FedBuff(Strategy):
                 self._sum.sub_(base, alpha=wf)
             self._weights.append(w)
             if privacy is not None:
-                privacy.accountant.contribute(update.client_id, w)
+                privacy.contribute(update.client_id, w, wf / w)
             if update.buffers is not None:
                 self.float_buffers.add(update.buffers, w)
             return Outcome(Status.BUFFERED, self.version)
@@ -159,7 +159,7 @@ class FedBuff(Strategy):
         # Under DP the sum gets its noise once, here: x + (lr / M) (sum + N(0, (z C)^2)).
         if privacy is not None:
             privacy.require_budget(update.client_id, w)
-        with self._noise_for_release() as noise:
+        with self._noise_for_release(extra=1) as noise:
             new = self._new_model_buffer()
             for start in range(0, self.dim, 1 << 18):
                 s = slice(start, min(start + (1 << 18), self.dim))
@@ -172,7 +172,7 @@ class FedBuff(Strategy):
             self.float_buffers.add(update.buffers, w)
         self._weights.clear()
         if privacy is not None:
-            privacy.accountant.contribute(update.client_id, w)
+            privacy.contribute(update.client_id, w, wf / w)
         version = self._publish(new)
         self._released()
         logger.debug("fedbuff: applied %d deltas -> v%d", m, version)

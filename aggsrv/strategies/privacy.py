@@ -114,6 +114,11 @@ class PrivacyConfig:
         "dp_seed": "DP: seed of the noise; unset = from the OS's entropy (a server's choice)",
         "dp_clipping": "DP: server (the server clips) or client (the job's recipe asks the "
         "client to clip; the server refuses a larger delta)",
+        "dp_adaptive_quantile": "DP: adaptive clipping (Andrew et al. 2021): move C after each "
+        "release toward this quantile of the update norms; unset = C stays dp_clip_norm",
+        "dp_adaptive_lr": "DP: adaptive clipping's learning rate (C *= exp(-lr (b - quantile)))",
+        "dp_adaptive_count_stddev": "DP: std of the noise on the count of unclipped updates; "
+        "unset = contributions of the release / 20",
     }
 
     dp_clip_norm: float | None = None
@@ -122,6 +127,9 @@ class PrivacyConfig:
     dp_target_epsilon: float | None = None
     dp_seed: int | None = None
     dp_clipping: str = "server"
+    dp_adaptive_quantile: float | None = None
+    dp_adaptive_lr: float = 0.2
+    dp_adaptive_count_stddev: float | None = None
 
     @property
     def client_clip_norm(self) -> float | None:
@@ -136,7 +144,15 @@ class PrivacyConfig:
     def check_privacy(self, aggregator: str = "mean") -> None:
         """Ranges, and that the keys make sense together (call from ``__post_init__``)."""
         # Plain floats (a numpy float64 from a program would not load back from a checkpoint).
-        for key in ("dp_clip_norm", "dp_noise_multiplier", "dp_delta", "dp_target_epsilon"):
+        for key in (
+            "dp_clip_norm",
+            "dp_noise_multiplier",
+            "dp_delta",
+            "dp_target_epsilon",
+            "dp_adaptive_quantile",
+            "dp_adaptive_lr",
+            "dp_adaptive_count_stddev",
+        ):
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, float(value))
@@ -170,6 +186,20 @@ class PrivacyConfig:
                 "aggregator is not a sum, so its sensitivity is not bounded by the clipping "
                 "norm: use aggregator = 'mean' with the dp_ keys"
             )
+        q = self.dp_adaptive_quantile
+        if q is not None:
+            if not 0.0 < q < 1.0:
+                raise ValueError(f"dp_adaptive_quantile must be in (0, 1), got {q}")
+            if not (math.isfinite(self.dp_adaptive_lr) and self.dp_adaptive_lr > 0):
+                raise ValueError(f"dp_adaptive_lr must be > 0, got {self.dp_adaptive_lr}")
+            sb = self.dp_adaptive_count_stddev
+            if sb is not None and not (math.isfinite(sb) and sb > 0):
+                raise ValueError(f"dp_adaptive_count_stddev must be > 0 or unset, got {sb}")
+            if self.dp_clipping == "client":
+                raise ValueError(
+                    "adaptive clipping (dp_adaptive_quantile) moves C after every release; "
+                    "use it with dp_clipping = 'server' (a job's recipe is made once)"
+                )
         if target is not None and z == 0:
             raise ValueError(
                 "dp_target_epsilon needs dp_noise_multiplier > 0 (without noise the first "
@@ -259,6 +289,13 @@ class GaussianPrivacy:
         assert config.dp_clip_norm is not None
         self.clip_norm = float(config.dp_clip_norm)
         self.client_side = config.dp_clipping == "client"
+        # Adaptive clipping: the quantile C tracks, its rate, the count's noise (None: m / 20),
+        # and the release being gathered: contributions and those not clipped.
+        self.quantile = config.dp_adaptive_quantile
+        self.adaptive_lr = config.dp_adaptive_lr
+        self.count_stddev = config.dp_adaptive_count_stddev
+        self.pending_count = 0
+        self.pending_below = 0
         self.noise_multiplier = float(config.dp_noise_multiplier)
         self.target_epsilon = config.dp_target_epsilon
         self.accountant = PrivacyAccountant(self.noise_multiplier, config.dp_delta)
@@ -274,9 +311,63 @@ class GaussianPrivacy:
         self.last_noise_std = 0.0
 
     @property
+    def adaptive(self) -> bool:
+        return self.quantile is not None
+
+    @property
     def noise_std(self) -> float:
-        """The std of the noise added to each published sum: z * C."""
-        return self.noise_multiplier * self.clip_norm
+        """The std of the noise added to each published sum: z * C (adaptive clipping: z_u C,
+        see :meth:`split_noise`, for a release of the contributions gathered so far)."""
+        return self._update_multiplier(self.pending_count) * self.clip_norm
+
+    def split_noise(self, contributions: int) -> tuple[float, float | None]:
+        """Adaptive clipping's split of the noise for a release of ``contributions``: the
+        update's multiplier ``z_u`` and the count's std ``sigma_b``, with ``1/z^2 = 1/z_u^2 +
+        1/(2 sigma_b)^2`` (Andrew et al. 2021, Theorem 1: the two releases together cost one
+        Gaussian mechanism of multiplier z). ``(z, None)`` without adaptive clipping, and for a
+        release that cannot afford the count (``2 sigma_b <= z``): C then stays as it is."""
+        z = self.noise_multiplier
+        if not self.adaptive or contributions == 0:
+            return z, None
+        sigma = self.count_stddev if self.count_stddev is not None else contributions / 20.0
+        if z == 0:
+            return 0.0, 0.0
+        if 2.0 * sigma <= z * (1.0 + 1e-9):
+            return z, None
+        return (z**-2 - (2.0 * sigma) ** -2) ** -0.5, sigma
+
+    def _update_multiplier(self, contributions: int) -> float:
+        return self.split_noise(contributions)[0]
+
+    def weight_of(self, weight: float) -> float:
+        """A contribution's sensitivity in units of C for the accountant: its weight, or 1 under
+        adaptive clipping (the count sees the update whatever its weight)."""
+        return 1.0 if self.adaptive else weight
+
+    def contribute(self, client: str, weight: float, factor: float) -> None:
+        """A contribution of ``weight``, clipped by ``factor``, was folded into the release
+        being gathered."""
+        self.accountant.contribute(client, self.weight_of(weight))
+        self.pending_count += 1
+        self.pending_below += factor == 1.0
+
+    def released(self) -> None:
+        """The version was published: spend it, and under adaptive clipping move C with the
+        noised share of unclipped updates (its noise drawn from the same generator)."""
+        self.accountant.release()
+        m, below = self.pending_count, self.pending_below
+        self.pending_count = self.pending_below = 0
+        if not self.adaptive or m == 0:
+            return
+        _, sigma = self.split_noise(m)
+        if sigma is None:
+            return
+        noise = torch.empty((), dtype=torch.float64, device=self.device)
+        noise.normal_(0.0, sigma, generator=self.generator) if sigma > 0 else noise.zero_()
+        # Centred bits (b - 1/2): a zeroed-out contribution counts 0, a real one +-1/2.
+        share = (below - m / 2.0 + float(noise)) / m + 0.5
+        assert self.quantile is not None
+        self.clip_norm *= math.exp(-self.adaptive_lr * (share - self.quantile))
 
     def clip_factor(self, norm: float) -> float:
         """``min(1, C / |u|)`` for a delta of L2 norm ``norm`` (float64, the whole model's).
@@ -302,7 +393,8 @@ class GaussianPrivacy:
             raise PrivacyBudgetSpent(self._spent_text())
         if self.target_epsilon is None:
             return
-        after = self.accountant.epsilon_of(self.accountant.worst_after(client, weight))
+        more = self.weight_of(weight) if client is not None else 0.0
+        after = self.accountant.epsilon_of(self.accountant.worst_after(client, more))
         if after > self.target_epsilon:
             self.exhausted = True
             raise PrivacyBudgetSpent(
@@ -317,14 +409,16 @@ class GaussianPrivacy:
             "publishes no more versions and takes no more updates"
         )
 
-    def noise(self) -> torch.Tensor:
-        """A fresh [D] float32 draw of N(0, (z C)^2) (a scratch buffer, overwritten by the next
-        draw). Draw it only for a version that is then published, or restore the generator
-        (:meth:`generator_state`) when the publication is refused."""
+    def noise(self, extra: int = 0) -> torch.Tensor:
+        """A fresh [D] float32 draw of N(0, (z C)^2) for a release of the pending contributions
+        and ``extra`` more (a scratch buffer, overwritten by the next draw). Draw it only for a
+        version that is then published, or restore the generator (:meth:`generator_state`)
+        when the publication is refused."""
         if self._noise is None:
             self._noise = torch.empty(self.dim, dtype=torch.float32, device=self.device)
-        self._noise.normal_(0.0, self.noise_std, generator=self.generator)
-        self.last_noise_std = self.noise_std
+        std = self._update_multiplier(self.pending_count + extra) * self.clip_norm
+        self._noise.normal_(0.0, std, generator=self.generator)
+        self.last_noise_std = std
         return self._noise
 
     def generator_state(self) -> torch.Tensor:
@@ -351,9 +445,15 @@ class GaussianPrivacy:
             **self.accountant.state(),
             "generator": self.generator.get_state(),
             "exhausted": self.exhausted,
+            "clip_norm": self.clip_norm,
+            "pending_count": self.pending_count,
+            "pending_below": self.pending_below,
         }
 
     def load(self, state: Mapping[str, Any]) -> None:
         self.accountant.load(state)
         self.generator.set_state(state["generator"].to("cpu", torch.uint8))
         self.exhausted = bool(state["exhausted"])
+        self.clip_norm = float(state["clip_norm"])
+        self.pending_count = int(state["pending_count"])
+        self.pending_below = int(state["pending_below"])
