@@ -484,3 +484,58 @@ def test_adaptive_clipping_that_cannot_afford_the_count_keeps_c() -> None:
     with pytest.raises(ValueError, match="dp_clipping = 'server'"):
         _strategy("fedbuff", torch.zeros(D), dp_clip_norm=1.0, dp_adaptive_quantile=0.5,
                   dp_clipping="client")  # fmt: skip
+
+
+def _ca2fl_sums(arrivals, deltas, clients, k, c, zero=None):
+    """CA2FL's released sums K v per flush, in float64 (the strategy's docstring), with the
+    deltas clipped to c; ``zero``: that client's deltas replaced by zeros (its zero-out
+    neighbour). ``arrivals``: client per arrival, in order; N = len(clients) registered."""
+    cache = {}
+    sums, acc, count = [], None, 0
+    for i, client in enumerate(arrivals):
+        if count == 0:
+            acc = sum((h for h in cache.values()), torch.zeros(D, dtype=torch.float64))
+            acc = acc * k / len(clients)
+        d = torch.zeros(D, dtype=torch.float64) if client == zero else _clipped(deltas[i], c)
+        acc = acc + d - cache.get(client, torch.zeros(D, dtype=torch.float64))
+        cache[client] = d
+        count += 1
+        if count == k:
+            sums.append(acc)
+            count = 0
+    return sums
+
+
+def test_ca2fl_with_dp_clips_its_cache_and_charges_every_cached_client() -> None:
+    """CA2FL (K = 2, N = 3): the model against the float64 reference with the noise; each
+    flush charges a client K/N without an arrival, 1 + |1 - K/N| with one after its first, 1 on
+    its first; and those are bounds: zeroing one client's deltas moves each released sum by at
+    most its charge times C."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C, z, lr, seed, k = 0.9, 0.7, 0.5, 8, 2
+    s = _strategy("ca2fl", x0, buffer_size=k, server_lr=lr, dp_clip_norm=C,
+                  dp_noise_multiplier=z, dp_seed=seed)  # fmt: skip
+    clients = Clients(s, "abc")
+    arrivals = ["a", "b", "a", "c", "a", "a"]
+    deltas = [torch.randn(D, generator=rng) * scale for scale in (0.01, 1, 2, 0.02, 3, 1)]
+    for client, d in zip(arrivals, deltas, strict=True):
+        clients.send(client, d)
+    assert s.version == 3
+    noise = _noise(seed, z * C, 3)
+    sums = _ca2fl_sums(arrivals, deltas, "abc", k, C)
+    x = x0.double()
+    for total, e in zip(sums, noise, strict=True):
+        x = x + lr / k * (total + e)
+    torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=5e-6)
+    charges = [{"a": 1, "b": 1}, {"a": 4 / 3, "c": 1, "b": 2 / 3}, {"a": 4 / 3, "b": 2 / 3,
+                                                                    "c": 2 / 3}]  # fmt: skip
+    spent = s.privacy.accountant.spent
+    for client in "abc":
+        assert spent[client] == pytest.approx(sum(r.get(client, 0) ** 2 for r in charges))
+        gone = _ca2fl_sums(arrivals, deltas, "abc", k, C, zero=client)
+        for r, (with_it, without) in enumerate(zip(sums, gone, strict=True)):
+            moved = float(torch.linalg.vector_norm(with_it - without))
+            assert moved <= charges[r].get(client, 0) * C * (1 + 1e-9), (client, r, moved)
+    with pytest.raises(ValueError, match="ca2fl does not support adaptive"):
+        _strategy("ca2fl", x0, dp_clip_norm=1.0, dp_adaptive_quantile=0.5)

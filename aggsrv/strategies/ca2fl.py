@@ -29,6 +29,16 @@ update is outvoted in both the cache's estimate and the correction, and one robu
 the cache per buffer costs one pass of the rule over the cache. Centered clipping's centres are
 the previous ``h_bar`` and the previous correction.
 
+Differential privacy (the ``dp_`` keys, docs/privacy.md): every delta is clipped to C before
+it enters the buffer and the cache, so the cache holds clipped deltas, and the noise
+``N(0, (z C)^2)`` goes on ``K v`` (the buffer's sum) once per flush. One client's influence on a
+flush is not one arrival: its cached row is in ``h_bar`` at every flush after its first report.
+Under zero-out neighbours (all of its deltas zero), with ``h`` its row at the buffer's start,
+its part of ``K v`` is ``(K/N) h`` if it did not arrive in this buffer, and ``(K/N - 1) h + delta``
+(its last delta; several arrivals telescope) if it did. So its sensitivity is ``K/N`` x C
+without an arrival, ``1 + |1 - K/N|`` x C with one when it had a row, and 1 x C on its first
+report. The accountant charges every client with a row at every flush accordingly.
+
 Memory: the cache is ``clients x D x 4`` bytes (rows allocated on a client's first report, grown
 in blocks of 8 rows up to ``max_clients``), plus a float64 [D] accumulator and a [D] scratch row
 for WEIGHTS updates. Outcomes as FedBuff: BUFFERED(version) for the first ``K - 1`` arrivals of a
@@ -55,6 +65,7 @@ from aggsrv.strategies.base import (
     UpdateKind,
 )
 from aggsrv.strategies.fedbuff import BufferedConfig
+from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
 
 __all__ = ["CA2FL", "CA2FLConfig"]
@@ -65,14 +76,26 @@ ROW_BLOCK = 8
 
 
 @dataclass
-class CA2FLConfig(BufferedConfig):
-    """CA2FL settings: buffer size ``K`` and server learning rate ``eta``.
+class CA2FLConfig(BufferedConfig, PrivacyConfig):
+    """CA2FL settings: buffer size ``K`` and server learning rate ``eta``, and differential
+    privacy (the ``dp_`` keys; see "Differential privacy" in the module docstring).
 
     Defaults follow the ORTHOFL spec's choice for FedBuff and CA2FL with up to 21 clients:
     ``buffer_size = 5`` (10 for 100 clients), ``server_lr = 1.0``.
     """
 
     buffer_size: Count = 5
+
+    def __post_init__(self) -> None:
+        """Check ranges, and the dp_ keys against the aggregator."""
+        super().__post_init__()
+        self.check_privacy(self.aggregator)
+        if self.private and self.dp_adaptive_quantile is not None:
+            raise ValueError(
+                "ca2fl does not support adaptive clipping (dp_adaptive_quantile): a release "
+                "moves every cached client's contribution, not a count of arrivals; use a "
+                "fixed dp_clip_norm"
+            )
 
 
 class CA2FL(Strategy):
@@ -92,6 +115,10 @@ class CA2FL(Strategy):
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer
         self._n_mean = 0  # N the current buffer's cache mean was taken over
+        # Differential privacy: the clients that arrived in this buffer, and those of them whose
+        # first report it is (no row at the buffer's start).
+        self._arrived: set[str] = set()
+        self._first: set[str] = set()
         self._scratch: torch.Tensor | None = None
         # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
         # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
@@ -157,9 +184,16 @@ class CA2FL(Strategy):
             delta = update.tensor
         row = self._row.get(update.client_id)
         h = self._cache[row] if row is not None else None
+        # Under DP the delta is clipped before it enters the sum and the cache.
+        f = 1.0 if self.privacy is None else self._clip_factor(update, job)
+        releases = self._count + 1 >= k
+        charges = None  # under DP, what the flush this update makes charges each client
+        if releases and self.privacy is not None:
+            charges = self._sensitivities(update.client_id, n_mean)
+            self.privacy.require_budget_for(charges)
 
         def acc_after(s: slice) -> torch.Tensor:
-            acc = self._acc[s] + delta[s]
+            acc = torch.add(self._acc[s], delta[s], alpha=f)
             return acc if h is None else acc.sub_(h[s])
 
         # The cache row becomes the delta, finite by now; check the model a flush would publish.
@@ -169,24 +203,57 @@ class CA2FL(Strategy):
             ).float(),
             "the model the buffer's flush would publish",
         )
+        if releases:
+            with self._noise_for_release(extra=1) as noise:
+                # x + (lr / K) * (acc with this update [+ noise]), in float64, rounded once.
+                new = self._new_model_buffer()
+                step = self.config.server_lr / k
+                for start in range(0, self.dim, 1 << 18):
+                    s = slice(start, min(start + (1 << 18), self.dim))
+                    total = acc_after(s)
+                    if noise is not None:
+                        total.add_(noise[s])
+                    torch.add(self._model[s], total, alpha=step, out=new[s])
+                self._check_version(new)
+        if self._count == 0:
+            self._arrived, self._first = set(), set()
+        if h is None:
+            self._first.add(update.client_id)
+        self._arrived.add(update.client_id)
         self._n_mean = n_mean
         if h is None:
             row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
             h = self._cache[row]  # a zero row
-        self._acc.add_(delta).sub_(h)
-        h.copy_(delta)
+        self._acc.add_(delta, alpha=f).sub_(h)
+        torch.mul(delta, f, out=h)
         self._count += 1
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, 1.0)  # the buffer's uniform mean
-        if self._count < k:
+        if not releases:
             return Outcome(Status.BUFFERED, self.version)
-        new = self._new_model_buffer()
-        # x + (lr / K) * acc, computed in float64 and rounded once to float32.
-        torch.add(self._model, self._acc, alpha=self.config.server_lr / k, out=new)
         self._count = 0
+        if self.privacy is not None:
+            assert charges is not None
+            self.privacy.set_release(charges)
         version = self._publish(new)
+        self._released()
         logger.debug("ca2fl: applied %d updates (N=%d) -> v%d", k, self._n_mean, version)
         return Outcome(Status.APPLIED, version)
+
+    def _sensitivities(self, arriving: str | None, n_mean: int) -> dict[str, float]:
+        """Each client's sensitivity (in units of C) in the flush of the current buffer, with
+        ``arriving`` arriving now (the module docstring's "Differential privacy")."""
+        k = self.config.buffer_size
+        arrived = set(self._arrived) if self._count else set()
+        first = set(self._first) if self._count else set()
+        if arriving is not None:
+            arrived.add(arriving)
+            if arriving not in self._row:
+                first.add(arriving)
+        out = {c: k / n_mean for c in self._row if c not in arrived}
+        for c in arrived:
+            out[c] = 1.0 if c in first else 1.0 + abs(1.0 - k / n_mean)
+        return out
 
     def _row_vector(self) -> torch.Tensor:
         return torch.empty(self.dim, dtype=torch.float32, device=self.device)
@@ -292,6 +359,8 @@ class CA2FL(Strategy):
             "count": self._count,
             "n_mean": self._n_mean,
             "robust": robust,
+            "arrived": sorted(self._arrived) if self._count else [],
+            "first": sorted(self._first) if self._count else [],
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -313,6 +382,8 @@ class CA2FL(Strategy):
         self._row = rows
         self._count = count
         self._n_mean = int(state["n_mean"])
+        self._arrived = set(state.get("arrived", []))
+        self._first = set(state.get("first", []))
         robust = state.get("robust")
         check_pending_rows(self, robust, count)
         if self._robust is not None:

@@ -60,7 +60,7 @@ __all__ = [
     "refuse_privacy_keys",
 ]
 
-DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync")
+DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync", "ca2fl")
 CLIPPING = ("server", "client")
 # Client-side clipping: a delta up to this much above C is float32 rounding of a clipped one
 # (scaled down by the server to C exactly); a larger one is refused.
@@ -401,6 +401,29 @@ class GaussianPrivacy:
                 f"publishing the next version would take epsilon to {after:.4g}, past "
                 f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
             )
+
+    def require_budget_for(self, sensitivities: Mapping[str, float]) -> None:
+        """:meth:`require_budget` for a release whose per-client sensitivities (in units of C)
+        the strategy computes itself (CA2FL's cache), in place of the pending ones."""
+        if self.exhausted:
+            raise PrivacyBudgetSpent(self._spent_text())
+        if self.target_epsilon is None:
+            return
+        spent = self.accountant.spent
+        worst = max([self.accountant.worst_after(), *(spent.get(c, 0.0) + s * s
+                     for c, s in sensitivities.items())])  # fmt: skip
+        after = self.accountant.epsilon_of(worst)
+        if after > self.target_epsilon:
+            self.exhausted = True
+            raise PrivacyBudgetSpent(
+                f"publishing the next version would take epsilon to {after:.4g}, past "
+                f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
+            )
+
+    def set_release(self, sensitivities: Mapping[str, float]) -> None:
+        """The release about to be published charges these per-client sensitivities."""
+        self.accountant.pending = dict(sensitivities)
+        self.pending_count = len(sensitivities)
 
     def _spent_text(self) -> str:
         return (
