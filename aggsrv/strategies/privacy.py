@@ -1,6 +1,7 @@
 """Client-level differential privacy for the strategies whose published model is a sum of
-clipped contributions (FedAvg in both modes, FedBuff, FedAsync): clipping, Gaussian noise once
-per published version, and an accountant of what was really released (docs/privacy.md).
+clipped contributions (FedAvg in both modes, FedProx, FedBuff, FedAsync, CA2FL): clipping,
+Gaussian noise once per published version, and an accountant of what was really released
+(docs/privacy.md). CA2FL's cached contributions are charged as its module docstring says.
 
 **Mechanism.** Each accepted update's delta ``u`` (client weights minus its job's start
 weights) is clipped to ``u * min(1, C / |u|)`` (``C = dp_clip_norm``, the whole model's L2
