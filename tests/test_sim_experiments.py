@@ -21,7 +21,7 @@ EXPERIMENTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "experimen
 
 def test_there_is_one_config_per_paper_and_the_robust_table() -> None:
     names = {p.stem.split("_")[0] for p in EXPERIMENTS}
-    assert names == {"fedogd", "orthofl", "feddgic", "fedhist", "feden", "robust"}
+    assert names == {"fedogd", "orthofl", "feddgic", "fedhist", "feden", "robust", "dp"}
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
