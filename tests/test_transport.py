@@ -494,3 +494,33 @@ def test_a_reference_direction_gives_norm_and_cosine_from_the_check(seed, value)
             other.feed(*c)
         other.finish(enc.crc32c)
         assert other.cosine is None and other.norm == pytest.approx(norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), 3e38])
+def test_the_exact_norm_for_clipping_is_the_decoded_updates_float64_norm(seed, wire, value):
+    """Differential privacy's clipping reads the norm of the streamed update: with exact_norm
+    it is the float64 norm of what was decoded (to 1e-12, from the same pass as the NaN/Inf
+    check, over chunks of odd sizes), NaN/Inf are still refused, and finite values
+    whose float32 squares overflow still pass."""
+    g = torch.Generator().manual_seed(seed)
+    n = 20_011
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) * 7
+    if value is not None and wire == "float32":
+        x[n // 5] = value
+    enc, chunks = encode_all([("x", x)], wire, 3 * 4096)
+    dec = T.Decoder(T.StagingSlot(n), layout_of([("x", x)]), wire, 3 * 4096, exact_norm=True)
+    for c in chunks:
+        dec.feed(*c)
+    if value is not None and wire == "float32" and not np.isfinite(value):
+        with pytest.raises(T.NonFinite):
+            dec.finish(enc.crc32c)
+        return
+    out = dec.finish(enc.crc32c)["x"]
+    assert dec.norm_exact
+    assert dec.norm == pytest.approx(float(torch.linalg.vector_norm(out.double())), rel=1e-12)
+    plain = T.Decoder(T.StagingSlot(n), layout_of([("x", x)]), wire, 3 * 4096)
+    for c in chunks:
+        plain.feed(*c)
+    plain.finish(enc.crc32c)
+    assert not plain.norm_exact  # the float32 pass: good for metrics, not for clipping

@@ -41,6 +41,7 @@ differently noised copies of one sum.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import secrets
 from collections.abc import Mapping
@@ -60,6 +61,8 @@ __all__ = [
     "gaussian_epsilon",
     "refuse_privacy_keys",
 ]
+
+logger = logging.getLogger(__name__)
 
 DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync", "ca2fl")
 CLIPPING = ("server", "client")
@@ -397,11 +400,7 @@ class GaussianPrivacy:
         more = self.weight_of(weight) if client is not None else 0.0
         after = self.accountant.epsilon_of(self.accountant.worst_after(client, more))
         if after > self.target_epsilon:
-            self.exhausted = True
-            raise PrivacyBudgetSpent(
-                f"publishing the next version would take epsilon to {after:.4g}, past "
-                f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
-            )
+            self._exhaust(after)
 
     def require_budget_for(self, sensitivities: Mapping[str, float]) -> None:
         """:meth:`require_budget` for a release whose per-client sensitivities (in units of C)
@@ -415,16 +414,21 @@ class GaussianPrivacy:
                      for c, s in sensitivities.items())])  # fmt: skip
         after = self.accountant.epsilon_of(worst)
         if after > self.target_epsilon:
-            self.exhausted = True
-            raise PrivacyBudgetSpent(
-                f"publishing the next version would take epsilon to {after:.4g}, past "
-                f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
-            )
+            self._exhaust(after)
 
     def set_release(self, sensitivities: Mapping[str, float]) -> None:
         """The release about to be published charges these per-client sensitivities."""
         self.accountant.pending = dict(sensitivities)
         self.pending_count = len(sensitivities)
+
+    def _exhaust(self, after: float) -> None:
+        self.exhausted = True
+        message = (
+            f"publishing the next version would take epsilon to {after:.4g}, past "
+            f"dp_target_epsilon = {self.target_epsilon:g}: " + self._spent_text()
+        )
+        logger.warning("differential privacy: %s", message)
+        raise PrivacyBudgetSpent(message)
 
     def _spent_text(self) -> str:
         return (
