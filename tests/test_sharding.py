@@ -258,6 +258,19 @@ def test_strategy_coverage() -> None:
 # ------------------------------------------------------------------ strategies on gloo shards
 
 REDUCING = ["orthofl", "fedhist", "feddgic", "fedfg"]
+# Differential privacy's clipping on shards: every shard clips with the whole model's norm (its
+# squared slice norms summed over the shards), so the clipped models join to one server's. No
+# noise here: each shard draws its own slice's noise from a stream of its own.
+DP = {"dp_clip_norm": 0.8, "dp_noise_multiplier": 0.0}
+GLOO_CASES = {
+    **STRATEGY_CASES,
+    **{f"{name}+dp": {**STRATEGY_CASES[name], **DP}
+       for name in ("fedavg", "fedasync", "fedbuff", "ca2fl")},
+}  # fmt: skip
+
+
+def _strategy_name(case: str) -> str:
+    return case.split("+")[0]
 
 
 def _whole_layout():
@@ -289,8 +302,8 @@ def _strategies_main(rank, world, init, seed, names, queue) -> None:
         layout = ShardLayout(whole, ShardMap.even(whole.numel, world, align=8), rank)
         for name in names:
             strategy = make_strategy(
-                name, layout=layout, initial=layout.local(initial).clone(),
-                config=STRATEGY_CASES[name], device="cpu", reducer=TorchReducer(),
+                _strategy_name(name), layout=layout, initial=layout.local(initial).clone(),
+                config=GLOO_CASES[name], device="cpu", reducer=TorchReducer(),
             )  # fmt: skip
             trace = _drive([(strategy, layout.local)], rows, seed)[0]
             queue.put((rank, name, trace, strategy.global_model().numpy().copy(), None))
@@ -304,7 +317,7 @@ def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: P
     from aggsrv.strategies import make_strategy
 
     seed = random.randrange(1 << 30)
-    names = list(STRATEGY_CASES)
+    names = list(GLOO_CASES)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
@@ -329,8 +342,8 @@ def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: P
     initial, rows = _inputs(seed, whole.numel)
     shard_map = ShardMap.even(whole.numel, world, align=8)
     for name in names:
-        single = make_strategy(name, layout=whole, initial=initial, config=STRATEGY_CASES[name],
-                               device="cpu")  # fmt: skip
+        single = make_strategy(_strategy_name(name), layout=whole, initial=initial,
+                               config=GLOO_CASES[name], device="cpu")  # fmt: skip
         trace = _drive([(single, lambda t: t)], rows, seed)[0]
         assert single.version >= 2, name
         shards = [got[name][r] for r in range(world)]
@@ -338,7 +351,8 @@ def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: P
             assert shard_trace == trace, f"{name}: shard {r} took other decisions ({seed=})"
         joined = shard_map.join([m for _, m in shards])
         want = single.global_model()
-        if name in REDUCING:  # partial sums over shards round differently from one pass
+        # Partial sums over shards (and clip norms summed from them) round differently.
+        if name in REDUCING or name.endswith("+dp"):
             err = float((joined - want).norm() / want.norm())
             assert err <= 1e-5, f"{name} on {world} shards: relative error {err:.2e} ({seed=})"
         else:
