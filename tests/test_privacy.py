@@ -194,8 +194,8 @@ def test_the_accountant_composes_what_each_client_released_as_dp_accounting_does
     events = {"a": [z / 1, z / 2], "b": [z / 1, z / 1], "c": [z / w]}
     acct = s.privacy.accountant
     for client, multipliers in events.items():
-        squared = sum((z / m) ** 2 for m in multipliers)
-        assert acct.spent[client] == pytest.approx(squared, rel=1e-12)
+        # mu^2 of the Gaussian mechanisms' composition: the sum of 1 / multiplier^2.
+        assert acct.spent[client] == pytest.approx(sum(m**-2 for m in multipliers), rel=1e-12)
         assert acct.epsilon_of(acct.spent[client]) == pytest.approx(
             _rdp_epsilon(multipliers, delta), rel=1e-9
         )
@@ -279,7 +279,7 @@ def test_the_accountant_and_the_noise_stream_survive_a_restart() -> None:
     resumed = _strategy("fedbuff", torch.zeros(D), **config)
     resumed.load_state_dict(state)
     assert resumed.privacy.accountant.epsilon() == s.privacy.accountant.epsilon() > 0
-    assert resumed.privacy.accountant.spent == {"a": 2.0, "b": 2.0}
+    assert resumed.privacy.accountant.spent == pytest.approx({"a": 2 / z**2, "b": 2 / z**2})
     delta = torch.randn(D)
     clients.send("a", delta)
     job = resumed.job_for("a", 50.0)
@@ -321,6 +321,7 @@ def test_a_refused_release_does_not_advance_the_noise() -> None:
         ("fedavg", {"dp_clip_norm": -1.0}, "dp_clip_norm must be"),
         ("fedavg", {"dp_clip_norm": 1.0, "dp_target_epsilon": 1.0}, "needs dp_noise_multiplier"),
         ("fedbuff", {"dp_clip_norm": 1.0, "dp_delta": 1.0}, "dp_delta must be in"),
+        ("fedasync", {"dp_clip_norm": 1.0, "update_filter": "centered_clip"}, "update_filter"),
     ],
 )
 def test_keys_that_cannot_give_a_guarantee_are_refused(name, config, message) -> None:
@@ -413,7 +414,7 @@ def test_a_recipes_clip_norm_travels_the_wire() -> None:
 
 def test_adaptive_clipping_replays_the_papers_rule_step_by_step() -> None:
     """Andrew et al. 2021 on FedBuff (M = 4), against a hand-run of the rule with the same
-    generator: per release the update noise has std z_u C with 1/z^2 = 1/z_u^2 + 1/(2 s_b)^2,
+    generator: per release the update noise has std z_u C with 1/z^2 = 1/z_u^2 + 1/s_b^2,
     then the count of unclipped updates gets N(0, s_b^2) on its centred sum, and
     C <- C exp(-lr (share - quantile))."""
     rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
@@ -424,7 +425,7 @@ def test_adaptive_clipping_replays_the_papers_rule_step_by_step() -> None:
                   dp_adaptive_count_stddev=sb)  # fmt: skip
     clients = Clients(s, "abcd")
     g = torch.Generator().manual_seed(seed)
-    z_u = (z**-2 - (2 * sb) ** -2) ** -0.5
+    z_u = (z**-2 - sb**-2) ** -0.5  # the count's sensitivity is 1 (zero-out neighbours)
     x, c = x0.double(), C0
     for _ in range(3):
         deltas = [torch.randn(D, generator=rng) * scale for scale in (0.01, 0.02, 0.5, 3.0)]
@@ -464,17 +465,20 @@ def test_adaptive_clipping_finds_the_quantile_of_the_norms() -> None:
                       dp_adaptive_quantile=q, dp_adaptive_lr=0.2)  # fmt: skip
         clients = Clients(s, "abcdefghij")
         rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
-        for _ in range(150):
+        seen = []
+        for _ in range(200):
             for client in "abcdefghij":
                 d = torch.randn(D, generator=rng)
                 norm = 1.0 + 2.0 * float(torch.rand((), generator=rng))
                 clients.send(client, d / d.norm() * norm)
-        assert s.privacy.clip_norm == pytest.approx(want, rel=0.1), (start, q)
+            seen.append(s.privacy.clip_norm)  # one release per 10 updates
+        # C jitters around the quantile (the share moves in steps of 1/10): its recent mean.
+        assert float(np.mean(seen[-60:])) == pytest.approx(want, rel=0.08), (start, q)
 
 
 def test_adaptive_clipping_that_cannot_afford_the_count_keeps_c() -> None:
     """FedAsync: one contribution per release gives s_b = 1/20, too little beside z = 1
-    (2 s_b <= z): the release costs Gaussian(z) on the update alone and C stays."""
+    (s_b <= z): the release costs Gaussian(z) on the update alone and C stays."""
     s = _strategy("fedasync", torch.zeros(D), dp_clip_norm=0.5, dp_noise_multiplier=1.0,
                   dp_adaptive_quantile=0.5)  # fmt: skip
     clients = Clients(s, "a")
@@ -532,10 +536,101 @@ def test_ca2fl_with_dp_clips_its_cache_and_charges_every_cached_client() -> None
                                                                     "c": 2 / 3}]  # fmt: skip
     spent = s.privacy.accountant.spent
     for client in "abc":
-        assert spent[client] == pytest.approx(sum(r.get(client, 0) ** 2 for r in charges))
+        assert spent[client] == pytest.approx(sum(r.get(client, 0) ** 2 for r in charges) / z**2)
         gone = _ca2fl_sums(arrivals, deltas, "abc", k, C, zero=client)
         for r, (with_it, without) in enumerate(zip(sums, gone, strict=True)):
             moved = float(torch.linalg.vector_norm(with_it - without))
             assert moved <= charges[r].get(client, 0) * C * (1 + 1e-9), (client, r, moved)
     with pytest.raises(ValueError, match="ca2fl does not support adaptive"):
         _strategy("ca2fl", x0, dp_clip_norm=1.0, dp_adaptive_quantile=0.5)
+
+
+def test_a_resumed_server_may_change_the_noise_and_the_accountant_follows() -> None:
+    """3 releases at z = 1, then a restart with z = 2 and 2 more: epsilon is dp-accounting's
+    for the five releases as they were, and a sync FedAvg whose budget is spent tells every
+    client, sampled or not."""
+    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0}
+    s = _strategy("fedbuff", torch.zeros(D), **config)
+    clients = Clients(s, "a")
+    for _ in range(3):
+        clients.send("a", torch.randn(D))
+    resumed = _strategy("fedbuff", torch.zeros(D), **{**config, "dp_noise_multiplier": 2.0})
+    resumed.load_state_dict(s.state_dict())
+    again = Clients(resumed, "")
+    again.n = 10
+    for _ in range(2):
+        again.send("a", torch.randn(D))
+    want = _rdp_epsilon([1.0, 1.0, 1.0, 2.0, 2.0], 1e-5)
+    assert resumed.privacy.accountant.epsilon() == pytest.approx(want, rel=1e-9)
+    # Sync FedAvg sampling one of three clients a round; the budget allows one release each.
+    one, two = _rdp_epsilon([1.0], 1e-5), _rdp_epsilon([1.0, 1.0], 1e-5)
+    f = _strategy("fedavg", torch.zeros(D), participation=1, min_clients=1, min_available=3,
+                  dp_clip_norm=1.0, dp_noise_multiplier=1.0,
+                  dp_target_epsilon=(one + two) / 2)  # fmt: skip
+    fc = Clients(f, "abc")
+    spent = set()
+    with pytest.raises(PrivacyBudgetSpent):
+        for _ in range(20):  # until a client is sampled a second time
+            (picked,) = f.participants
+            fc.send(picked, torch.randn(D))
+            spent.add(picked)
+    assert f.version == len(spent) and f.privacy.exhausted
+    for client in "abc":  # sampled or not, every client hears it
+        with pytest.raises(PrivacyBudgetSpent, match="budget is spent"):
+            f.job_for(client, 50.0)
+
+
+def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
+    """Two shards (threads with a summing barrier), each seeding its noise from the OS: the
+    count's noise is rank 0's draw on every shard, so C moves the same everywhere."""
+    import threading
+
+    from test_update_filters import _ThreadReducer
+
+    from aggsrv.sharding import ShardLayout, ShardMap
+
+    whole = ModelLayout.from_named_shapes([("w", (67,))])
+    shards, shard_map = 2, ShardMap.even(67, 2, align=8)
+    config = {"buffer_size": 2, "dp_clip_norm": 1.0, "dp_noise_multiplier": 0.5,
+              "dp_adaptive_quantile": 0.5, "dp_adaptive_count_stddev": 1.0}  # fmt: skip
+    parts: list = [None] * shards
+    barrier = threading.Barrier(shards)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    deltas = [torch.randn(67, generator=gen) * 0.3 for _ in range(10)]
+    seen: list = [None] * shards
+
+    def shard(r: int) -> None:
+        layout = ShardLayout(whole, shard_map, r)
+        s = make_strategy("fedbuff", layout=layout, initial=torch.zeros(layout.numel),
+                          config=config, reducer=_ThreadReducer(parts, barrier, r))  # fmt: skip
+        s.on_register("a", 0.0)
+        cs = []
+        for n, d in enumerate(deltas):
+            job = s.job_for("a", float(n))
+            s.on_update(
+                Update(
+                    "a",
+                    job.job_id,
+                    job.base_version,
+                    f"u{n}",
+                    1,
+                    1.0,
+                    UpdateKind.DELTA,
+                    layout.local(d).contiguous(),
+                ),
+                float(n),
+            )
+            cs.append(s.privacy.clip_norm)
+        seen[r] = cs
+
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=shard, args=(r,)) for r in range(shards)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch.set_num_threads(intra)
+    assert seen[0] == seen[1] and len(set(seen[0])) > 2, seen

@@ -433,7 +433,8 @@ class Client:
             raise ValueError(f"update has {tensor.numel()} elements, the layout {layout.numel}")
         if job.recipe.clip_norm is not None:
             flat = tensor.detach().reshape(-1)
-            tensor = clip_update(flat, kind, job.weights.reshape(-1), job.recipe.clip_norm)
+            tensor = clip_update(flat, kind, job.weights.reshape(-1), job.recipe.clip_norm,
+                                 self.upload_dtype.torch_dtype)  # fmt: skip
         if layout.buffer_numel and (buffers is None or buffers.numel() != layout.buffer_numel):
             got = "none" if buffers is None else f"{buffers.numel()} elements"
             raise ValueError(

@@ -224,7 +224,7 @@ class Strategy(ABC):
         self.update_filters = UpdateFilters(text, self.dim, self.device) if text else None
         # Differential privacy (the configs of DP_STRATEGIES have the dp_ keys).
         self.privacy = (
-            GaussianPrivacy(self.config, self.dim, self.device, self.reducer.rank)
+            GaussianPrivacy(self.config, self.dim, self.device, self.reducer.rank, self.reduce)
             if isinstance(self.config, PrivacyConfig) and self.config.private
             else None
         )

@@ -81,6 +81,13 @@ class FedAsyncConfig(FilteredConfig, PrivacyConfig):
         if self.a < 0 or self.hinge_a < 0 or self.hinge_b < 0:
             raise ValueError("a, hinge_a and hinge_b must be >= 0")
         self.check_privacy()
+        if self.private and self.update_filter:
+            raise ValueError(
+                "update_filter with the dp_ keys: a filter's state (the norms and centre of "
+                "other clients' updates) decides how each update is clipped or whether it is "
+                "accepted, so one client's data would move another's contribution; "
+                "differential privacy's own clipping bounds every update (drop update_filter)"
+            )
 
 
 class FedAsync(Strategy):

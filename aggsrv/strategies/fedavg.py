@@ -204,6 +204,7 @@ class FedAvg(Strategy):
     def job_for(self, client_id: str, now: float) -> Job | None:
         """k_async: always a job. sync: a job for a sampled client that has not reported yet."""
         self._require_registered(client_id)
+        self._require_privacy_budget()  # every client hears it, sampled or not
         if self.config.mode == "k_async":
             return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)

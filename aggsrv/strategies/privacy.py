@@ -20,16 +20,16 @@ observer of the published versions sees their timing anyway).
 
 **Accounting.** A published version is a Gaussian mechanism on the clipped sum: for a client
 whose contributions to that version weigh ``s`` in total (``s = 1`` for one unweighted update),
-its sensitivity is ``s C`` against noise ``z C``. Gaussian mechanisms compose exactly into one
-Gaussian mechanism with ``(s_1^2 + s_2^2 + ...)^(1/2) / z`` in place of ``1 / z`` (the Rényi
+its sensitivity is ``s C`` against noise ``z C``: a Gaussian mechanism of mean ``mu_t = s / z``.
+Gaussian mechanisms compose exactly into one with ``mu^2 = sum_t mu_t^2`` (the Rényi
 divergences add, and so do the squared means of Gaussian DP), so the accountant keeps one
-number per client, ``S = sum_t s_t^2`` over the versions it contributed to, and the guarantee of
-the run is that of the client with the largest ``S``: epsilon for ``dp_delta`` from
-``dp-accounting``'s Rényi accountant for one ``GaussianDpEvent(z / sqrt(S))``, which equals
-composing every release one by one. A version is counted when it is published; updates waiting
-in a buffer are not released yet. ``dp_target_epsilon`` refuses a release that would take any
-client past it, and from then on the strategy publishes nothing more
-(:class:`PrivacyBudgetSpent`).
+number per client, ``mu^2`` over the versions it contributed to (each with its own z, so a
+resumed server may change z), and the guarantee of the run is that of the client with the
+largest ``mu^2``: epsilon for ``dp_delta`` from ``dp-accounting``'s Rényi accountant for one
+``GaussianDpEvent(1 / mu)``, which equals composing every release one by one. A version is
+counted when it is published; updates waiting in a buffer are not released yet.
+``dp_target_epsilon`` refuses a release that would take any client past it, and from then on
+the strategy publishes nothing more (:class:`PrivacyBudgetSpent`).
 
 **Noise source.** A torch generator on the model's device, seeded from the operating system's
 entropy (``secrets``) unless ``dp_seed`` is set (the simulator sets it from the run's seed, for
@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -222,13 +222,15 @@ def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
 
 
 class PrivacyAccountant:
-    """Per client, the summed squared sensitivities of the versions it contributed to (see the
-    module docstring); the contributions waiting for the next release."""
+    """Per client, the privacy spent on the versions it contributed to, as ``mu^2 = sum over
+    releases of (s / z)^2`` (the squared mean of the Gaussian mechanism they compose to: ``s``
+    its sensitivity in units of C, ``z`` that release's noise multiplier, so a resumed server
+    may change z); the contributions waiting for the next release."""
 
     def __init__(self, noise_multiplier: float, delta: float) -> None:
-        self.noise_multiplier = noise_multiplier
+        self.noise_multiplier = noise_multiplier  # z of the next release
         self.delta = delta
-        self.spent: dict[str, float] = {}  # client -> sum over releases of s^2
+        self.spent: dict[str, float] = {}  # client -> mu^2 so far
         self.pending: dict[str, float] = {}  # client -> s in the release being gathered
         self.releases = 0  # versions published with a contribution in them
         self._worst = 0.0  # max(spent.values())
@@ -237,23 +239,33 @@ class PrivacyAccountant:
     def contribute(self, client: str, weight: float) -> None:
         self.pending[client] = self.pending.get(client, 0.0) + weight
 
+    def _charge(self, s: float) -> float:
+        """mu^2 of one release of sensitivity ``s`` (infinite without noise)."""
+        if s == 0:
+            return 0.0
+        z = self.noise_multiplier
+        return (s / z) ** 2 if z > 0 else math.inf
+
     def worst_after(self, client: str | None = None, weight: float = 0.0) -> float:
-        """The largest ``S`` over clients once the pending contributions (and ``weight`` more
-        for ``client``) are released."""
+        """The largest ``mu^2`` over clients once the pending contributions (and ``weight``
+        more for ``client``) are released."""
         worst = self._worst
         extra = {client: weight} if client is not None else {}
         for c in self.pending.keys() | extra.keys():
             s = self.pending.get(c, 0.0) + extra.get(c, 0.0)
-            worst = max(worst, self.spent.get(c, 0.0) + s * s)
+            worst = max(worst, self.spent.get(c, 0.0) + self._charge(s))
         return worst
 
-    def epsilon_of(self, squared_sensitivity: float) -> float:
-        eps = self._epsilons.get(squared_sensitivity)
+    def epsilon_of(self, mu_squared: float) -> float:
+        """Epsilon at ``delta`` of a Gaussian mechanism with squared mean ``mu_squared``."""
+        if not math.isfinite(mu_squared):
+            return math.inf
+        eps = self._epsilons.get(mu_squared)
         if eps is None:
-            eps = gaussian_epsilon(self.noise_multiplier, squared_sensitivity, self.delta)
+            eps = gaussian_epsilon(1.0, mu_squared, self.delta)
             if len(self._epsilons) > 4096:  # a cache, not a record
                 self._epsilons.clear()
-            self._epsilons[squared_sensitivity] = eps
+            self._epsilons[mu_squared] = eps
         return eps
 
     def epsilon(self) -> float:
@@ -265,7 +277,7 @@ class PrivacyAccountant:
         if not self.pending:
             return
         for c, s in self.pending.items():
-            total = self.spent.get(c, 0.0) + s * s
+            total = self.spent.get(c, 0.0) + self._charge(s)
             self.spent[c] = total
             self._worst = max(self._worst, total)
         self.pending.clear()
@@ -289,8 +301,19 @@ class GaussianPrivacy:
     """A strategy's DP machinery: the clip factor of each update, the noise of each release,
     the accountant and the budget (``strategy.privacy``; None when DP is off)."""
 
-    def __init__(self, config: PrivacyConfig, dim: int, device: torch.device, rank: int = 0):
+    def __init__(
+        self,
+        config: PrivacyConfig,
+        dim: int,
+        device: torch.device,
+        rank: int = 0,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``rank``/``reduce``: a shard's rank and the strategy's sum over the shards (None on
+        one server), so that every shard moves an adaptive C alike."""
         assert config.dp_clip_norm is not None
+        self.rank = rank
+        self.reduce = reduce
         self.clip_norm = float(config.dp_clip_norm)
         self.client_side = config.dp_clipping == "client"
         # Adaptive clipping: the quantile C tracks, its rate, the count's noise (None: m / 20),
@@ -327,18 +350,20 @@ class GaussianPrivacy:
     def split_noise(self, contributions: int) -> tuple[float, float | None]:
         """Adaptive clipping's split of the noise for a release of ``contributions``: the
         update's multiplier ``z_u`` and the count's std ``sigma_b``, with ``1/z^2 = 1/z_u^2 +
-        1/(2 sigma_b)^2`` (Andrew et al. 2021, Theorem 1: the two releases together cost one
-        Gaussian mechanism of multiplier z). ``(z, None)`` without adaptive clipping, and for a
-        release that cannot afford the count (``2 sigma_b <= z``): C then stays as it is."""
+        1/sigma_b^2``, so the two releases together cost one Gaussian mechanism of multiplier
+        z (Andrew et al. 2021, Theorem 1). The count's sensitivity is 1, not the paper's 1/2:
+        a zeroed-out update (norm 0) counts as unclipped where the real one may not, so its
+        centred bit moves from -1/2 to +1/2. ``(z, None)`` without adaptive clipping, and for
+        a release that cannot afford the count (``sigma_b <= z``): C then stays as it is."""
         z = self.noise_multiplier
         if not self.adaptive or contributions == 0:
             return z, None
         sigma = self.count_stddev if self.count_stddev is not None else contributions / 20.0
         if z == 0:
             return 0.0, 0.0
-        if 2.0 * sigma <= z * (1.0 + 1e-9):
+        if sigma <= z * (1.0 + 1e-9):
             return z, None
-        return (z**-2 - (2.0 * sigma) ** -2) ** -0.5, sigma
+        return (z**-2 - sigma**-2) ** -0.5, sigma
 
     def _update_multiplier(self, contributions: int) -> float:
         return self.split_noise(contributions)[0]
@@ -366,10 +391,15 @@ class GaussianPrivacy:
         _, sigma = self.split_noise(m)
         if sigma is None:
             return
-        noise = torch.empty((), dtype=torch.float64, device=self.device)
-        noise.normal_(0.0, sigma, generator=self.generator) if sigma > 0 else noise.zero_()
-        # Centred bits (b - 1/2): a zeroed-out contribution counts 0, a real one +-1/2.
-        share = (below - m / 2.0 + float(noise)) / m + 0.5
+        noise = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if sigma > 0:
+            noise.normal_(0.0, sigma, generator=self.generator)
+        if self.reduce is not None:
+            # Shards draw from streams of their own: rank 0's draw, the same C on every shard.
+            if self.rank:
+                noise.zero_()
+            noise = self.reduce(noise)
+        share = (below - m / 2.0 + float(noise[0])) / m + 0.5
         assert self.quantile is not None
         self.clip_norm *= math.exp(-self.adaptive_lr * (share - self.quantile))
 
@@ -410,7 +440,8 @@ class GaussianPrivacy:
         if self.target_epsilon is None:
             return
         spent = self.accountant.spent
-        worst = max([self.accountant.worst_after(), *(spent.get(c, 0.0) + s * s
+        charge = self.accountant._charge
+        worst = max([self.accountant.worst_after(), *(spent.get(c, 0.0) + charge(s)
                      for c, s in sensitivities.items())])  # fmt: skip
         after = self.accountant.epsilon_of(worst)
         if after > self.target_epsilon:
@@ -482,6 +513,7 @@ class GaussianPrivacy:
         self.accountant.load(state)
         self.generator.set_state(state["generator"].to("cpu", torch.uint8))
         self.exhausted = bool(state["exhausted"])
-        self.clip_norm = float(state["clip_norm"])
+        if self.adaptive:  # the C it had moved to; a fixed C is the config's
+            self.clip_norm = float(state["clip_norm"])
         self.pending_count = int(state["pending_count"])
         self.pending_below = int(state["pending_below"])

@@ -288,8 +288,9 @@ class UpdateFilters:
             else:
                 step, clipped = f.screen(_delta64(current, job), whole_norm)
                 if clipped is not None:
+                    # A new tensor: the decoder's norm was the old one's.
                     result.update = dataclasses.replace(
-                        current, kind=UpdateKind.DELTA, tensor=clipped
+                        current, kind=UpdateKind.DELTA, tensor=clipped, norm=None
                     )
             if step.refusal is not None:
                 return Screening(update, refusal=step.refusal)
