@@ -38,17 +38,18 @@ from aggsrv.sim import SimConfig, run
 from aggsrv.strategies.privacy import gaussian_epsilon
 
 # Method label -> (strategy, its own keys on top of the setting's). Sync FedAvg samples every
-# client in every round and waits for the slowest (a timeout longer than the run).
+# client in every round and waits for the slowest (a timeout longer than the run). FedBuff's
+# server learning rate is the best of 1, 3 and 10 without noise (seed 0: 0.52, 0.62, 0.52).
 METHODS = {
     "fedavg": ("fedavg", {"mode": "sync", "participation": 1.0, "round_timeout": 1e6}),
-    "fedbuff": ("fedbuff", {"buffer_size": 10}),
+    "fedbuff": ("fedbuff", {"buffer_size": 10, "server_lr": 3.0}),
     "fedasync": ("fedasync", {"alpha": 0.6}),
 }
 EPSILONS = [1.0, 4.0, 8.0]
 DELTA = 1e-5
 KEYS = {
     "fedavg": {"mode", "participation", "round_timeout", "min_clients", "min_available"},
-    "fedbuff": {"buffer_size", "staleness_weighting"},
+    "fedbuff": {"buffer_size", "staleness_weighting", "server_lr"},
     "fedasync": {"alpha", "staleness", "a"},
 }
 
