@@ -227,7 +227,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     base = SimConfig.load(args.config, {"threads": 1})
     rows = run_all(base, args.seeds, args.jobs, out)
-    (out / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    # JSON has no infinity: the clipping-only runs' target and epsilon are null.
+    plain = [{k: None if isinstance(v, float) and math.isinf(v) else v for k, v in r.items()}
+             for r in rows]  # fmt: skip
+    (out / "results.json").write_text(json.dumps(plain, indent=1))
     text = table(rows)
     (out / "table.md").write_text(text)
     plot(rows, out / "accuracy_vs_epsilon.png")
