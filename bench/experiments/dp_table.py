@@ -20,8 +20,8 @@ clipping norm) and seed:
    guard: a run whose arrivals drifted stops instead of overspending).
 
 Runs go to OUT/<method>-eps<epsilon>-s<seed>; one whose summary.json exists is not run again.
-At the end: OUT/table.md (final accuracy, mean ± sd over the seeds; the epsilon reached; the
-calibrated z) and OUT/accuracy_vs_epsilon.png.
+At the end: OUT/table.txt (Markdown: final accuracy, mean ± sd over the seeds; the epsilon
+reached; the calibrated z), OUT/results.json and OUT/accuracy_vs_epsilon.png.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def main() -> None:
              for r in rows]  # fmt: skip
     (out / "results.json").write_text(json.dumps(plain, indent=1))
     text = table(rows)
-    (out / "table.md").write_text(text)
+    (out / "table.txt").write_text(text)
     plot(rows, out / "accuracy_vs_epsilon.png")
     print(text + f"\nplot: {out / 'accuracy_vs_epsilon.png'}")
 
