@@ -222,30 +222,21 @@ class _ClientsCollector:
         for state, count in now.states.items():
             states.add_metric([state], count)
         yield states
-        # A gauge histogram: the clients holding a job now, so its count goes down too.
-        lag = GaugeHistogramMetricFamily(
-            "aggsrv_client_lag", "Per client holding a job now: global version minus the job's base"
-        )
-        counts = cumulative_counts(now.lags, STALENESS_BUCKETS)
-        buckets = [(_le(le), c) for le, c in zip(STALENESS_BUCKETS, counts, strict=True)]
-        lag.add_metric([], buckets, gsum_value=float(sum(now.lags)))
-        yield lag
-        rates = GaugeHistogramMetricFamily(
+        # Gauge histograms: of the clients now, so their counts go down too.
+        yield _gauge_histogram(
+            "aggsrv_client_lag", "Per client holding a job now: global version minus the job's "
+            "base", now.lags, STALENESS_BUCKETS,
+        )  # fmt: skip
+        yield _gauge_histogram(
             "aggsrv_client_update_rate", "Per client with two updates or more: its updates per "
-            "minute over its last 8 (the spread of client speeds)",
+            "minute over its last 8 (the spread of client speeds)", now.update_rates,
+            RATE_BUCKETS,
         )  # fmt: skip
-        counts = cumulative_counts(now.update_rates, RATE_BUCKETS)
-        buckets = [(_le(le), c) for le, c in zip(RATE_BUCKETS, counts, strict=True)]
-        rates.add_metric([], buckets, gsum_value=float(sum(now.update_rates)))
-        yield rates
-        silence = GaugeHistogramMetricFamily(
+        yield _gauge_histogram(
             "aggsrv_client_silence_seconds", "Per registered client: seconds since it last "
-            "called (last seen), for how long the quiet ones have been quiet",
+            "called (last seen), for how long the quiet ones have been quiet", now.silences,
+            SILENCE_BUCKETS,
         )  # fmt: skip
-        counts = cumulative_counts(now.silences, SILENCE_BUCKETS)
-        buckets = [(_le(le), c) for le, c in zip(SILENCE_BUCKETS, counts, strict=True)]
-        silence.add_metric([], buckets, gsum_value=float(sum(now.silences)))
-        yield silence
         # No rank label: the value orders them, and a client keeps one series whatever its rank.
         slowest = GaugeMetricFamily(
             "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "
@@ -254,6 +245,16 @@ class _ClientsCollector:
         for client, age in now.slowest:
             slowest.add_metric([client], age)
         yield slowest
+
+
+def _gauge_histogram(
+    name: str, doc: str, values: list[int] | list[float], bounds: tuple[float, ...]
+) -> GaugeHistogramMetricFamily:
+    family = GaugeHistogramMetricFamily(name, doc)
+    counts = cumulative_counts(values, bounds)
+    buckets = [(_le(le), c) for le, c in zip(bounds, counts, strict=True)]
+    family.add_metric([], buckets, gsum_value=float(sum(values)))
+    return family
 
 
 def cumulative_counts(values: list[int] | list[float], bounds: tuple[float, ...]) -> list[int]:

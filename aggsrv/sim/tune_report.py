@@ -26,7 +26,7 @@ import numpy as np
 
 from aggsrv.sim.sweep.definition import Sweep
 from aggsrv.sim.sweep.margins import summarize
-from aggsrv.sim.sweep.report import accuracy_text, margin_text
+from aggsrv.sim.sweep.report import arm_accuracy_text, margin_text
 from aggsrv.sim.sweep.table import load_results, run_dir_of
 from aggsrv.trace_format import Trace, read_trace
 
@@ -138,14 +138,7 @@ def format_tune_table(
         "| " + " | ".join(recorded_row) + " |",
     ]
     for arm in sweep.arms:
-        result = summary.arms[arm.label]
-        accuracy = accuracy_text(result.mean, result.sd)
-        if result.diverged:
-            accuracy += " D" + ",".join(str(s) for s in result.diverged)
-        if result.stalled:
-            accuracy += " S" + ",".join(str(s) for s in result.stalled)
-        if result.errors:
-            accuracy += f" ({len(result.errors)} failed)"
+        accuracy = arm_accuracy_text(summary.arms[arm.label])
         m = summary.margins.get(arm.label)
         margin = "baseline" if arm.label == baseline else margin_text(m)
         if m is not None and m.verdict == "wins":

@@ -537,6 +537,25 @@ class Strategy(ABC):
         norm = update.norm if update.kind is UpdateKind.DELTA and self.reduce is None else None
         return self.privacy.clip_factor(norm if norm is not None else self.delta_norm(update, job))
 
+    def _stepped_version(
+        self, total: Callable[[slice], torch.Tensor], step: float, extra: int = 0
+    ) -> torch.Tensor:
+        """The checked next version ``x + step * (total + noise)`` of a buffered strategy,
+        chunk by chunk: ``total(s)`` is its float64 sum over elements ``s`` (a fresh tensor it
+        may change), rounded once to float32; the noise is differential privacy's for a
+        release of the gathered contributions and ``extra`` more (none without DP). Nothing
+        of the state changes; a refusal puts the noise generator back."""
+        with self._noise_for_release(extra) as noise:
+            new = self._new_model_buffer()
+            for start in range(0, self.dim, 1 << 18):
+                s = slice(start, min(start + (1 << 18), self.dim))
+                summed = total(s)
+                if noise is not None:
+                    summed.add_(noise[s])
+                torch.add(self._model[s], summed, alpha=step, out=new[s])
+            self._check_version(new)
+        return new
+
     def _released(self) -> None:
         """A version was published: the accountant spends the contributions it held (and
         adaptive clipping moves C)."""

@@ -203,18 +203,8 @@ class CA2FL(Strategy):
             ).float(),
             "the model the buffer's flush would publish",
         )
-        if releases:
-            with self._noise_for_release(extra=1) as noise:
-                # x + (lr / K) * (acc with this update [+ noise]), in float64, rounded once.
-                new = self._new_model_buffer()
-                step = self.config.server_lr / k
-                for start in range(0, self.dim, 1 << 18):
-                    s = slice(start, min(start + (1 << 18), self.dim))
-                    total = acc_after(s)
-                    if noise is not None:
-                        total.add_(noise[s])
-                    torch.add(self._model[s], total, alpha=step, out=new[s])
-                self._check_version(new)
+        if releases:  # x + (lr / K) * (acc with this update [+ noise])
+            new = self._stepped_version(acc_after, self.config.server_lr / k, extra=1)
         if self._count == 0:
             self._arrived, self._first = set(), set()
         if h is None:

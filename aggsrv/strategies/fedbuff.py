@@ -159,15 +159,7 @@ class FedBuff(Strategy):
         # Under DP the sum gets its noise once, here: x + (lr / M) (sum + N(0, (z C)^2)).
         if privacy is not None:
             privacy.require_budget(update.client_id, w)
-        with self._noise_for_release(extra=1) as noise:
-            new = self._new_model_buffer()
-            for start in range(0, self.dim, 1 << 18):
-                s = slice(start, min(start + (1 << 18), self.dim))
-                total = summed(s)
-                if noise is not None:
-                    total.add_(noise[s])
-                torch.add(self._model[s], total, alpha=step, out=new[s])
-            self._check_version(new)
+        new = self._stepped_version(summed, step, extra=1)
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, w)
         self._weights.clear()

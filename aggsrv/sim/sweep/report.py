@@ -15,12 +15,13 @@ import math
 from pathlib import Path
 
 from aggsrv.sim.sweep.definition import Sweep, slug
-from aggsrv.sim.sweep.margins import CellSummary, Margin, summarize
+from aggsrv.sim.sweep.margins import ArmResult, CellSummary, Margin, summarize
 from aggsrv.sim.sweep.table import load_results
 
 __all__ = [
     "accuracy_text",
     "ahead_text",
+    "arm_accuracy_text",
     "format_report",
     "margin_text",
     "plot_heatmaps",
@@ -59,6 +60,18 @@ def accuracy_text(mean: float, sd: float) -> str:
     if math.isnan(mean):
         return "-"
     return f"{mean:.3f}" + ("" if math.isnan(sd) else f" ± {sd:.3f}")
+
+
+def arm_accuracy_text(r: ArmResult) -> str:
+    """An arm's accuracy over the seeds with its flags (D: diverged, S: stalled seeds)."""
+    text = accuracy_text(r.mean, r.sd)
+    if r.diverged:
+        text += " D" + ",".join(str(x) for x in r.diverged)
+    if r.stalled:
+        text += " S" + ",".join(str(x) for x in r.stalled)
+    if r.errors:
+        text += f" ({len(r.errors)} failed)"
+    return text
 
 
 def _mapped(sweep: Sweep) -> list[str]:
@@ -133,14 +146,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
     for s in summaries:
         cells = []
         for label in arms:
-            r = s.arms[label]
-            text = accuracy_text(r.mean, r.sd)
-            if r.diverged:
-                text += " D" + ",".join(str(x) for x in r.diverged)
-            if r.stalled:
-                text += " S" + ",".join(str(x) for x in r.stalled)
-            if r.errors:
-                text += f" ({len(r.errors)} failed)"
+            text = arm_accuracy_text(s.arms[label])
             if label == s.best_baseline:
                 text = f"*{text}*"
             cells.append(text)
