@@ -634,3 +634,39 @@ def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
     finally:
         torch.set_num_threads(intra)
     assert seen[0] == seen[1] and len(set(seen[0])) > 2, seen
+
+
+@pytest.mark.parametrize("split", ["equal", "size"])
+@pytest.mark.parametrize("name", ["fedbuff", "fedasync", "ca2fl"])
+def test_per_layer_clipping_bounds_each_tensor_and_the_whole(split, name) -> None:
+    """dp_clip_layers: each layout tensor's delta is clipped to its own bound (C / sqrt(L), or
+    C sqrt(n_l / D)), so the whole delta stays within C; the model against the float64
+    reference with the noise, for DELTA and WEIGHTS updates."""
+    rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x0 = torch.randn(D, generator=rng)
+    C, z, seed = 0.9, 0.4, 13
+    sizes = [37 * 27, 13]
+    bounds = ([C / math.sqrt(2)] * 2 if split == "equal"
+              else [C * math.sqrt(n / D) for n in sizes])  # fmt: skip
+    extra = {"buffer_size": 1} if name != "fedasync" else {"alpha": 1.0, "staleness": "constant"}
+    s = _strategy(name, x0, dp_clip_norm=C, dp_noise_multiplier=z, dp_seed=seed,
+                  dp_clip_layers=split, **extra)  # fmt: skip
+    clients = Clients(s, "ab")
+    noise = _noise(seed, z * C, 4)
+    x = x0.double()
+    cache = torch.zeros(D, dtype=torch.float64)  # CA2FL: a's cached delta (K = 1, N = 2)
+    for i, kind in enumerate([UpdateKind.DELTA, UpdateKind.WEIGHTS] * 2):
+        delta = torch.randn(D, generator=rng) * torch.tensor([3.0] * sizes[0] + [0.01] * 13)
+        clients.send("a", delta, kind)
+        parts = torch.split(delta.double(), sizes)
+        clipped = torch.cat([p * min(1.0, b / float(p.norm())) for p, b in
+                             zip(parts, bounds, strict=True)])  # fmt: skip
+        assert float(clipped.norm()) <= C * (1 + 1e-12)
+        if name == "ca2fl":  # x + lr (K/N h_bar + (u - h) + noise) with K = 1
+            x = x + (cache / 2 + clipped - cache + noise[i])
+            cache = clipped
+        else:
+            x = x + clipped + noise[i]
+        torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=5e-6)
+    with pytest.raises(ValueError, match="per-layer clipping"):
+        _strategy(name, x0, dp_clip_norm=C, dp_clip_layers=split, dp_clipping="client")

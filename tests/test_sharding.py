@@ -266,6 +266,8 @@ GLOO_CASES = {
     **STRATEGY_CASES,
     **{f"{name}+dp": {**STRATEGY_CASES[name], **DP}
        for name in ("fedavg", "fedasync", "fedbuff", "ca2fl")},
+    # Per-layer clipping: a tensor cut by a shard boundary is measured whole (summed norms).
+    "fedbuff+dp-layers": {**STRATEGY_CASES["fedbuff"], **DP, "dp_clip_layers": "size"},
 }  # fmt: skip
 
 

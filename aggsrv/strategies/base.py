@@ -223,8 +223,16 @@ class Strategy(ABC):
         text = getattr(self.config, "update_filter", None)
         self.update_filters = UpdateFilters(text, self.dim, self.device) if text else None
         # Differential privacy (the configs of DP_STRATEGIES have the dp_ keys).
+        whole_offsets = getattr(layout, "whole", layout).offsets
         self.privacy = (
-            GaussianPrivacy(self.config, self.dim, self.device, self.reducer.rank, self.reduce)
+            GaussianPrivacy(
+                self.config,
+                self.dim,
+                self.device,
+                self.reducer.rank,
+                self.reduce,
+                layer_sizes=torch.diff(whole_offsets).tolist(),
+            )  # fmt: skip
             if isinstance(self.config, PrivacyConfig) and self.config.private
             else None
         )
@@ -329,6 +337,8 @@ class Strategy(ABC):
             if screening.refusal is not None:
                 return self._filter_out(update, job, s, now, screening)
             update = screening.update
+        if self.privacy is not None and self.privacy.layer_bounds is not None:
+            update = self._clipped_per_layer(update, job)
         # The job's start weights are read while the next version is written: held until then
         # (retiring the job gives up its own lease).
         with self._versions.lease(*job.tensors.values()):
@@ -528,6 +538,34 @@ class Strategy(ABC):
         except BaseException:
             privacy.restore_generator(state)
             raise
+
+    def _clipped_per_layer(self, update: Update, job: Job) -> Update:
+        """Differential privacy's per-layer clipping (``dp_clip_layers``): the update's delta
+        with each layout tensor scaled to its own bound (their squares add up to C^2, so the
+        whole delta stays within C), as a DELTA update in a scratch buffer. One read and one
+        write of D more than whole-model clipping, which folds its factor into the strategy's
+        accumulate. Per-layer norms are the whole model's on a sharded server."""
+        privacy = self.privacy
+        assert privacy is not None and privacy.layer_bounds is not None
+        out = privacy.layer_scratch()
+        bounds = self.layout.offsets.tolist()
+        segments = [slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        squares = torch.zeros(len(segments), dtype=torch.float64)
+        for i, seg in enumerate(segments):
+            part = out[seg]
+            if update.kind is UpdateKind.WEIGHTS:
+                torch.sub(update.tensor[seg], job.weights[seg], out=part)
+            else:
+                part.copy_(update.tensor[seg])
+            squares[i] = torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+        if self.reduce is not None:
+            squares = self.reduce(squares)
+        factors = privacy.layer_factors(squares.tolist())
+        for seg, f in zip(segments, factors, strict=True):
+            if f != 1.0:
+                out[seg].mul_(f)
+        norm = math.sqrt(sum(f * f * q for f, q in zip(factors, squares.tolist(), strict=True)))
+        return dataclasses.replace(update, kind=UpdateKind.DELTA, tensor=out, norm=norm)
 
     def _clip_factor(self, update: Update, job: Job) -> float:
         """Differential privacy's ``min(1, C / |delta|)`` for this update: with the norm the

@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync", "ca2fl")
 CLIPPING = ("server", "client")
+LAYER_SPLITS = ("whole", "equal", "size")
 # Client-side clipping: a delta up to this much above C is float32 rounding of a clipped one
 # (scaled down by the server to C exactly); a larger one is refused.
 CLIENT_CLIP_SLACK = 1e-3
@@ -123,6 +124,8 @@ class PrivacyConfig:
         "dp_adaptive_lr": "DP: adaptive clipping's learning rate (C *= exp(-lr (b - quantile)))",
         "dp_adaptive_count_stddev": "DP: std of the noise on the count of unclipped updates; "
         "unset = contributions of the release / 20",
+        "dp_clip_layers": "DP: whole (one norm over the model) or per layout tensor with C "
+        "split as equal (C / sqrt(L) each) or size (C sqrt(n_l / D) each)",
     }
 
     dp_clip_norm: float | None = None
@@ -134,6 +137,7 @@ class PrivacyConfig:
     dp_adaptive_quantile: float | None = None
     dp_adaptive_lr: float = 0.2
     dp_adaptive_count_stddev: float | None = None
+    dp_clip_layers: str = "whole"
 
     @property
     def client_clip_norm(self) -> float | None:
@@ -160,6 +164,17 @@ class PrivacyConfig:
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, float(value))
+        if self.dp_clip_layers not in LAYER_SPLITS:
+            raise ValueError(
+                f"dp_clip_layers must be one of {LAYER_SPLITS}, got {self.dp_clip_layers!r}"
+            )
+        if self.dp_clip_layers != "whole" and (
+            self.dp_clipping == "client" or self.dp_adaptive_quantile is not None
+        ):
+            raise ValueError(
+                "per-layer clipping (dp_clip_layers) is done by the server with a fixed C: "
+                "use it with dp_clipping = 'server' and without dp_adaptive_quantile"
+            )
         if self.dp_clipping not in CLIPPING:
             raise ValueError(f"dp_clipping must be one of {CLIPPING}, got {self.dp_clipping!r}")
         c = self.dp_clip_norm
@@ -308,12 +323,26 @@ class GaussianPrivacy:
         device: torch.device,
         rank: int = 0,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        layer_sizes: list[int] | None = None,
     ) -> None:
         """``rank``/``reduce``: a shard's rank and the strategy's sum over the shards (None on
-        one server), so that every shard moves an adaptive C alike."""
+        one server), so that every shard moves an adaptive C alike. ``layer_sizes``: the whole
+        model's layout tensors' sizes, for per-layer clipping."""
         assert config.dp_clip_norm is not None
         self.rank = rank
         self.reduce = reduce
+        # Per-layer clipping: each layout tensor's bound, their squares adding up to C^2.
+        self.layer_bounds: list[float] | None = None
+        if config.dp_clip_layers != "whole":
+            sizes = layer_sizes or [dim]
+            total = float(sum(sizes))
+            c = float(config.dp_clip_norm)
+            self.layer_bounds = [
+                c / math.sqrt(len(sizes)) if config.dp_clip_layers == "equal"
+                else c * math.sqrt(n / total)
+                for n in sizes
+            ]  # fmt: skip
+        self._layer_scratch: torch.Tensor | None = None
         self.clip_norm = float(config.dp_clip_norm)
         self.client_side = config.dp_clipping == "client"
         # Adaptive clipping: the quantile C tracks, its rate, the count's noise (None: m / 20),
@@ -418,6 +447,22 @@ class GaussianPrivacy:
             return 1.0
         self.clipped += 1
         return self.clip_norm / norm
+
+    def layer_scratch(self) -> torch.Tensor:
+        """The [D] float32 buffer per-layer clipping writes an update's clipped delta into."""
+        if self._layer_scratch is None:
+            self._layer_scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        return self._layer_scratch
+
+    def layer_factors(self, squares: list[float]) -> list[float]:
+        """Per layer ``min(1, C_l / |u_l|)`` from the layers' squared norms (whole tensors)."""
+        assert self.layer_bounds is not None
+        factors = [
+            1.0 if sq <= c * c else c / math.sqrt(sq)
+            for sq, c in zip(squares, self.layer_bounds, strict=True)
+        ]
+        self.clipped += any(f < 1.0 for f in factors)
+        return factors
 
     def require_budget(self, client: str | None = None, weight: float = 0.0) -> None:
         """Refuse (:class:`PrivacyBudgetSpent`) a release, with the pending contributions and
