@@ -84,7 +84,8 @@ def test_a_dp_fedbuff_server_clips_noises_and_accounts_over_grpc(tmp_path: Path)
 def test_the_budget_stops_the_server_and_a_resumed_one_keeps_its_epsilon(tmp_path) -> None:
     """FedAsync (each update a release) with dp_target_epsilon between 3 and 4 releases: the
     4th push is refused FAILED_PRECONDITION naming the budget, GetJob too; a server resumed
-    from its log (the checkpoint removed) has the same model, epsilon and spent budget."""
+    from its log (the later checkpoints removed) has the same model and epsilon, and knows
+    the budget is spent."""
     z, delta = 1.5, 1e-5
     three, four = float(_epsilon(z, 3, delta)), float(_epsilon(z, 4, delta))
     keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": z, "dp_target_epsilon": (three + four) / 2}
@@ -120,6 +121,14 @@ def test_the_budget_stops_the_server_and_a_resumed_one_keeps_its_epsilon(tmp_pat
         privacy = resumed.strategy.privacy
         assert privacy.accountant.epsilon() == pytest.approx(three, rel=1e-9)
         assert privacy.accountant.releases == 3
+        # The refusal changed no model state, but the log said the budget was spent: the
+        # resumed server knows it before any client asks.
+        assert privacy.exhausted
+        with Client(resumed.address, "a") as a:
+            a.register(layout=LAYOUT)
+            with pytest.raises(grpc.RpcError) as no_job:
+                a.get_job()
+            assert no_job.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         resumed.stop()
     assert math.isfinite(three)

@@ -66,6 +66,7 @@ from aggsrv.strategies import (
     make_strategy,
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
+from aggsrv.strategies.privacy import PrivacyBudgetSpent
 from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.updates_waiting = 0  # validated updates handed to the aggregation loop, not yet done
         self.in_flight_updates: set[tuple[str, str]] = set()
         self.trace: TraceWriter | None = None  # --trace: jobs and updates, for replay
+        # Differential privacy: the log says once that the budget stopped the publications.
+        self._budget_logged = False
+        self._budget_lsn: int | None = None
         # Who holds which job since when (metrics). A client waiting for a job is seen once per
         # pending interval: not dropped out for being silent that long.
         self.activity = ClientActivity(
@@ -208,6 +212,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             strategy.job_for(m["client"], m["now"])
         elif record.kind == "timer":
             strategy.on_timer(m["now"])
+        elif record.kind == "budget_spent":
+            if strategy.privacy is not None:
+                strategy.privacy.exhausted = True
+            self._budget_logged = True
         elif record.kind == "update":
             tensors = record.tensors
             update = Update(
@@ -324,7 +332,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             t0 = time.perf_counter()
             self._replicate("update", update_meta(update, now))
             self._vote(update)
-            outcome = strategy.on_update(update, now)
+            try:
+                outcome = strategy.on_update(update, now)
+            except PrivacyBudgetSpent:
+                self._log_budget_spent(now)
+                raise
             s = _staleness(outcome, s)
             took = time.perf_counter() - t0
             if outcome.original is not None:
@@ -336,10 +348,23 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             lsn = self._log("update", update_record(update, now, outcome), wire)
             return s, outcome, lsn, took
 
-        staleness, outcome, lsn, took = await self.call(run)
+        try:
+            staleness, outcome, lsn, took = await self.call(run)
+        except PrivacyBudgetSpent:
+            await self.logged(self._budget_lsn)  # the record that says so is durable first
+            raise
         self.metrics.aggregation_seconds.observe(took)
         await self.logged(lsn)
         return staleness, outcome
+
+    def _log_budget_spent(self, now: float) -> None:
+        """Differential privacy's budget stopped the publications (aggregation thread): the
+        refusal changed no model state, so no update record says it; this record does, once,
+        so that recovery does not hand out jobs again (docs/privacy.md)."""
+        if self._budget_logged:
+            return
+        self._budget_logged = True
+        self._budget_lsn = self._log("budget_spent", {"now": now})
 
     # ------------------------------------------------------------------ the model
 
