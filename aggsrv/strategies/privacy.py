@@ -117,15 +117,15 @@ class PrivacyConfig:
         "dp_target_epsilon": "DP: publish no version that takes epsilon past this; unset = "
         "no limit",
         "dp_seed": "DP: seed of the noise; unset = from the OS's entropy (a server's choice)",
-        "dp_clipping": "DP: server (the server clips) or client (the job's recipe asks the "
-        "client to clip; the server refuses a larger delta)",
-        "dp_adaptive_quantile": "DP: adaptive clipping (Andrew et al. 2021): move C after each "
-        "release toward this quantile of the update norms; unset = C stays dp_clip_norm",
+        "dp_clipping": "DP: server (it clips) or client (the recipe asks clients to clip; the "
+        "server refuses more)",
+        "dp_adaptive_quantile": "DP: move C toward this quantile of the update norms (Andrew et "
+        "al. 2021); unset = C fixed",
         "dp_adaptive_lr": "DP: adaptive clipping's learning rate (C *= exp(-lr (b - quantile)))",
         "dp_adaptive_count_stddev": "DP: std of the noise on the count of unclipped updates; "
         "unset = contributions of the release / 20",
-        "dp_clip_layers": "DP: whole (one norm over the model) or per layout tensor with C "
-        "split as equal (C / sqrt(L) each) or size (C sqrt(n_l / D) each)",
+        "dp_clip_layers": "DP: whole (one norm) or per tensor: equal (C / sqrt(L) each) or size "
+        "(C sqrt(n_l / D) each)",
     }
 
     dp_clip_norm: float | None = None
