@@ -1,11 +1,12 @@
-"""``u . u`` and ``u . r`` in one read of ``u`` (and one of ``r``), float64 accumulation.
+"""``u . u`` (and ``u . r``) in one read of ``u`` (and one of ``r``), float64 accumulation.
 
 The server's check of a DELTA upload (every value finite) and the two numbers its health
 metrics need (the update's norm, and its cosine to the model's recent change ``r``) come from
 this single pass. A float64 sum of float32 squares cannot overflow (each is below 1.2e77), so
 a finite ``u . u`` proves every element of ``u`` finite, exactly. Compiled by numba, on the
-calling thread (no thread team to wait for on a busy server), imported only by a server that
-has a direction to compare with: a client never loads numba for it.
+calling thread (no thread team to wait for on a busy server). Imported by the server (its
+decoder and health metrics), never by a client: a client never loads numba for it. ``u . u``
+alone is the exact norm that clipping under differential privacy reads.
 """
 
 from __future__ import annotations

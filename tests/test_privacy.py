@@ -99,20 +99,28 @@ def test_fedasync_mixes_in_each_clipped_update_with_its_own_noise() -> None:
     C, z, alpha, seed = 1.3, 0.6, 0.5, 11
     s = _strategy("fedasync", x0, alpha=alpha, staleness="constant", dp_clip_norm=C,
                   dp_noise_multiplier=z, dp_seed=seed)  # fmt: skip
-    clients = Clients(s, "ab")
-    noise = _noise(seed, z * C, 4)
-    held = s.job_for("b", 0.0)  # b trains from version 0 while a publishes
+    clients = Clients(s, "abcd")
+    noise = _noise(seed, z * C, 5)
+    # b, c and d train from version 0 while a publishes: stale jobs.
+    held = {client: s.job_for(client, 0.0) for client in "bcd"}
     x = x0.double()
     for i, kind in enumerate([UpdateKind.DELTA, UpdateKind.WEIGHTS]):
         delta = torch.randn(D, generator=rng) * 2.0
         clients.send("a", delta, kind)
         x = (1 - alpha) * x + alpha * (x + _clipped(delta, C) + noise[i])
         torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=2e-6)
-    base = held.weights.double()
-    for i, kind in enumerate([UpdateKind.WEIGHTS]):
-        delta = torch.randn(D, generator=rng) * 0.01
-        tensor = (held.weights + delta) if kind is UpdateKind.WEIGHTS else delta
-        s.on_update(Update("b", held.job_id, 0, "b1", 1, 1.0, kind, tensor.float()), 9.0)
+    base = x0.double()
+    # Stale WEIGHTS and DELTA, clipped (norm about 64 > C), and a stale WEIGHTS under C.
+    for i, (client, kind, scale) in enumerate(
+        [("b", UpdateKind.WEIGHTS, 2.0), ("c", UpdateKind.DELTA, 2.0),
+         ("d", UpdateKind.WEIGHTS, 0.01)]
+    ):  # fmt: skip
+        job = held[client]
+        delta = torch.randn(D, generator=rng) * scale
+        assert (float(delta.norm()) > C) == (scale > 1)
+        tensor = (job.weights + delta) if kind is UpdateKind.WEIGHTS else delta
+        s.on_update(Update(client, job.job_id, 0, f"{client}1", 1, 1.0, kind, tensor.float()),
+                    9.0 + i)  # fmt: skip
         x = (1 - alpha) * x + alpha * (base + _clipped(delta, C) + noise[2 + i])
         torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=2e-6)
 
@@ -583,9 +591,7 @@ def test_a_resumed_server_may_change_the_noise_and_the_accountant_follows() -> N
 def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
     """Two shards (threads with a summing barrier), each seeding its noise from the OS: the
     count's noise is rank 0's draw on every shard, so C moves the same everywhere."""
-    import threading
-
-    from test_update_filters import _ThreadReducer
+    from thread_shards import reducers, run_shards
 
     from aggsrv.sharding import ShardLayout, ShardMap
 
@@ -593,8 +599,7 @@ def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
     shards, shard_map = 2, ShardMap.even(67, 2, align=8)
     config = {"buffer_size": 2, "dp_clip_norm": 1.0, "dp_noise_multiplier": 0.5,
               "dp_adaptive_quantile": 0.5, "dp_adaptive_count_stddev": 1.0}  # fmt: skip
-    parts: list = [None] * shards
-    barrier = threading.Barrier(shards)
+    sums = reducers(shards)
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     deltas = [torch.randn(67, generator=gen) * 0.3 for _ in range(10)]
     seen: list = [None] * shards
@@ -602,7 +607,7 @@ def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
     def shard(r: int) -> None:
         layout = ShardLayout(whole, shard_map, r)
         s = make_strategy("fedbuff", layout=layout, initial=torch.zeros(layout.numel),
-                          config=config, reducer=_ThreadReducer(parts, barrier, r))  # fmt: skip
+                          config=config, reducer=sums[r])  # fmt: skip
         s.on_register("a", 0.0)
         cs = []
         for n, d in enumerate(deltas):
@@ -623,16 +628,7 @@ def test_adaptive_clipping_moves_c_alike_on_every_shard() -> None:
             cs.append(s.privacy.clip_norm)
         seen[r] = cs
 
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        threads = [threading.Thread(target=shard, args=(r,)) for r in range(shards)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        torch.set_num_threads(intra)
+    run_shards(shard, shards)
     assert seen[0] == seen[1] and len(set(seen[0])) > 2, seen
 
 

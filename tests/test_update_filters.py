@@ -466,28 +466,11 @@ def test_a_server_replays_filtered_and_clipped_updates_from_its_log(tmp_path) ->
 # ----------------------------------------------------------------------------- sharded
 
 
-class _ThreadReducer:
-    """The sum over shards run as threads of one process (a barrier per call), in rank order."""
-
-    def __init__(self, parts: list, barrier, rank: int) -> None:
-        self.parts, self.barrier, self.rank = parts, barrier, rank
-        self.world_size = len(parts)
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        self.parts[self.rank] = t.to(torch.float64).clone()
-        self.barrier.wait()
-        total = self.parts[0].clone()
-        for p in self.parts[1:]:
-            total += p
-        self.barrier.wait()  # every shard read the parts before the next call writes them
-        return t.copy_(total)
-
-
 def test_shards_refuse_and_clip_together_as_one_server_does() -> None:
     """Three shards (threads with a summing barrier) take the decisions one server takes: the
     norms are the whole model's, so the refusals and clippings agree, and the joined models
     match the single server's to float32 rounding."""
-    import threading
+    from thread_shards import reducers, run_shards
 
     from aggsrv.sharding import ShardLayout, ShardMap
 
@@ -512,33 +495,20 @@ def test_shards_refuse_and_clip_together_as_one_server_does() -> None:
     single = make_strategy("fedasync", layout=whole, initial=initial, config=config)
     want = run(single, lambda t: t)
     assert {w[0] for w in want} == {Status.APPLIED, Status.FILTERED} and any(w[3] for w in want)
-    parts: list = [None] * shards
-    barrier = threading.Barrier(shards)
     results: list = [None] * shards
     strategies = []
-    for r in range(shards):
+    for r, reducer in enumerate(reducers(shards)):
         layout = ShardLayout(whole, shard_map, r)
         strategies.append(make_strategy(
             "fedasync", layout=layout, initial=layout.local(initial).clone(), config=config,
-            reducer=_ThreadReducer(parts, barrier, r),
+            reducer=reducer,
         ))  # fmt: skip
 
     def shard(r: int) -> None:
         layout = ShardLayout(whole, shard_map, r)
         results[r] = run(strategies[r], layout.local)
 
-    threads = [threading.Thread(target=shard, args=(r,)) for r in range(shards)]
-    # One intra-op thread: the shards' OpenMP workers spinning at the barriers starve each
-    # other on a small machine (seconds instead of milliseconds).
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        torch.set_num_threads(intra)
+    run_shards(shard, shards)
     assert results == [want] * shards
     joined = shard_map.join([s.global_model() for s in strategies])
     want_model = single.global_model()

@@ -35,8 +35,9 @@ TURNAROUND_BUCKETS = (
 # An update's L2 norm: decades from a tiny fine-tuning step to a diverging client.
 NORM_BUCKETS = tuple(10.0**e for e in range(-4, 5)) + (float("inf"),)
 COSINE_BUCKETS = tuple(round(-1.0 + 0.2 * i, 1) for i in range(11)) + (float("inf"),)
-# A client's updates per minute: a phone once an hour to a fast worker many times a second.
+# Seconds since a client last called: a second to a day.
 SILENCE_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, 86400.0, float("inf"))
+# A client's updates per minute: a phone once an hour to a fast worker many times a second.
 RATE_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0, 3600.0, float("inf"))
 SLOWEST = 10  # clients named by aggsrv_slowest_job_seconds: a bounded set
 EVAL_HISTORY = 500  # --eval results the dashboard keeps

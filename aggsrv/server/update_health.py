@@ -23,7 +23,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from aggsrv.fused_dots import squares_and_dot
+from aggsrv.fused_dots import squares
 
 TINY = 1e-30  # a zero update's norm, on the log scale: far below any real one
 # Norms all equal (clients clipping to one bound) give no spread: a 5 % floor keeps an update
@@ -111,10 +111,9 @@ class RecentChange:
         target = self._buffers[self._next]  # not the one readers may hold
         self.generation += 1  # odd: writing
         torch.sub(host, base, out=target)
-        # The fused kernel's float64 sum of squares: torch's float64 norm would first make a
-        # float64 copy (134 MB for 2^24 values: page faults on every refresh).
-        squares, _ = squares_and_dot(target.numpy(), target.numpy())
-        norm = math.sqrt(squares)
+        # The numba float64 sum of squares: torch's float64 norm would first make a float64
+        # copy (134 MB for 2^24 values: page faults on every refresh).
+        norm = math.sqrt(squares(target.numpy()))
         self.current = (target, norm)
         self.generation += 1
         self._next ^= 1

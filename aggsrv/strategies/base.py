@@ -236,6 +236,7 @@ class Strategy(ABC):
             if isinstance(self.config, PrivacyConfig) and self.config.private
             else None
         )
+        self._layer_segments: list[slice] | None = None  # per-layer clipping's, made once
         if self.privacy is not None and layout.buffer_numel:
             raise ValueError(
                 f"differential privacy covers the model's weights, and this model has "
@@ -548,8 +549,10 @@ class Strategy(ABC):
         privacy = self.privacy
         assert privacy is not None and privacy.layer_bounds is not None
         out = privacy.layer_scratch()
-        bounds = self.layout.offsets.tolist()
-        segments = [slice(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        if self._layer_segments is None:  # this strategy's slice of each layout tensor
+            bounds = self.layout.offsets.tolist()
+            self._layer_segments = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        segments = self._layer_segments
         squares = torch.zeros(len(segments), dtype=torch.float64)
         for i, seg in enumerate(segments):
             part = out[seg]
@@ -560,20 +563,24 @@ class Strategy(ABC):
             squares[i] = torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
         if self.reduce is not None:
             squares = self.reduce(squares)
-        factors = privacy.layer_factors(squares.tolist())
+        whole = squares.tolist()
+        factors = privacy.layer_factors(whole)
         for seg, f in zip(segments, factors, strict=True):
             if f != 1.0:
                 out[seg].mul_(f)
-        norm = math.sqrt(sum(f * f * q for f, q in zip(factors, squares.tolist(), strict=True)))
+        norm = math.sqrt(sum(f * f * q for f, q in zip(factors, whole, strict=True)))
         return dataclasses.replace(update, kind=UpdateKind.DELTA, tensor=out, norm=norm)
 
-    def _clip_factor(self, update: Update, job: Job) -> float:
+    def _clip_factor(self, update: Update, job: Job, delta: torch.Tensor | None = None) -> float:
         """Differential privacy's ``min(1, C / |delta|)`` for this update: with the norm the
         decoder computed for a DELTA upload (:attr:`Update.norm`, float64) on one server, else
-        the whole model's, computed here."""
+        the whole model's norm of ``delta`` (the update's delta, when the caller has built it
+        already) or of the delta computed here."""
         assert self.privacy is not None
         norm = update.norm if update.kind is UpdateKind.DELTA and self.reduce is None else None
-        return self.privacy.clip_factor(norm if norm is not None else self.delta_norm(update, job))
+        if norm is None:
+            norm = self.whole_norm(delta) if delta is not None else self.delta_norm(update, job)
+        return self.privacy.clip_factor(norm)
 
     def _stepped_version(
         self, total: Callable[[slice], torch.Tensor], step: float, extra: int = 0
@@ -602,8 +609,8 @@ class Strategy(ABC):
 
     def _require_privacy_budget(self) -> None:
         """Refuse (PrivacyBudgetSpent) once the privacy budget stopped the publications."""
-        if self.privacy is not None and self.privacy.exhausted:
-            self.privacy.require_budget()
+        if self.privacy is not None:
+            self.privacy.require_open()
 
     def model_absmax(self) -> float:
         """max |x| over the current version (cached per version), for strategies that bound

@@ -185,7 +185,7 @@ class CA2FL(Strategy):
         row = self._row.get(update.client_id)
         h = self._cache[row] if row is not None else None
         # Under DP the delta is clipped before it enters the sum and the cache.
-        f = 1.0 if self.privacy is None else self._clip_factor(update, job)
+        f = 1.0 if self.privacy is None else self._clip_factor(update, job, delta)
         releases = self._count + 1 >= k
         charges = None  # under DP, what the flush this update makes charges each client
         if releases and self.privacy is not None:
@@ -196,15 +196,17 @@ class CA2FL(Strategy):
             acc = torch.add(self._acc[s], delta[s], alpha=f)
             return acc if h is None else acc.sub_(h[s])
 
-        # The cache row becomes the delta, finite by now; check the model a flush would publish.
-        self._require_finite_chunks(
-            lambda s: torch.add(
-                self._model[s], acc_after(s), alpha=self.config.server_lr / k
-            ).float(),
-            "the model the buffer's flush would publish",
-        )
-        if releases:  # x + (lr / K) * (acc with this update [+ noise])
+        if releases:  # x + (lr / K) * (acc with this update [+ noise]), checked
             new = self._stepped_version(acc_after, self.config.server_lr / k, extra=1)
+        else:
+            # The cache row becomes the delta, finite by now; check the model a flush would
+            # publish, so the flush that comes is a checked one.
+            self._require_finite_chunks(
+                lambda s: torch.add(
+                    self._model[s], acc_after(s), alpha=self.config.server_lr / k
+                ).float(),
+                "the model the buffer's flush would publish",
+            )
         if self._count == 0:
             self._arrived, self._first = set(), set()
         if h is None:

@@ -285,10 +285,7 @@ class FedAvg(Strategy):
         else:
             # Everything is computed and checked before the first change of state.
             weight = self._weight_of(update)
-            clip = 1.0
-            if self.privacy is not None:
-                clip = self._clip_factor(update, job)
-            acc = self._summed(update, job, weight * clip)
+            acc, clip = self._summed(update, job, weight)
             if closes:
                 with self._noise_for_release(extra=1) as noise:
                     # The sum is emptied by the step: the noise may go into it in place.
@@ -311,21 +308,23 @@ class FedAvg(Strategy):
         update under differential privacy (a weight is a sensitivity there)."""
         return 1.0 if self.privacy is not None else float(update.num_samples)
 
-    def _summed(self, update: Update, job: Job, weight: float) -> torch.Tensor:
-        """The running sum with ``weight * delta`` added, in a spare buffer (checked finite;
-        the sum itself is untouched until :meth:`_commit_sum`). Under DP ``weight`` carries
-        the clip factor too; the mean divides by the unclipped weights."""
+    def _summed(self, update: Update, job: Job, weight: float) -> tuple[torch.Tensor, float]:
+        """The running sum with ``weight * clip * delta`` added, in a spare buffer (checked
+        finite; the sum itself is untouched until :meth:`_commit_sum`), and ``clip``:
+        differential privacy's clip factor of the delta (1 without DP; the mean divides by the
+        unclipped weights)."""
         delta = self.client_delta(update, job, out=self._scratch)
         if delta is self._scratch:
             self._require_finite(delta, "the client's delta (its weights minus the job's)")
+        clip = 1.0 if self.privacy is None else self._clip_factor(update, job, delta)
         if self._spare is None:
             self._spare = torch.empty_like(self._acc)
         if self._acc_count:
-            torch.add(self._acc, delta, alpha=weight, out=self._spare)
+            torch.add(self._acc, delta, alpha=weight * clip, out=self._spare)
         else:  # the first contribution overwrites old content
-            torch.mul(delta, weight, out=self._spare)
+            torch.mul(delta, weight * clip, out=self._spare)
         self._require_finite(self._spare, "the running sum of the deltas")
-        return self._spare
+        return self._spare, clip
 
     def _commit_sum(
         self, update: Update, acc: torch.Tensor, weight: float, clip: float = 1.0

@@ -261,13 +261,11 @@ class PrivacyAccountant:
         z = self.noise_multiplier
         return (s / z) ** 2 if z > 0 else math.inf
 
-    def worst_after(self, client: str | None = None, weight: float = 0.0) -> float:
-        """The largest ``mu^2`` over clients once the pending contributions (and ``weight``
-        more for ``client``) are released."""
+    def worst_after(self, release: Mapping[str, float]) -> float:
+        """The largest ``mu^2`` over clients once a release charging each client of
+        ``release`` its sensitivity is published."""
         worst = self._worst
-        extra = {client: weight} if client is not None else {}
-        for c in self.pending.keys() | extra.keys():
-            s = self.pending.get(c, 0.0) + extra.get(c, 0.0)
+        for c, s in release.items():
             worst = max(worst, self.spent.get(c, 0.0) + self._charge(s))
         return worst
 
@@ -297,9 +295,6 @@ class PrivacyAccountant:
             self._worst = max(self._worst, total)
         self.pending.clear()
         self.releases += 1
-
-    def discard_pending(self) -> None:
-        self.pending.clear()
 
     def state(self) -> dict[str, Any]:
         return {"spent": dict(self.spent), "pending": dict(self.pending),
@@ -370,12 +365,6 @@ class GaussianPrivacy:
     def adaptive(self) -> bool:
         return self.quantile is not None
 
-    @property
-    def noise_std(self) -> float:
-        """The std of the noise added to each published sum: z * C (adaptive clipping: z_u C,
-        see :meth:`split_noise`, for a release of the contributions gathered so far)."""
-        return self._update_multiplier(self.pending_count) * self.clip_norm
-
     def split_noise(self, contributions: int) -> tuple[float, float | None]:
         """Adaptive clipping's split of the noise for a release of ``contributions``: the
         update's multiplier ``z_u`` and the count's std ``sigma_b``, with ``1/z^2 = 1/z_u^2 +
@@ -393,9 +382,6 @@ class GaussianPrivacy:
         if sigma <= z * (1.0 + 1e-9):
             return z, None
         return (z**-2 - sigma**-2) ** -0.5, sigma
-
-    def _update_multiplier(self, contributions: int) -> float:
-        return self.split_noise(contributions)[0]
 
     def weight_of(self, weight: float) -> float:
         """A contribution's sensitivity in units of C for the accountant: its weight, or 1 under
@@ -468,29 +454,26 @@ class GaussianPrivacy:
         """Refuse (:class:`PrivacyBudgetSpent`) a release, with the pending contributions and
         ``weight`` more for ``client``, that would take epsilon past the target; changes nothing
         but the exhausted flag."""
+        release = dict(self.accountant.pending)
+        if client is not None:
+            release[client] = release.get(client, 0.0) + self.weight_of(weight)
+        self.require_budget_for(release)
+
+    def require_budget_for(self, sensitivities: Mapping[str, float]) -> None:
+        """:meth:`require_budget` for a release that charges each client its sensitivity (in
+        units of C; CA2FL computes its own)."""
         if self.exhausted:
             raise PrivacyBudgetSpent(self._spent_text())
         if self.target_epsilon is None:
             return
-        more = self.weight_of(weight) if client is not None else 0.0
-        after = self.accountant.epsilon_of(self.accountant.worst_after(client, more))
+        after = self.accountant.epsilon_of(self.accountant.worst_after(sensitivities))
         if after > self.target_epsilon:
             self._exhaust(after)
 
-    def require_budget_for(self, sensitivities: Mapping[str, float]) -> None:
-        """:meth:`require_budget` for a release whose per-client sensitivities (in units of C)
-        the strategy computes itself (CA2FL's cache), in place of the pending ones."""
+    def require_open(self) -> None:
+        """Refuse (:class:`PrivacyBudgetSpent`) once the budget stopped the publications."""
         if self.exhausted:
             raise PrivacyBudgetSpent(self._spent_text())
-        if self.target_epsilon is None:
-            return
-        spent = self.accountant.spent
-        charge = self.accountant._charge
-        worst = max([self.accountant.worst_after(), *(spent.get(c, 0.0) + charge(s)
-                     for c, s in sensitivities.items())])  # fmt: skip
-        after = self.accountant.epsilon_of(worst)
-        if after > self.target_epsilon:
-            self._exhaust(after)
 
     def set_release(self, sensitivities: Mapping[str, float]) -> None:
         """The release about to be published charges these per-client sensitivities."""
@@ -520,7 +503,7 @@ class GaussianPrivacy:
         when the publication is refused."""
         if self._noise is None:
             self._noise = torch.empty(self.dim, dtype=torch.float32, device=self.device)
-        std = self._update_multiplier(self.pending_count + extra) * self.clip_norm
+        std = self.split_noise(self.pending_count + extra)[0] * self.clip_norm
         self._noise.normal_(0.0, std, generator=self.generator)
         self.last_noise_std = std
         return self._noise

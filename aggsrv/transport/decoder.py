@@ -362,10 +362,13 @@ class Decoder:
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
         for i, buf in enumerate(buffers):
-            if i == 0 and self._fused_check(buf):
-                continue
-            if i == 0 and self.exact_norm and self._exact_check(buf):
-                continue
+            if i == 0:
+                uu = self._float64_check(buf)
+                if uu is not None and math.isfinite(uu):
+                    continue
+                if uu is not None:  # a float64 sum of squares does not overflow: NaN/Inf
+                    bad = (~torch.isfinite(buf)).nonzero()
+                    self._raise_non_finite(buf, int(bad[0]), bad.numel())
             # A finite sum of squares proves every element finite (aggsrv.finite); an overflow
             # of finite values only sends us to the exact (slow, rare) check below.
             sq = squared_norm_if_finite(buf) if buf.numel() else 0.0
@@ -377,43 +380,40 @@ class Decoder:
             if i == 0:
                 self.norm = math.sqrt(sq)
 
-    def _exact_check(self, buf: torch.Tensor) -> bool:
-        """The check and the float64 norm in one pass over a CPU float32 buffer (False: not
-        one, or not finite, and the caller's checks tell)."""
+    def _float64_check(self, buf: torch.Tensor) -> float | None:
+        """The main buffer's ``u . u`` in float64, in one pass over a CPU float32 buffer: with
+        a reference direction that fits, its dot product too (the cosine), else with
+        ``exact_norm`` the squares alone; None when neither applies (the float32 check then
+        runs). A finite sum proves every value finite and sets :attr:`norm`; float64 squares
+        cannot overflow, so a non-finite one means NaN/Inf."""
         if buf.dtype != torch.float32 or not buf.is_cpu or buf.numel() == 0:
-            return False
-        from aggsrv.fused_dots import squares  # numba: a server's, never a client's
-
-        uu = squares(buf.reshape(-1).numpy())
-        if not math.isfinite(uu):
-            return False
-        self.norm = math.sqrt(uu)
-        self.norm_exact = True
-        return True
-
-    def _fused_check(self, buf: torch.Tensor) -> bool:
-        """With a reference direction: the check, the norm and the cosine in one pass (float64
-        squares cannot overflow: a finite sum proves every value finite). False when there is
-        none that fits, or the sum is not finite (the caller's exact check then tells)."""
+            return None
         source = self.reference
-        if source is None or buf.numel() == 0:
-            return False
-        generation, current = source.generation, source.current
-        if current is None or generation % 2:
-            return False
-        direction, direction_norm = current
-        if direction.numel() != buf.numel() or buf.dtype != torch.float32 or not buf.is_cpu:
-            return False
-        from aggsrv.fused_dots import squares_and_dot  # numba: a server's, never a client's
+        current = generation = None
+        if source is not None:
+            generation, current = source.generation, source.current
+            if current is not None and (generation % 2 or current[0].numel() != buf.numel()):
+                current = None
+        flat = buf.reshape(-1).numpy()
+        # numba: a server's, never a client's
+        from aggsrv.fused_dots import squares, squares_and_dot
 
-        uu, ur = squares_and_dot(buf.reshape(-1).numpy(), direction.reshape(-1).numpy())
+        if current is not None:
+            direction, direction_norm = current
+            uu, ur = squares_and_dot(flat, direction.reshape(-1).numpy())
+        elif self.exact_norm:
+            uu, ur = squares(flat), None
+        else:
+            return None
         if not math.isfinite(uu):
-            return False
+            return uu
         self.norm = math.sqrt(uu)
         self.norm_exact = True
-        if self.norm > 0 and direction_norm > 0 and source.generation == generation:
+        # A cosine taken across a change of direction (the generation moved) is dropped.
+        changed = source is None or source.generation != generation
+        if ur is not None and self.norm > 0 and direction_norm > 0 and not changed:
             self.cosine = max(-1.0, min(1.0, ur / (self.norm * direction_norm)))
-        return True
+        return uu
 
     def _raise_non_finite(self, buf: torch.Tensor, index: int, count: int) -> None:
         for t in self._targets.values():

@@ -19,8 +19,6 @@ from aggsrv.sim.sweep.margins import ArmResult, CellSummary, Margin, summarize
 from aggsrv.sim.sweep.table import load_results
 
 __all__ = [
-    "accuracy_text",
-    "ahead_text",
     "arm_accuracy_text",
     "format_report",
     "margin_text",
@@ -32,7 +30,7 @@ _MARK = {"wins": "", "loses": "", "noise": "~", "n<2": "?", "broken": "!"}
 _UNIT = {"virtual_time": " s", "version": " v", "rounds": " r"}
 
 
-def ahead_text(m: Margin) -> str:
+def _ahead_text(m: Margin) -> str:
     """Where the arm goes ahead for good, in the budget's unit ("" if it never does)."""
     if m.ahead_from is None:
         return ""
@@ -56,7 +54,7 @@ def margin_text(m: Margin | None) -> str:
     return f"{_MARK[m.verdict]}{_points(m.mean)}{sd}"
 
 
-def accuracy_text(mean: float, sd: float) -> str:
+def _accuracy_text(mean: float, sd: float) -> str:
     if math.isnan(mean):
         return "-"
     return f"{mean:.3f}" + ("" if math.isnan(sd) else f" ± {sd:.3f}")
@@ -64,7 +62,7 @@ def accuracy_text(mean: float, sd: float) -> str:
 
 def arm_accuracy_text(r: ArmResult) -> str:
     """An arm's accuracy over the seeds with its flags (D: diverged, S: stalled seeds)."""
-    text = accuracy_text(r.mean, r.sd)
+    text = _accuracy_text(r.mean, r.sd)
     if r.diverged:
         text += " D" + ",".join(str(x) for x in r.diverged)
     if r.stalled:
@@ -130,7 +128,7 @@ def format_report(sweep: Sweep, summaries: list[CellSummary]) -> str:
                         text = "not run"
                     else:
                         text += f" vs {m.baseline}"
-                        text += f", {ahead_text(m)}" if ahead_text(m) else ""
+                        text += f", {_ahead_text(m)}" if _ahead_text(m) else ""
                         text += _partial(s)
                     cells.append(text)
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
@@ -198,8 +196,8 @@ def plot_heatmaps(sweep: Sweep, summaries: list[CellSummary], out: Path) -> list
                         continue
                     grid[i, j] = 100 * m.mean
                     text = margin_text(m) + f"\nvs {m.baseline}"
-                    if ahead_text(m):
-                        text += "\n" + ahead_text(m)
+                    if _ahead_text(m):
+                        text += "\n" + _ahead_text(m)
                     text += _partial(s).replace(" (", "\n(")
                     weight = "bold" if m.verdict in ("wins", "loses") else "normal"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, weight=weight,
