@@ -50,7 +50,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from aggsrv.strategies.errors import StrategyError, UpdateNormTooLarge
+from aggsrv.strategies.dp_accounting import (
+    PrivacyAccountant,
+    dp_accounting_module,
+    gaussian_epsilon,
+)
+from aggsrv.strategies.errors import StrategyError
 
 __all__ = [
     "DP_STRATEGIES",
@@ -67,10 +72,11 @@ logger = logging.getLogger(__name__)
 DP_STRATEGIES = ("fedavg", "fedprox", "fedbuff", "fedasync", "ca2fl")
 CLIPPING = ("server", "client")
 LAYER_SPLITS = ("whole", "equal", "size")
-# Client-side clipping: a delta up to this much above C is float32 rounding of a clipped one
-# (scaled down by the server to C exactly); a larger one is refused.
+# Client-side clipping: a delta up to this much above C is float rounding of a clipped one
+# (scaled down to C exactly, not counted as clipped); a larger one is clipped by the server.
 CLIENT_CLIP_SLACK = 1e-3
-_INSTALL = "pip install 'aggsrv[dp]'"
+ACCOUNTANTS = ("gdp", "pld", "rdp")
+NEIGHBOURS = ("zero_out", "replace_one")
 
 
 class PrivacyBudgetSpent(StrategyError):
@@ -79,30 +85,6 @@ class PrivacyBudgetSpent(StrategyError):
 
     code = "FAILED_PRECONDITION"
     reason = "privacy_budget_spent"
-
-
-def _dp_accounting() -> Any:
-    try:
-        import dp_accounting
-    except ImportError as exc:  # an optional dependency: say how to get it
-        raise ImportError(
-            f"differential privacy's accountant needs the dp-accounting package ({_INSTALL})"
-        ) from exc
-    return dp_accounting
-
-
-def gaussian_epsilon(noise_multiplier: float, squared_sensitivity: float, delta: float) -> float:
-    """Epsilon at ``delta`` of Gaussian mechanisms whose squared sensitivities (in units of the
-    clipping norm) sum to ``squared_sensitivity``, each with noise ``noise_multiplier`` times the
-    clipping norm: 0 with nothing released, infinite without noise."""
-    if squared_sensitivity <= 0:
-        return 0.0
-    if noise_multiplier <= 0:
-        return math.inf
-    dpa = _dp_accounting()
-    accountant = dpa.rdp.RdpAccountant()
-    accountant.compose(dpa.GaussianDpEvent(noise_multiplier / math.sqrt(squared_sensitivity)))
-    return float(accountant.get_epsilon(delta))
 
 
 @dataclass
@@ -116,7 +98,14 @@ class PrivacyConfig:
         "dp_delta": "DP: the delta that epsilon is reported for",
         "dp_target_epsilon": "DP: publish no version that takes epsilon past this; unset = "
         "no limit",
-        "dp_seed": "DP: seed of the noise; unset = from the OS's entropy (a server's choice)",
+        "dp_seed": "DP: a fixed noise seed, for reproducible experiments only; unset = a "
+        "256-bit key from the OS",
+        "dp_insecure_seed": "DP: let `aggsrv serve` run with dp_seed (its noise can then be "
+        "recomputed and subtracted)",
+        "dp_accountant": "DP: gdp (exact Gaussian-DP conversion), pld (privacy loss "
+        "distributions) or rdp (Renyi DP)",
+        "dp_neighbour": "DP: zero_out (one client's updates set to zero) or replace_one "
+        "(replaced by any; doubles the sensitivity)",
         "dp_clipping": "DP: server (it clips) or client (the recipe asks clients to clip; the "
         "server refuses more)",
         "dp_adaptive_quantile": "DP: move C toward this quantile of the update norms (Andrew et "
@@ -133,6 +122,9 @@ class PrivacyConfig:
     dp_delta: float = 1e-5
     dp_target_epsilon: float | None = None
     dp_seed: int | None = None
+    dp_insecure_seed: bool = False
+    dp_accountant: str = "gdp"
+    dp_neighbour: str = "zero_out"
     dp_clipping: str = "server"
     dp_adaptive_quantile: float | None = None
     dp_adaptive_lr: float = 0.2
@@ -175,6 +167,12 @@ class PrivacyConfig:
                 "per-layer clipping (dp_clip_layers) is done by the server with a fixed C: "
                 "use it with dp_clipping = 'server' and without dp_adaptive_quantile"
             )
+        if self.dp_accountant not in ACCOUNTANTS:
+            raise ValueError(
+                f"dp_accountant must be one of {ACCOUNTANTS}, got {self.dp_accountant!r}"
+            )
+        if self.dp_neighbour not in NEIGHBOURS:
+            raise ValueError(f"dp_neighbour must be one of {NEIGHBOURS}, got {self.dp_neighbour!r}")
         if self.dp_clipping not in CLIPPING:
             raise ValueError(f"dp_clipping must be one of {CLIPPING}, got {self.dp_clipping!r}")
         c = self.dp_clip_norm
@@ -199,6 +197,13 @@ class PrivacyConfig:
                     "a clipping norm (set dp_clip_norm, or leave the dp_ keys out)"
                 )
             return
+        if getattr(self, "max_update_norm", None) is not None:
+            raise ValueError(
+                "max_update_norm cannot be used with the dp_ keys (dp_clip_norm is set): it "
+                "refuses an update because of its norm, and whether a version is then published "
+                "reveals that norm, which the privacy guarantee does not cover. Differential "
+                "privacy clips every update to dp_clip_norm instead: leave max_update_norm unset"
+            )
         if aggregator != "mean":
             raise ValueError(
                 f"differential privacy bounds a sum of clipped updates; the {aggregator!r} "
@@ -224,7 +229,7 @@ class PrivacyConfig:
                 "dp_target_epsilon needs dp_noise_multiplier > 0 (without noise the first "
                 "release has epsilon = infinity)"
             )
-        _dp_accounting()  # fail at configuration, not at the first release
+        dp_accounting_module()  # fail at configuration, not at the first release
 
 
 def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
@@ -234,77 +239,6 @@ def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
         "model is not a sum of clipped contributions that Gaussian noise can bound. The dp_ "
         f"keys work with {', '.join(DP_STRATEGIES)} (docs/privacy.md)"
     )
-
-
-class PrivacyAccountant:
-    """Per client, the privacy spent on the versions it contributed to, as ``mu^2 = sum over
-    releases of (s / z)^2`` (the squared mean of the Gaussian mechanism they compose to: ``s``
-    its sensitivity in units of C, ``z`` that release's noise multiplier, so a resumed server
-    may change z); the contributions waiting for the next release."""
-
-    def __init__(self, noise_multiplier: float, delta: float) -> None:
-        self.noise_multiplier = noise_multiplier  # z of the next release
-        self.delta = delta
-        self.spent: dict[str, float] = {}  # client -> mu^2 so far
-        self.pending: dict[str, float] = {}  # client -> s in the release being gathered
-        self.releases = 0  # versions published with a contribution in them
-        self._worst = 0.0  # max(spent.values())
-        self._epsilons: dict[float, float] = {}
-
-    def contribute(self, client: str, weight: float) -> None:
-        self.pending[client] = self.pending.get(client, 0.0) + weight
-
-    def _charge(self, s: float) -> float:
-        """mu^2 of one release of sensitivity ``s`` (infinite without noise)."""
-        if s == 0:
-            return 0.0
-        z = self.noise_multiplier
-        return (s / z) ** 2 if z > 0 else math.inf
-
-    def worst_after(self, release: Mapping[str, float]) -> float:
-        """The largest ``mu^2`` over clients once a release charging each client of
-        ``release`` its sensitivity is published."""
-        worst = self._worst
-        for c, s in release.items():
-            worst = max(worst, self.spent.get(c, 0.0) + self._charge(s))
-        return worst
-
-    def epsilon_of(self, mu_squared: float) -> float:
-        """Epsilon at ``delta`` of a Gaussian mechanism with squared mean ``mu_squared``."""
-        if not math.isfinite(mu_squared):
-            return math.inf
-        eps = self._epsilons.get(mu_squared)
-        if eps is None:
-            eps = gaussian_epsilon(1.0, mu_squared, self.delta)
-            if len(self._epsilons) > 4096:  # a cache, not a record
-                self._epsilons.clear()
-            self._epsilons[mu_squared] = eps
-        return eps
-
-    def epsilon(self) -> float:
-        """The run's epsilon at ``delta`` so far: the worst-off client's."""
-        return self.epsilon_of(self._worst)
-
-    def release(self) -> None:
-        """A version was published: the pending contributions are spent."""
-        if not self.pending:
-            return
-        for c, s in self.pending.items():
-            total = self.spent.get(c, 0.0) + self._charge(s)
-            self.spent[c] = total
-            self._worst = max(self._worst, total)
-        self.pending.clear()
-        self.releases += 1
-
-    def state(self) -> dict[str, Any]:
-        return {"spent": dict(self.spent), "pending": dict(self.pending),
-                "releases": self.releases}  # fmt: skip
-
-    def load(self, state: Mapping[str, Any]) -> None:
-        self.spent = {str(c): float(v) for c, v in state["spent"].items()}
-        self.pending = {str(c): float(v) for c, v in state["pending"].items()}
-        self.releases = int(state["releases"])
-        self._worst = max(self.spent.values(), default=0.0)
 
 
 class GaussianPrivacy:
@@ -349,7 +283,10 @@ class GaussianPrivacy:
         self.pending_below = 0
         self.noise_multiplier = float(config.dp_noise_multiplier)
         self.target_epsilon = config.dp_target_epsilon
-        self.accountant = PrivacyAccountant(self.noise_multiplier, config.dp_delta)
+        self.accountant = PrivacyAccountant(
+            self.noise_multiplier, config.dp_delta, kind=config.dp_accountant,
+            neighbour=config.dp_neighbour,
+        )  # fmt: skip
         self.dim = dim
         self.device = device
         self.exhausted = False  # a release was refused for the budget: no more versions
@@ -420,18 +357,14 @@ class GaussianPrivacy:
 
     def clip_factor(self, norm: float) -> float:
         """``min(1, C / |u|)`` for a delta of L2 norm ``norm`` (float64, the whole model's).
-        With client-side clipping a delta above ``C (1 + CLIENT_CLIP_SLACK)`` is refused
-        (:class:`UpdateNormTooLarge`): its client did not clip."""
-        if self.client_side and norm > self.clip_norm * (1.0 + CLIENT_CLIP_SLACK):
-            raise UpdateNormTooLarge(
-                f"the update's delta has L2 norm {norm:.6g}, above the clipping norm "
-                f"{self.clip_norm:g} that its job's recipe (clip_norm) asked the client to clip "
-                "to (differential privacy's client-side clipping); it was refused and nothing "
-                "changed. Scale the delta to at most clip_norm before sending it."
-            )
+        With client-side clipping a delta above C is clipped like any other, never refused: a
+        refusal would publish (by the version that then does not appear) that the client's delta
+        was large. A delta within ``C (1 + CLIENT_CLIP_SLACK)`` is float rounding of a clipped
+        one and does not count as clipped."""
         if norm <= self.clip_norm:
             return 1.0
-        self.clipped += 1
+        if not (self.client_side and norm <= self.clip_norm * (1.0 + CLIENT_CLIP_SLACK)):
+            self.clipped += 1
         return self.clip_norm / norm
 
     def layer_scratch(self) -> torch.Tensor:
