@@ -38,6 +38,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {key: getattr(args, key) for key in _SERVE_OPTIONS}
     _torchrun_shard(overrides)
+    if args.dashboard_allowed_hosts:  # repeated and/or comma-separated: one list
+        overrides["dashboard_allowed_hosts"] = [
+            name.strip() for item in args.dashboard_allowed_hosts for name in item.split(",")
+        ]
     if args.resume is not None:
         overrides["state_dir"] = args.resume
         overrides["resume"] = True
@@ -567,6 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
     for key, (kind, text) in _SERVE_OPTIONS.items():
         flag = "--" + key.replace("_", "-").replace("-versions", "").replace("-per-second", "")
         serve.add_argument(flag, dest=key, type=kind, help=text)
+    serve.add_argument(
+        "--dashboard-allowed-host", dest="dashboard_allowed_hosts", action="append",
+        metavar="NAME",
+        help="a host name the status page answers besides IP addresses and localhost (e.g. a "
+        "reverse proxy's); repeat or separate with commas; replaces the config file's list",
+    )  # fmt: skip
     serve.add_argument(
         "--resume", metavar="DIR",
         help="continue the run whose checkpoints and log are in DIR (sets --state-dir DIR)",

@@ -124,7 +124,10 @@ class Server:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         if cfg.dashboard_port is not None:
             self._dashboard = DashboardServer(
-                cfg.dashboard_host, cfg.dashboard_port, lambda: status_document(fed)
+                cfg.dashboard_host,
+                cfg.dashboard_port,
+                lambda: status_document(fed),
+                allowed_hosts=cfg.dashboard_allowed_hosts,
             )
             self.dashboard_port = self._dashboard.port
         if fed.shards is None:

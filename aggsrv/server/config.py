@@ -94,6 +94,9 @@ class ServerConfig(TomlConfig):
     # loopback by default like the metrics.
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
+    # Host names (no port) the page answers besides IP addresses and, on loopback, localhost,
+    # e.g. the name a reverse proxy forwards; any other Host is refused (DNS rebinding).
+    dashboard_allowed_hosts: list[str] = field(default_factory=list)
     # "module:function" called with the global model's state dict every eval_every_versions
     # versions, on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
     eval: str | None = None
@@ -146,6 +149,7 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.dashboard_port is not None and not 0 <= self.dashboard_port < 65536:
             raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
+        self._check_dashboard_hosts()
         if self.trace_max_bytes < 4096 or self.trace_backups < 1:
             raise ValueError(
                 f"trace_max_bytes must be >= 4096 and trace_backups >= 1, got "
@@ -160,6 +164,16 @@ class ServerConfig(TomlConfig):
         # A bad strategy name or [strategy_config] key fails at startup, not at the first
         # registration (where it would reach a client as an opaque error).
         self.strategy_settings()
+
+    def _check_dashboard_hosts(self) -> None:
+        from aggsrv.server.dashboard.web import host_name_wanted
+
+        for name in self.dashboard_allowed_hosts:
+            wanted = host_name_wanted(name)
+            if wanted:
+                raise ValueError(
+                    f"dashboard_allowed_hosts: each entry must be {wanted}, got {name!r}"
+                )
 
     def _check_security(self) -> None:
         if self.auth not in ("hmac", "tokens", "none"):
