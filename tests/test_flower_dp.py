@@ -30,6 +30,7 @@ from flwr.server.strategy import (  # noqa: E402
 
 from aggsrv.integrations.flower.arrays import layout_of, record_to_flat  # noqa: E402
 from aggsrv.integrations.flower.strategy import AggsrvStrategy  # noqa: E402
+from aggsrv.strategies.dp_noise import NoiseKey, draw_values  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("flower_identity")
 
@@ -40,14 +41,16 @@ class SameNoise:
     by the number of clients as Flower's std (z C / n) says."""
 
     def __init__(self, seed: int, std: float, clients: int, dim: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
+        self.key = NoiseKey.insecure(seed)
+        self.rounds = 0
         self.std, self.clients, self.dim = std, clients, dim
         self.flat: np.ndarray | None = None
         self.used = 0
 
     def next_round(self) -> None:
-        draw = torch.empty(self.dim).normal_(0.0, self.std, generator=self.gen)
-        self.flat = draw.double().numpy() / self.clients
+        draw = draw_values(self.key, 0, self.rounds, self.dim, self.std)
+        self.rounds += 1
+        self.flat = draw / self.clients
         self.used = 0
 
     def __call__(self, loc, scale, size):
@@ -62,7 +65,8 @@ def test_sync_fedavg_with_dp_equals_flowers_fixed_clipping(monkeypatch) -> None:
     seed = random.randrange(1 << 30)
     nodes, rounds, C, z = [3, 5, 8, 13], 4, 0.6, 0.9
     keys = {"mode": "sync", "min_clients": len(nodes), "round_timeout": None,
-            "dp_clip_norm": C, "dp_noise_multiplier": z, "dp_seed": seed}  # fmt: skip
+            "dp_clip_norm": C, "dp_noise_multiplier": z, "dp_seed": seed,
+            "dp_insecure_seed": True}  # fmt: skip
     clock = VirtualClock()
     adapter = AggsrvStrategy("fedavg", keys, clock=clock, seed=seed)
     initial = initial_record(seed)

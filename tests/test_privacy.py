@@ -12,6 +12,7 @@ import torch
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import Update, UpdateKind, make_strategy
+from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, draw_values
 from aggsrv.strategies.privacy import PrivacyBudgetSpent
 
 dpa = pytest.importorskip("dp_accounting", reason="the dp extra (pip install 'aggsrv[dp]')")
@@ -51,8 +52,8 @@ def _clipped(delta: torch.Tensor, c: float) -> torch.Tensor:
 
 def _noise(seed: int, std: float, draws: int) -> list[torch.Tensor]:
     """The draws a strategy with dp_seed = seed makes, in order (one per release)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.empty(D).normal_(0.0, std, generator=g).double() for _ in range(draws)]
+    key = NoiseKey.insecure(seed)
+    return [torch.from_numpy(draw_values(key, 0, i, D, std)) for i in range(draws)]
 
 
 def _deltas(rng: torch.Generator, scales: list[float]) -> list[torch.Tensor]:
@@ -274,9 +275,10 @@ def test_a_sync_round_closed_by_its_deadline_stops_at_the_budget_too() -> None:
     assert f.version == 1 and f.privacy.exhausted and f.next_deadline() is None
 
 
-def test_the_accountant_and_the_noise_stream_survive_a_restart() -> None:
-    """state_dict -> load_state_dict: the resumed strategy reports the same epsilon and draws
-    the same noise next (a replay of the write-ahead log publishes the same versions)."""
+def test_the_accountant_survives_a_restart_and_the_noise_key_does_not() -> None:
+    """state_dict -> load_state_dict: the resumed strategy reports the same epsilon, but its
+    noise comes from a fresh key (the key is never part of the state): the same update on the
+    same state publishes a differently noised version, each draw of std z C."""
     z = 0.7
     config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": z}
     s = _strategy("fedbuff", torch.zeros(D), **config)  # dp_seed unset: from the OS
@@ -288,12 +290,18 @@ def test_the_accountant_and_the_noise_stream_survive_a_restart() -> None:
     resumed.load_state_dict(state)
     assert resumed.privacy.accountant.epsilon() == s.privacy.accountant.epsilon() > 0
     assert resumed.privacy.accountant.spent == pytest.approx({"a": 2 / z**2, "b": 2 / z**2})
-    delta = torch.randn(D)
+    before = s.global_model().double()
+    delta = torch.randn(D) * 1e-3  # not clipped
     clients.send("a", delta)
     job = resumed.job_for("a", 50.0)
     resumed.on_update(Update("a", job.job_id, job.base_version, "x", 1, 1.0, UpdateKind.DELTA,
                              delta), 51.0)  # fmt: skip
-    assert torch.equal(resumed.global_model(), s.global_model())
+    ours = s.global_model().double() - before - delta.double()
+    theirs = resumed.global_model().double() - before - delta.double()
+    assert not torch.allclose(ours, theirs)
+    # Each is one draw of N(0, (z C)^2) (z C = 0.7; float32 rounding of the model aside).
+    for noise in (ours, theirs):
+        assert abs(float(noise.std()) - z) < 5 * z / math.sqrt(2 * D)
     # A state saved without DP cannot be resumed with it: epsilon would restart at 0.
     plain = _strategy("fedbuff", torch.zeros(D), buffer_size=1)
     with pytest.raises(ValueError, match="privacy accountant"):
@@ -301,10 +309,10 @@ def test_the_accountant_and_the_noise_stream_survive_a_restart() -> None:
 
 
 def test_a_refused_release_does_not_advance_the_noise() -> None:
-    """A release refused after its noise was drawn (the model would overflow) puts the
-    generator back: the next published version gets the draw it would have had."""
+    """A release refused after its noise was drawn (the model would overflow) puts the draw
+    counter back: the next published version gets the draw it would have had."""
     big = torch.zeros(D)
-    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0, "dp_seed": 4,
+    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 100.0, "dp_seed": 4,
               "server_lr": 1e38}  # fmt: skip
     s = _strategy("fedbuff", big, **config)
     clients = Clients(s, "a")
@@ -360,12 +368,11 @@ def test_epsilon_grows_with_releases_and_falls_with_noise() -> None:
     assert np.isfinite(gaussian_epsilon(1.0, 3.5, 1e-5))
 
 
-def test_client_side_clipping_asks_the_client_and_refuses_what_it_did_not_clip() -> None:
-    """dp_clipping = "client": every job's recipe carries clip_norm; a delta above C (1 + 1e-3)
-    is refused (INVALID_ARGUMENT) with nothing changed; one a hair above C (float32 rounding of
-    a clipped delta) is folded in scaled to C exactly."""
-    from aggsrv.strategies import UpdateNormTooLarge
-
+def test_client_side_clipping_asks_the_client_and_clips_what_it_did_not_clip() -> None:
+    """dp_clipping = "client": every job's recipe carries clip_norm; a delta far above C is
+    not refused (a refusal would reveal its norm by the version that then does not appear) but
+    clipped, and only its client is told (Outcome.clipped); one a hair above C (float32
+    rounding of a clipped delta) is folded in scaled to C exactly, not counted as clipped."""
     C = 0.8
     x0 = torch.randn(D)
     s = _strategy("fedbuff", x0, buffer_size=1, dp_clip_norm=C, dp_clipping="client",
@@ -373,15 +380,19 @@ def test_client_side_clipping_asks_the_client_and_refuses_what_it_did_not_clip()
     s.on_register("a", 0.0)
     job = s.job_for("a", 0.0)
     assert job.recipe.clip_norm == C
-    unclipped = torch.randn(D)
-    before = s.state_dict()
-    with pytest.raises(UpdateNormTooLarge, match="client-side clipping") as refused:
-        s.on_update(Update("a", job.job_id, 0, "u1", 1, 1.0, UpdateKind.DELTA, unclipped), 1.0)
-    assert refused.value.code == "INVALID_ARGUMENT"
-    assert torch.equal(s.state_dict()["model"], before["model"]) and s.version == 0
+    unclipped = torch.randn(D) * (3 + torch.rand(()))
+    outcome = s.on_update(
+        Update("a", job.job_id, 0, "u1", 1, 1.0, UpdateKind.DELTA, unclipped), 1.0
+    )
+    assert outcome.status.name == "APPLIED" and outcome.clipped and s.version == 1
+    expect = x0.double() + _clipped(unclipped, C)
+    torch.testing.assert_close(s.global_model().double(), expect, rtol=0, atol=1e-6)
+    assert s.privacy.clipped == 1
+    job = s.job_for("a", 2.0)
     hair = unclipped / float(unclipped.double().norm()) * C * (1 + 5e-4)
-    s.on_update(Update("a", job.job_id, 0, "u2", 1, 1.0, UpdateKind.DELTA, hair), 2.0)
-    torch.testing.assert_close(s.global_model().double(), x0.double() + _clipped(hair, C),
+    outcome = s.on_update(Update("a", job.job_id, 1, "u2", 1, 1.0, UpdateKind.DELTA, hair), 2.0)
+    assert not outcome.clipped and s.privacy.clipped == 1
+    torch.testing.assert_close(s.global_model().double(), expect + _clipped(hair, C),
                                rtol=0, atol=1e-6)  # fmt: skip
     # Server-side clipping asks nothing of the client.
     server = _strategy("fedbuff", x0, dp_clip_norm=C)
@@ -432,17 +443,17 @@ def test_adaptive_clipping_replays_the_papers_rule_step_by_step() -> None:
                   dp_seed=seed, dp_adaptive_quantile=q, dp_adaptive_lr=lr,
                   dp_adaptive_count_stddev=sb)  # fmt: skip
     clients = Clients(s, "abcd")
-    g = torch.Generator().manual_seed(seed)
+    key = NoiseKey.insecure(seed)
     z_u = (z**-2 - sb**-2) ** -0.5  # the count's sensitivity is 1 (zero-out neighbours)
     x, c = x0.double(), C0
-    for _ in range(3):
+    for release in range(3):
         deltas = [torch.randn(D, generator=rng) * scale for scale in (0.01, 0.02, 0.5, 3.0)]
         for client, d in zip("abcd", deltas, strict=True):
             clients.send(client, d)
         below = sum(float(d.double().norm()) <= c for d in deltas)
-        noise = torch.empty(D).normal_(0.0, z_u * c, generator=g).double()
+        noise = torch.from_numpy(draw_values(key, 0, release, D, z_u * c))
         x = x + (sum(_clipped(d, c) for d in deltas) + noise) / m
-        count_noise = float(torch.empty((), dtype=torch.float64).normal_(0.0, sb, generator=g))
+        count_noise = float(draw_values(key, 0, release, 1, sb, PURPOSE_COUNT)[0])
         share = (below - m / 2 + count_noise) / m + 0.5
         c *= math.exp(-lr * (share - q))
         torch.testing.assert_close(s.global_model().double(), x, rtol=0, atol=5e-6)

@@ -40,6 +40,9 @@ class Checkpoints:
         strategy.event_sink = getattr(sink, "quietly", None)
         replayed = updates = 0
         t0 = time.perf_counter()
+        privacy = strategy.privacy
+        if privacy is not None:  # republished versions carry fresh noise: charged again
+            privacy.begin_recovery()
         try:
             for segment, record in store.records(number):
                 try:
@@ -53,6 +56,8 @@ class Checkpoints:
                 updates += record.kind == "update"
         finally:
             strategy.event_sink = sink
+            if privacy is not None:
+                privacy.end_recovery()
         self.publish_recovered()
         store.reopen(number)
         # Counted from the checkpoint, not from this start (the next checkpoint is due as if

@@ -163,7 +163,14 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"log_level must be debug, info, warning or error: {self.log_level!r}")
         # A bad strategy name or [strategy_config] key fails at startup, not at the first
         # registration (where it would reach a client as an opaque error).
-        self.strategy_settings()
+        settings = self.strategy_settings()
+        if getattr(settings, "dp_seed", None) is not None and not settings.dp_insecure_seed:
+            raise ValueError(
+                "dp_seed fixes the differential-privacy noise: anyone who knows or guesses it "
+                "can recompute every draw and subtract it from the published models, so the "
+                "guarantee is gone. Leave dp_seed unset (the server draws a 256-bit key from "
+                "the OS), or set dp_insecure_seed = true for an experiment"
+            )
 
     def _check_dashboard_hosts(self) -> None:
         from aggsrv.server.dashboard.web import host_name_wanted

@@ -127,6 +127,8 @@ class SimConfig(TomlConfig):
         # An experiment's noise repeats with its seed (a server draws it from the OS).
         if settings.get("dp_clip_norm") is not None and settings.get("dp_seed") is None:
             settings["dp_seed"] = self.seed
+        if settings.get("dp_seed") is not None:  # an experiment: its noise may be recomputed
+            settings.setdefault("dp_insecure_seed", True)
         return settings
 
     def attack_spec(self):

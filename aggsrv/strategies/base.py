@@ -342,6 +342,7 @@ class Strategy(ABC):
             update = self._clipped_per_layer(update, job)
         # The job's start weights are read while the next version is written: held until then
         # (retiring the job gives up its own lease).
+        clipped_before = self.privacy.clipped if self.privacy is not None else 0
         with self._versions.lease(*job.tensors.values()):
             self._retire_job(job)
             try:
@@ -353,6 +354,9 @@ class Strategy(ABC):
                 self.float_buffers.discard()
                 raise
         outcome = dataclasses.replace(outcome, staleness=s)
+        if self.privacy is not None and self.privacy.clipped > clipped_before:
+            # DP clipped it: the client hears so in its own answer (nobody else does).
+            outcome = dataclasses.replace(outcome, clipped=True)
         if screening is not None:
             assert self.update_filters is not None
             self.update_filters.commit(screening)

@@ -31,11 +31,13 @@ counted when it is published; updates waiting in a buffer are not released yet.
 ``dp_target_epsilon`` refuses a release that would take any client past it, and from then on
 the strategy publishes nothing more (:class:`PrivacyBudgetSpent`).
 
-**Noise source.** A torch generator on the model's device, seeded from the operating system's
-entropy (``secrets``) unless ``dp_seed`` is set (the simulator sets it from the run's seed, for
-reproducible experiments). Its state is part of the strategy's state dict, so a server that
-replays its write-ahead log after a crash draws the same noise again, and never publishes two
-differently noised copies of one sum.
+**Noise source.** :mod:`aggsrv.strategies.dp_noise`: a 256-bit key from the operating system,
+held in memory only, every (shard, draw) its own AES-CTR stream, a ziggurat with a tail past 12
+standard deviations, and two draws summed per value against floating-point attacks. A fixed
+``dp_seed`` derives the key from a number for reproducible experiments (the simulator sets it
+from the run's seed; ``aggsrv serve`` refuses it without ``dp_insecure_seed``). A restarted
+server draws a fresh key, so the versions that recovery republishes from the log carry new
+noise: each replayed release is charged twice.
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from aggsrv.strategies.dp_accounting import (
@@ -55,6 +57,7 @@ from aggsrv.strategies.dp_accounting import (
     dp_accounting_module,
     gaussian_epsilon,
 )
+from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, fill_gaussian
 from aggsrv.strategies.errors import StrategyError
 
 __all__ = [
@@ -290,10 +293,19 @@ class GaussianPrivacy:
         self.dim = dim
         self.device = device
         self.exhausted = False  # a release was refused for the budget: no more versions
-        self.generator = torch.Generator(device=device)
-        seed = config.dp_seed if config.dp_seed is not None else secrets.randbits(63)
-        # Each shard draws its own slice's noise: independent streams, together N(0, s^2 I).
-        self.generator.manual_seed((int(seed) + 7919 * rank) % (1 << 63))
+        # The noise's secret, in memory only (never in the state): a restarted server draws
+        # a fresh one. A fixed dp_seed is for reproducible experiments (`aggsrv serve` refuses
+        # it without dp_insecure_seed).
+        self.key = (
+            NoiseKey.insecure(config.dp_seed) if config.dp_seed is not None
+            else NoiseKey.from_os()
+        )  # fmt: skip
+        self.draws = 0  # the update noises drawn (each draw its own stream)
+        self.count_draws = 0  # adaptive clipping's noised counts drawn
+        # Recovery replays the log: versions published before the crash are published again
+        # with fresh noise, so each replayed release is charged twice (see begin_recovery).
+        self.recovering = False
+        self._host_noise: np.ndarray | None = None
         self._noise: torch.Tensor | None = None
         self.clipped = 0  # updates whose delta was scaled down (not part of the state)
         self.last_noise_std = 0.0
@@ -334,7 +346,13 @@ class GaussianPrivacy:
 
     def released(self) -> None:
         """The version was published: spend it, and under adaptive clipping move C with the
-        noised share of unclipped updates (its noise drawn from the same generator)."""
+        noised share of unclipped updates. While recovery replays the log, a release is charged
+        twice: the version was (or may have been) published before the crash with other noise."""
+        if self.recovering and self.key.secure:
+            # Two Gaussian releases of one sum: mu^2 adds twice, i.e. sensitivity sqrt(2) s.
+            pending = self.accountant.pending
+            for c in pending:
+                pending[c] *= math.sqrt(2.0)
         self.accountant.release()
         m, below = self.pending_count, self.pending_below
         self.pending_count = self.pending_below = 0
@@ -343,9 +361,11 @@ class GaussianPrivacy:
         _, sigma = self.split_noise(m)
         if sigma is None:
             return
-        noise = torch.zeros(1, dtype=torch.float64, device=self.device)
+        draw = np.zeros(1, dtype=np.float64)
         if sigma > 0:
-            noise.normal_(0.0, sigma, generator=self.generator)
+            fill_gaussian(self.key, self.rank, self.count_draws, draw, sigma, PURPOSE_COUNT)
+            self.count_draws += 1
+        noise = torch.from_numpy(draw).to(self.device)
         if self.reduce is not None:
             # Shards draw from streams of their own: rank 0's draw, the same C on every shard.
             if self.rank:
@@ -397,8 +417,8 @@ class GaussianPrivacy:
         units of C; CA2FL computes its own)."""
         if self.exhausted:
             raise PrivacyBudgetSpent(self._spent_text())
-        if self.target_epsilon is None:
-            return
+        if self.target_epsilon is None or self.recovering:
+            return  # a replayed update was acknowledged: it is applied (see end_recovery)
         after = self.accountant.epsilon_of(self.accountant.worst_after(sensitivities))
         if after > self.target_epsilon:
             self._exhaust(after)
@@ -430,22 +450,49 @@ class GaussianPrivacy:
         )
 
     def noise(self, extra: int = 0) -> torch.Tensor:
-        """A fresh [D] float32 draw of N(0, (z C)^2) for a release of the pending contributions
-        and ``extra`` more (a scratch buffer, overwritten by the next draw). Draw it only for a
-        version that is then published, or restore the generator (:meth:`generator_state`)
-        when the publication is refused."""
-        if self._noise is None:
-            self._noise = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        """A fresh [D] float64 draw of N(0, (z C)^2) for a release of the pending contributions
+        and ``extra`` more (a scratch buffer, overwritten by the next draw), from the secure
+        sampler (:mod:`aggsrv.strategies.dp_noise`) on the CPU, then moved to the model's
+        device. Draw it only for a version that is then published, or put the draw counter
+        back (:meth:`generator_state`) when the publication is refused."""
+        if self._host_noise is None:
+            self._host_noise = np.empty(self.dim, dtype=np.float64)
+            host = torch.from_numpy(self._host_noise)
+            self._noise = host if self.device.type == "cpu" else host.to(self.device)
         std = self.split_noise(self.pending_count + extra)[0] * self.clip_norm
-        self._noise.normal_(0.0, std, generator=self.generator)
+        fill_gaussian(self.key, self.rank, self.draws, self._host_noise, std)
+        self.draws += 1
+        assert self._noise is not None
+        if self.device.type != "cpu":
+            self._noise.copy_(torch.from_numpy(self._host_noise))
         self.last_noise_std = std
         return self._noise
 
-    def generator_state(self) -> torch.Tensor:
-        return self.generator.get_state()
+    def generator_state(self) -> int:
+        """Where the noise stream stands (the next draw's number)."""
+        return self.draws
 
-    def restore_generator(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
+    def restore_generator(self, state: int) -> None:
+        self.draws = int(state)
+
+    def begin_recovery(self) -> None:
+        """Recovery starts replaying the log: releases are charged twice, and the budget does
+        not refuse an update that was acknowledged before the crash."""
+        self.recovering = True
+
+    def end_recovery(self) -> None:
+        """Recovery ended: if the replay's double charges took epsilon past the target, the
+        budget is spent now."""
+        self.recovering = False
+        target = self.target_epsilon
+        if target is not None and not self.exhausted:
+            eps = self.accountant.epsilon()
+            if eps > target:
+                self.exhausted = True
+                logger.warning(
+                    "differential privacy: the versions republished by recovery took epsilon to "
+                    "%.4g, past dp_target_epsilon = %g: %s", eps, target, self._spent_text()
+                )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         """What has been spent, for status and metrics (any thread: reads plain values)."""
@@ -463,7 +510,10 @@ class GaussianPrivacy:
     def state(self) -> dict[str, Any]:
         return {
             **self.accountant.state(),
-            "generator": self.generator.get_state(),
+            # The stream's position, not its key: a seeded (insecure) run resumed from here
+            # goes on with fresh draws; a secure key is never saved.
+            "noise_draws": self.draws,
+            "count_draws": self.count_draws,
             "exhausted": self.exhausted,
             "clip_norm": self.clip_norm,
             "pending_count": self.pending_count,
@@ -472,7 +522,8 @@ class GaussianPrivacy:
 
     def load(self, state: Mapping[str, Any]) -> None:
         self.accountant.load(state)
-        self.generator.set_state(state["generator"].to("cpu", torch.uint8))
+        self.draws = int(state.get("noise_draws", 0))
+        self.count_draws = int(state.get("count_draws", 0))
         self.exhausted = bool(state["exhausted"])
         if self.adaptive:  # the C it had moved to; a fixed C is the config's
             self.clip_norm = float(state["clip_norm"])
