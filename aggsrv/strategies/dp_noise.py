@@ -43,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba as nb
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = [
     "BLOCK",
@@ -216,9 +215,23 @@ def _words(encryptor, n: int) -> np.ndarray:
     return out.view(np.uint64)
 
 
+def cipher_module():
+    """cryptography's cipher primitives (an optional dependency: the error says how to get
+    it)."""
+    try:
+        from cryptography.hazmat.primitives import ciphers
+    except ImportError as exc:
+        raise ImportError(
+            "differential privacy's noise needs the cryptography package (pip install 'aggsrv[dp]')"
+        ) from exc
+    return ciphers
+
+
 def _encryptor(stream_key: bytes, block: int):
+    ciphers = cipher_module()
     counter = (block << 64).to_bytes(16, "big")
-    return Cipher(algorithms.AES(stream_key), modes.CTR(counter)).encryptor()
+    cipher = ciphers.Cipher(ciphers.algorithms.AES(stream_key), ciphers.modes.CTR(counter))
+    return cipher.encryptor()
 
 
 def gaussian_block(stream_key: bytes, block: int, out: np.ndarray, scale: float) -> None:

@@ -57,7 +57,7 @@ from aggsrv.strategies.dp_accounting import (
     dp_accounting_module,
     gaussian_epsilon,
 )
-from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, fill_gaussian
+from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, cipher_module, fill_gaussian
 from aggsrv.strategies.errors import StrategyError
 
 __all__ = [
@@ -233,6 +233,7 @@ class PrivacyConfig:
                 "release has epsilon = infinity)"
             )
         dp_accounting_module()  # fail at configuration, not at the first release
+        cipher_module()
 
 
 def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
@@ -316,21 +317,26 @@ class GaussianPrivacy:
 
     def split_noise(self, contributions: int) -> tuple[float, float | None]:
         """Adaptive clipping's split of the noise for a release of ``contributions``: the
-        update's multiplier ``z_u`` and the count's std ``sigma_b``, with ``1/z^2 = 1/z_u^2 +
-        1/sigma_b^2``, so the two releases together cost one Gaussian mechanism of multiplier
-        z (Andrew et al. 2021, Theorem 1). The count's sensitivity is 1, not the paper's 1/2:
-        a zeroed-out update (norm 0) counts as unclipped where the real one may not, so its
-        centred bit moves from -1/2 to +1/2. ``(z, None)`` without adaptive clipping, and for
-        a release that cannot afford the count (``sigma_b <= z``): C then stays as it is."""
+        update's multiplier ``z_u`` and the count's std ``sigma_b``, so that the two releases
+        together cost one Gaussian mechanism of multiplier z (Andrew et al. 2021, Theorem 1),
+        which is what the accountant charges. The count's sensitivity is 1, not the paper's
+        1/2: a zeroed-out update (norm 0) counts as unclipped where the real one may not, so
+        its centred bit moves from -1/2 to +1/2; a replaced one moves it by 1 too. The update's
+        sensitivity is ``k C``: ``k = 1`` under ``zero_out``, 2 under ``replace_one``. The
+        squared means add up, ``(k / z_u)^2 + (1 / sigma_b)^2 = (k / z)^2``, so ``1/z_u^2 =
+        1/z^2 - 1/(k sigma_b)^2`` (``zero_out``: the paper's ``1/z^2 = 1/z_u^2 +
+        1/sigma_b^2``). ``(z, None)`` without adaptive clipping, and for a release that cannot
+        afford the count (``k sigma_b <= z``): C then stays as it is."""
         z = self.noise_multiplier
         if not self.adaptive or contributions == 0:
             return z, None
         sigma = self.count_stddev if self.count_stddev is not None else contributions / 20.0
         if z == 0:
             return 0.0, 0.0
-        if sigma <= z * (1.0 + 1e-9):
+        wide = self.accountant.factor * sigma  # the count's noise per unit of the update's
+        if wide <= z * (1.0 + 1e-9):
             return z, None
-        return (z**-2 - sigma**-2) ** -0.5, sigma
+        return (z**-2 - wide**-2) ** -0.5, sigma
 
     def weight_of(self, weight: float) -> float:
         """A contribution's sensitivity in units of C for the accountant: its weight, or 1 under
