@@ -22,17 +22,20 @@ from aggsrv.server.config import ServerConfig
 from aggsrv.strategies import make_strategy
 from aggsrv.strategies.base import UpdateKind
 from aggsrv.strategies.dp_noise import (
+    _KI,
+    _R,
+    _WI,
     BLOCK,
     PURPOSE_COUNT,
     PURPOSE_UPDATE,
     TRUNCATION,
     NoiseKey,
+    _fill,
     draw_values,
     fill_gaussian,
     standard_normals,
     tail_normals,
 )
-from aggsrv.strategies.dp_noise import _KI, _R, _WI, _fill
 
 P_MIN = 1e-4  # a fresh key per run: a correct sampler fails one of these 1 time in 10,000
 
@@ -226,7 +229,7 @@ def test_one_draw_reaches_past_12_sigma_and_no_further_than_its_stated_truncatio
     """The truncation point is R + sqrt(2 * 53 ln 2) = 12.23 sigma: words that drive the tail
     to 12.2 sigma give a value there, and the acceptance test of 53-bit uniforms cannot accept
     more (checked at the bound)."""
-    assert TRUNCATION == pytest.approx(_R + math.sqrt(2 * 53 * math.log(2)), rel=1e-15)
+    assert pytest.approx(_R + math.sqrt(2 * 53 * math.log(2)), rel=1e-15) == TRUNCATION
     assert TRUNCATION > 12.2
     out = np.zeros(1)
     done, used = _fill(_tail_words(8.5), out, 1.0, 1, _KI, _WI, np.ones(256))

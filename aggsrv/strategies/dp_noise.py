@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 KEY_BYTES = 32
-BLOCK = 1 << 20  # values per counter-addressed block
+BLOCK = 1 << 18  # values per counter-addressed block (4 MiB of words: stays in cache)
 _LABEL = b"aggsrv/dp-noise/v1"
 PURPOSE_UPDATE = 0  # the noise on a release's sum
 PURPOSE_COUNT = 1  # adaptive clipping's noised count
