@@ -14,14 +14,34 @@ An aggregation with no contribution (or zero samples in all) keeps the weights b
 new version, so in sync mode ``version`` counts closed rounds.
 
 ``mode = "sync"``: a round opens as soon as ``max(min_available, min_clients)`` clients are
-registered (and again right after the previous round closed). It samples
+registered (and again right after the previous round closed). ``sampling = "fixed"`` samples
 ``participation`` of them (a float in (0, 1]: that fraction of the registered clients, rounded
-down; an int: that many), at least ``min_clients`` and at most all, with the strategy's seeded
-RNG. ``job_for`` gives sampled clients that have not reported a job whose deadline is
-``round start + round_timeout``; everyone else gets None until the next round. The round
-closes when every sampled client reported, or at the deadline (``on_timer``) if at least
-``min_clients`` updates were accepted into it; otherwise the deadline moves ``round_timeout``
-on. Then the next round opens at once.
+down; an int: that many), at least ``min_clients`` and at most all. ``sampling = "poisson"``
+includes each registered client independently with probability ``q = participation`` (a
+fraction), so a round has Binomial(n, q) clients, possibly none. The draws come from the
+strategy's seeded RNG (``sampling_source = "seed"``: reproducible, and as public as the seed)
+or from a 252-bit key drawn from the operating system (``"os"``: BLAKE2b keyed by it, per draw
+and client; the key is in the strategy's state, so a replayed log samples alike, like the log's
+own record of who got a job). ``job_for`` gives sampled clients that have not reported a job
+whose deadline is ``round start + round_timeout``; everyone else gets None until the next
+round. The round closes when every sampled client reported, or at the deadline (``on_timer``)
+if at least ``min_clients`` updates were accepted into it; otherwise the deadline moves
+``round_timeout`` on. Then the next round opens at once. A Poisson round is never redrawn nor
+extended for lack of updates (that would condition the sample on its size, and the inclusion
+probability would no longer be q): at its deadline it closes with what it has, even nothing, so
+``round_timeout`` is required and ``min_clients`` only gates the first round.
+
+**Amplification by sampling** (docs/privacy.md): with the dp_ keys, ``sampling = "poisson"``,
+``sampling_source = "os"``, ``dp_accountant`` ``pld`` or ``rdp`` and ``dp_neighbour =
+"zero_out"``, each round charges every registered client (sampled or not) one
+``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` instead of charging the sampled ones a Gaussian
+mechanism. For that the published model must not tell who was sampled: such a round closes
+only at its deadline (an early close would time the slowest sampled client), the mean divides
+the noised sum by the expected size ``q n`` (n: the clients registered when it opened; the
+fixed-denominator estimator of McMahan et al. 2018) instead of the count, a round with no
+contribution still publishes its noise, and ``late = "drop"`` is required (a late update would
+land in a round that did not sample its client). A public seed, fixed-size sampling or the
+``gdp`` accountant claim no amplification: the sampled clients are charged as always.
 
 ``partial_work``: an update whose ``work_done`` is below its recipe's epochs (or steps) is
 ``drop``-ped (accepted, answered BUFFERED, but not aggregated; the client still counts as
@@ -46,8 +66,10 @@ version) for the one that triggered it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -65,6 +87,7 @@ from aggsrv.strategies.base import (
     StrategyConfig,
     Update,
 )
+from aggsrv.strategies.dp_accounting import AMPLIFYING_KINDS
 from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
@@ -76,6 +99,10 @@ from aggsrv.strategies.robust import (
 __all__ = ["FedAvg", "FedAvgConfig"]
 
 logger = logging.getLogger(__name__)
+
+SAMPLINGS = ("fixed", "poisson")
+SAMPLING_SOURCES = ("seed", "os")
+_KEY_WORDS = 4  # the "os" sampling key: 4 words of 63 random bits
 
 
 @dataclass
@@ -89,6 +116,10 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
     HELP: ClassVar[Mapping[str, str]] = {
         "mode": "sync (rounds) or k_async (aggregate every k updates)",
         "participation": "clients sampled per round: a fraction in (0, 1] or a count",
+        "sampling": "sync: fixed (participation's share, exactly) or poisson (each client with "
+        "probability participation)",
+        "sampling_source": "sync sampling's draws: seed (public, reproducible) or os (secret: "
+        "DP amplification, pld/rdp)",
         "min_clients": "a round samples and closes with at least this many clients",
         "min_available": "registered clients needed before the first round opens",
         "round_timeout": "seconds before a round closes without its stragglers; unset = never",
@@ -106,6 +137,8 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
     learning_rate: float = 0.05
     mode: str = "sync"
     participation: float | int = 1.0
+    sampling: str = "fixed"
+    sampling_source: str = "seed"
     min_clients: Count = 1
     min_available: Count = 1
     round_timeout: float | None = 60.0
@@ -127,6 +160,8 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
             ("partial_work", ("drop", "include")),
             ("late", ("drop", "next_round")),
             ("server_opt", ("sgd", "adam")),
+            ("sampling", SAMPLINGS),
+            ("sampling_source", SAMPLING_SOURCES),
         ):
             if getattr(self, key) not in choices:
                 raise ValueError(f"{key} must be one of {choices}, got {getattr(self, key)!r}")
@@ -139,6 +174,7 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
             raise ValueError(f"participation as a fraction must be in (0, 1], got {p}")
         if self.round_timeout is not None and not self.round_timeout > 0:
             raise ValueError(f"round_timeout must be > 0 or None, got {self.round_timeout}")
+        self._check_sampling()
         if self.server_lr is not None and not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
         if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0 and self.tau > 0):
@@ -147,6 +183,45 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
         k_async = self.mode == "k_async"
         check_aggregator(self.aggregator, self.k if k_async else None, "k")
         self.check_privacy(self.aggregator)
+
+    def _check_sampling(self) -> None:
+        """``sampling`` and ``sampling_source`` against the mode, participation and late."""
+        if self.mode != "sync" and (self.sampling, self.sampling_source) != ("fixed", "seed"):
+            raise ValueError(
+                "sampling and sampling_source choose a sync round's clients; k_async samples "
+                "no one (every client always has a job)"
+            )
+        if self.sampling != "poisson":
+            return
+        if not isinstance(self.participation, float):
+            raise ValueError(
+                "sampling = 'poisson' includes each client with probability participation: give "
+                f"it as a fraction in (0, 1], got the count {self.participation!r}"
+            )
+        if self.round_timeout is None:
+            raise ValueError(
+                "sampling = 'poisson' closes a round at its deadline with whatever it drew (a "
+                "round is never redrawn, and it may have sampled no one): set round_timeout"
+            )
+        if self.amplified and self.late != "drop":
+            raise ValueError(
+                "amplification by sampling (sampling = 'poisson', sampling_source = 'os' with "
+                "the dp_ keys) needs late = 'drop': a late update would count in a round that "
+                "did not sample its client"
+            )
+
+    @property
+    def amplified(self) -> bool:
+        """Whether differential privacy charges each round as a Poisson-sampled Gaussian
+        mechanism for every client (module docstring, "Amplification by sampling")."""
+        return (
+            self.private
+            and self.mode == "sync"
+            and self.sampling == "poisson"
+            and self.sampling_source == "os"
+            and self.dp_accountant in AMPLIFYING_KINDS
+            and self.dp_neighbour == "zero_out"
+        )
 
     @property
     def effective_server_lr(self) -> float:
@@ -182,6 +257,12 @@ class FedAvg(Strategy):
         self._round_open = False
         self._participants: dict[str, bool] = {}
         self._deadline: float | None = None
+        # Sampling: draws made (a counter the "os" key hashes with), that key (made at the
+        # first draw), and an amplified round's expected size q n (its mean's denominator).
+        self._draws = 0
+        self._sampling_key: bytes | None = None
+        self._amplified = self.privacy is not None and self.config.amplified
+        self._expected = 0.0
         # With a robust rule: the contributions' deltas as rows, each row's max |x| (derived
         # from the rows, not saved) and FedAdam's moments' bounds.
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
@@ -228,7 +309,13 @@ class FedAvg(Strategy):
         if self.config.mode != "sync":
             return
         if self._round_open and self._deadline is not None and now >= self._deadline:
-            if self._acc_count >= self.config.min_clients:
+            # A Poisson round closes with what it has: waiting for more would condition it.
+            if self._acc_count >= self.config.min_clients or self.config.sampling == "poisson":
+                privacy = self.privacy
+                # Recovery republishes a round published before the crash, with other noise
+                # (the test of GaussianPrivacy.released's double charge).
+                if self._amplified and privacy and privacy.recovering and privacy.key.secure:
+                    privacy.accountant.republish()
                 if self.privacy is not None:
                     try:
                         self.privacy.require_budget()
@@ -262,8 +349,10 @@ class FedAvg(Strategy):
         if cfg.mode == "k_async":
             closes = self._acc_count + 1 >= cfg.k
         else:
-            closes = in_round and all(
-                r for c, r in self._participants.items() if c != update.client_id
+            closes = (
+                in_round
+                and not self._amplified  # at its deadline only: the time would tell who
+                and all(r for c, r in self._participants.items() if c != update.client_id)
             )
         step = None
         contributes = not (partial and cfg.partial_work == "drop")
@@ -290,9 +379,11 @@ class FedAvg(Strategy):
                 with self._noise_for_release(extra=1) as noise:
                     # The sum is emptied by the step: the noise may go into it in place.
                     noised = acc if noise is None else acc.add_(noise)
-                    step = self._checked_step(self._server_step(noised, self._acc_weight + weight))
+                    step = self._checked_step(
+                        self._server_step(noised, self._denominator(self._acc_weight + weight))
+                    )
             else:
-                self._check_aggregate(acc, self._acc_weight + weight)
+                self._check_aggregate(acc, self._denominator(self._acc_weight + weight))
             self._commit_sum(update, acc, weight, clip)
         if closes and cfg.mode == "k_async":
             assert step is not None
@@ -491,16 +582,31 @@ class FedAvg(Strategy):
         if self._rows is not None:
             return self._commit_step(self._robust_step())
         weight = self._acc_weight if self._acc_count else 0.0
-        # An empty round releases nothing: no noise drawn.
-        with self._noise_for_release() if weight else contextlib.nullcontext() as noise:
+        # An empty round releases nothing: no noise drawn; but an amplified round publishes its
+        # noise whatever it drew (an unchanged model would tell that nobody was sampled).
+        amplified = self._amplified and self._round_open
+        releases = bool(weight) or amplified
+        with self._noise_for_release() if releases else contextlib.nullcontext() as noise:
             acc = self._acc
+            if amplified and not self._acc_count:
+                acc = self._spare_sum().zero_()  # the sum holds an older round's values
             if noise is not None:
                 # Beside the sum, not in it: a refused step must find the sum as it was.
-                if self._spare is None:
-                    self._spare = torch.empty_like(self._acc)
-                acc = torch.add(self._acc, noise, out=self._spare)
-            step = self._checked_step(self._server_step(acc, weight))
+                acc = torch.add(acc, noise, out=self._spare_sum())
+            step = self._checked_step(self._server_step(acc, self._denominator(weight)))
         return self._commit_step(step)
+
+    def _spare_sum(self) -> torch.Tensor:
+        if self._spare is None:
+            self._spare = torch.empty_like(self._acc)
+        return self._spare
+
+    def _denominator(self, weight: float) -> float:
+        """What the mean divides the (noised) sum by: the contributions' weight, or an
+        amplified round's expected size ``q n``, which does not tell how many were sampled."""
+        if self._amplified and self._round_open:
+            return self._expected
+        return weight
 
     # --------------------------------------------------------------------------- rounds
 
@@ -509,6 +615,54 @@ class FedAvg(Strategy):
         m = p if isinstance(p, int) else math.floor(p * n + 1e-9)
         return min(n, max(m, self.config.min_clients, 1))
 
+    def _secret_key(self) -> bytes:
+        """The "os" sampling key: 252 random bits from the operating system (``secrets``),
+        made at the first draw; on shards, rank 0's, so every shard samples alike."""
+        if self._sampling_key is None:
+            words = torch.zeros(_KEY_WORDS, dtype=torch.int64, device=self.device)
+            if self.reducer.rank == 0:
+                fresh = [secrets.randbits(63) for _ in range(_KEY_WORDS)]
+                words.copy_(torch.tensor(fresh, dtype=torch.int64))
+            if self.reduce is not None:
+                words = self.reduce(words)
+            self._sampling_key = b"".join(int(w).to_bytes(8, "big") for w in words.tolist())
+        return self._sampling_key
+
+    def _secret_draws(self, registered: list[str]) -> list[int]:
+        """Per registered client a uniform 64-bit number, BLAKE2b keyed by the secret key of
+        this draw's count and the client's id: independent over clients and draws, and
+        unpredictable without the key (an observer of some clients' inclusions learns nothing
+        of the others')."""
+        key = self._secret_key()
+        prefix = self._draws.to_bytes(8, "big")
+        return [
+            int.from_bytes(
+                hashlib.blake2b(prefix + c.encode(), digest_size=8, key=key,
+                                person=b"aggsrv.sampling").digest(), "big"
+            )
+            for c in registered
+        ]  # fmt: skip
+
+    def _sample(self, registered: list[str]) -> list[str]:
+        """The clients of the round about to open, in join order (module docstring)."""
+        cfg = self.config
+        n = len(registered)
+        if cfg.sampling == "poisson":
+            q = float(cfg.participation)
+            if cfg.sampling_source == "os":
+                bound = math.ldexp(q, 64)  # P(u < q 2^64) = q for a uniform 64-bit u
+                return [c for c, u in zip(registered, self._secret_draws(registered),
+                                          strict=True) if u < bound]  # fmt: skip
+            u = torch.rand(n, generator=self._rng, dtype=torch.float64).tolist()
+            return [c for c, x in zip(registered, u, strict=True) if x < q]
+        m = self._sample_size(n)
+        if cfg.sampling_source == "os":  # the m smallest draws: a uniform m-subset
+            draws = self._secret_draws(registered)
+            picked = sorted(sorted(range(n), key=draws.__getitem__)[:m])
+        else:
+            picked = sorted(torch.randperm(n, generator=self._rng)[:m].tolist())
+        return [registered[i] for i in picked]
+
     def _maybe_open_round(self, now: float) -> None:
         """Open a sync round (sample its participants) if none is open and enough clients are."""
         if self.config.mode != "sync" or self._round_open:
@@ -516,10 +670,14 @@ class FedAvg(Strategy):
         n = len(self._clients)
         if n < max(self.config.min_clients, self.config.min_available):
             return
-        m = self._sample_size(n)
-        picked = sorted(torch.randperm(n, generator=self._rng)[:m].tolist())
-        registered = list(self._clients)
-        self._participants = {registered[i]: False for i in picked}
+        self._participants = dict.fromkeys(self._sample(list(self._clients)), False)
+        m = len(self._participants)
+        self._draws += 1
+        if self._amplified:
+            assert self.privacy is not None
+            q = float(self.config.participation)
+            self._expected = q * n
+            self.privacy.accountant.open_round(q)
         self._round_open = True
         self._note_side_effect()  # reachable from job_for: the server must log that call
         timeout = self.config.round_timeout
@@ -562,6 +720,10 @@ class FedAvg(Strategy):
             "participants": dict(self._participants),
             "deadline": self._deadline,
             "robust": robust,
+            "draws": self._draws,
+            "expected": self._expected,
+            # The "os" sampling key (its draws are in the log's record of jobs anyway).
+            "sampling_key": None if self._sampling_key is None else self._sampling_key.hex(),
         }
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
@@ -581,3 +743,8 @@ class FedAvg(Strategy):
         self._round_open = bool(state["round_open"])
         self._participants = {str(c): bool(r) for c, r in state["participants"].items()}
         self._deadline = state["deadline"]
+        # States saved before Poisson sampling: no draw counted, no key, no amplified round.
+        self._draws = int(state.get("draws", 0))
+        self._expected = float(state.get("expected", 0.0))
+        key = state.get("sampling_key")
+        self._sampling_key = None if key is None else bytes.fromhex(key)
