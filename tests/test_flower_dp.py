@@ -66,7 +66,7 @@ def test_sync_fedavg_with_dp_equals_flowers_fixed_clipping(monkeypatch) -> None:
     nodes, rounds, C, z = [3, 5, 8, 13], 4, 0.6, 0.9
     keys = {"mode": "sync", "min_clients": len(nodes), "round_timeout": None,
             "dp_clip_norm": C, "dp_noise_multiplier": z, "dp_seed": seed,
-            "dp_insecure_seed": True}  # fmt: skip
+            "dp_insecure_seed": True, "dp_accountant": "rdp"}  # fmt: skip
     clock = VirtualClock()
     adapter = AggsrvStrategy("fedavg", keys, clock=clock, seed=seed)
     initial = initial_record(seed)

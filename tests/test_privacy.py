@@ -188,7 +188,8 @@ def test_the_accountant_composes_what_each_client_released_as_dp_accounting_does
     epsilon is the worst client's, as dp-accounting composes it event by event."""
     z, delta = 1.3, 1e-6
     s = _strategy("fedbuff", torch.zeros(D), buffer_size=2, staleness_weighting=True,
-                  dp_clip_norm=1.0, dp_noise_multiplier=z, dp_delta=delta)  # fmt: skip
+                  dp_clip_norm=1.0, dp_noise_multiplier=z, dp_delta=delta,
+                  dp_accountant="rdp")  # fmt: skip
     clients = Clients(s, "abc")
     held = s.job_for("c", 0.0)
     for client in "ab":  # v1 = {a: 1, b: 1}
@@ -212,7 +213,8 @@ def test_the_accountant_composes_what_each_client_released_as_dp_accounting_does
     assert acct.releases == 3
     # Sync FedAvg, T rounds of everyone once (Flower's fixed-clipping setting): T events of z.
     f = _strategy("fedavg", torch.zeros(D), participation=1.0, min_clients=3,
-                  dp_clip_norm=0.3, dp_noise_multiplier=z, dp_delta=delta)  # fmt: skip
+                  dp_clip_norm=0.3, dp_noise_multiplier=z, dp_delta=delta,
+                  dp_accountant="rdp")  # fmt: skip
     clients = Clients(f, "abc")
     for _ in range(7):
         for client in "abc":
@@ -229,7 +231,7 @@ def test_the_budget_stops_publishing_and_loses_nothing_acknowledged() -> None:
     four, five = _rdp_epsilon([z] * 4, delta), _rdp_epsilon([z] * 5, delta)
     s = _strategy("fedbuff", torch.zeros(D), buffer_size=2, dp_clip_norm=1.0,
                   dp_noise_multiplier=z, dp_delta=delta, dp_target_epsilon=(four + five) / 2,
-                  dp_seed=1)  # fmt: skip
+                  dp_seed=1, dp_accountant="rdp")  # fmt: skip
     clients = Clients(s, "ab")
     for _ in range(4):
         clients.send("a", torch.randn(D))
@@ -441,7 +443,7 @@ def test_adaptive_clipping_replays_the_papers_rule_step_by_step() -> None:
     C0, z, lr, q, sb, seed, m = 1.0, 0.5, 0.3, 0.5, 0.6, 21, 4
     s = _strategy("fedbuff", x0, buffer_size=m, dp_clip_norm=C0, dp_noise_multiplier=z,
                   dp_seed=seed, dp_adaptive_quantile=q, dp_adaptive_lr=lr,
-                  dp_adaptive_count_stddev=sb)  # fmt: skip
+                  dp_adaptive_count_stddev=sb, dp_accountant="rdp")  # fmt: skip
     clients = Clients(s, "abcd")
     key = NoiseKey.insecure(seed)
     z_u = (z**-2 - sb**-2) ** -0.5  # the count's sensitivity is 1 (zero-out neighbours)
@@ -568,7 +570,8 @@ def test_a_resumed_server_may_change_the_noise_and_the_accountant_follows() -> N
     """3 releases at z = 1, then a restart with z = 2 and 2 more: epsilon is dp-accounting's
     for the five releases as they were, and a sync FedAvg whose budget is spent tells every
     client, sampled or not."""
-    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0}
+    config = {"buffer_size": 1, "dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0,
+              "dp_accountant": "rdp"}  # fmt: skip
     s = _strategy("fedbuff", torch.zeros(D), **config)
     clients = Clients(s, "a")
     for _ in range(3):
@@ -584,7 +587,7 @@ def test_a_resumed_server_may_change_the_noise_and_the_accountant_follows() -> N
     # Sync FedAvg sampling one of three clients a round; the budget allows one release each.
     one, two = _rdp_epsilon([1.0], 1e-5), _rdp_epsilon([1.0, 1.0], 1e-5)
     f = _strategy("fedavg", torch.zeros(D), participation=1, min_clients=1, min_available=3,
-                  dp_clip_norm=1.0, dp_noise_multiplier=1.0,
+                  dp_clip_norm=1.0, dp_noise_multiplier=1.0, dp_accountant="rdp",
                   dp_target_epsilon=(one + two) / 2)  # fmt: skip
     fc = Clients(f, "abc")
     spent = set()

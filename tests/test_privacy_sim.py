@@ -15,7 +15,8 @@ from aggsrv.sim.runner import run
 
 dpa = pytest.importorskip("dp_accounting", reason="the dp extra (pip install 'aggsrv[dp]')")
 
-KEYS = {"buffer_size": 3, "dp_clip_norm": 1.0, "dp_noise_multiplier": 3.0, "dp_target_epsilon": 8.0}
+KEYS = {"buffer_size": 3, "dp_clip_norm": 1.0, "dp_noise_multiplier": 3.0,
+        "dp_target_epsilon": 8.0, "dp_accountant": "rdp"}  # fmt: skip
 
 
 def _run(tmp_path: Path, name: str, transport: str = "inproc", **extra) -> tuple[dict, list]:
