@@ -12,22 +12,23 @@ it always does (FedBuff's ``server_lr / M``, FedAvg's mean and server optimizer,
 ``alpha_s``): the noise is scaled as the aggregate is. FedAvg weighs every contribution alike
 under DP (a weight by ``num_samples`` would let one client's weight, so its sensitivity, grow).
 
-**Neighbouring federations** differ in the content of one client's updates (every update of
-that client replaced by zero: the "zero-out" relation), while who contributed to which version,
-and when, stays the same. Asynchronous arrivals are not a sampling step the server controls, so
-no amplification by sampling is claimed, and the arrival pattern is treated as public (an
-observer of the published versions sees their timing anyway).
+**Neighbouring federations** (``dp_neighbour``) differ in the content of one client's updates:
+every update of that client replaced by zero ("zero_out", the default) or by anything
+("replace_one", which doubles every sensitivity), while who contributed to which version, and
+when, stays the same. Asynchronous arrivals are not a sampling step the server controls, so
+they are not amplified, and the arrival pattern is treated as public (an observer of the
+published versions sees their timing anyway); only sync FedAvg's Poisson sampling from a
+secret key is (:mod:`aggsrv.strategies.dp_accounting`).
 
 **Accounting.** A published version is a Gaussian mechanism on the clipped sum: for a client
 whose contributions to that version weigh ``s`` in total (``s = 1`` for one unweighted update),
 its sensitivity is ``s C`` against noise ``z C``: a Gaussian mechanism of mean ``mu_t = s / z``.
-Gaussian mechanisms compose exactly into one with ``mu^2 = sum_t mu_t^2`` (the Rényi
-divergences add, and so do the squared means of Gaussian DP), so the accountant keeps one
-number per client, ``mu^2`` over the versions it contributed to (each with its own z, so a
-resumed server may change z), and the guarantee of the run is that of the client with the
-largest ``mu^2``: epsilon for ``dp_delta`` from ``dp-accounting``'s Rényi accountant for one
-``GaussianDpEvent(1 / mu)``, which equals composing every release one by one. A version is
-counted when it is published; updates waiting in a buffer are not released yet.
+Gaussian mechanisms compose exactly into one with ``mu^2 = sum_t mu_t^2``, so the accountant
+keeps one number per client, ``mu^2`` over the versions it contributed to (each with its own z,
+so a resumed server may change z), and the guarantee of the run is that of the client with the
+largest ``mu^2``: epsilon for ``dp_delta`` by ``dp_accountant`` (the exact Gaussian-DP
+conversion by default, or dp-accounting's PLD or RDP accountant). A version is counted when it
+is published; updates waiting in a buffer are not released yet.
 ``dp_target_epsilon`` refuses a release that would take any client past it, and from then on
 the strategy publishes nothing more (:class:`PrivacyBudgetSpent`).
 
