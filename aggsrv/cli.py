@@ -208,7 +208,9 @@ def format_status(s) -> str:
                     + (f" {dict(s.rejected_by_code)}" if s.rejected_by_code else "")
                     + (f", {sum(s.filtered_by_reason.values())} filtered "
                        f"{dict(s.filtered_by_reason)}" if s.filtered_by_reason else "")
-                    + (f", {s.updates_clipped} clipped" if s.updates_clipped else "")),
+                    + (f", {s.updates_clipped} clipped" if s.updates_clipped else "")
+                    + (" (public refusals only: differential privacy withholds the rest from "
+                       "non-admin tokens)" if s.data_withheld else "")),
         ("queue", f"{s.queue_depth} waiting, {s.uploads_in_progress} uploading"),
         ("durability", s.durability + (f", {s.wal_bytes / 1e6:.1f} MB logged since the last "
                                        "checkpoint" if s.durability == "on" else "")),
@@ -231,7 +233,11 @@ def format_status(s) -> str:
                 "privacy",
                 f"epsilon {p.epsilon:.4g} {budget} at delta {p.delta:g}, "
                 f"{p.releases} releases, C {p.clip_norm:g}, z {p.noise_multiplier:g}, "
-                f"{p.updates_clipped} clipped"
+                + (
+                    "clip count withheld (admin token only)"
+                    if s.data_withheld
+                    else f"{p.updates_clipped} clipped"
+                )
                 + (": budget spent, no more versions" if p.budget_spent else ""),
             ),
         )

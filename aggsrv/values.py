@@ -139,7 +139,9 @@ class Update:
     when the layout has float buffers, None otherwise; also a staging view. ``norm``: the L2
     norm of ``tensor`` in float64 when the code that built the update computed it on the way
     (the server's decoder does, in its NaN/Inf pass), so a strategy that clips need not read
-    the tensor again; None: the strategy computes it.
+    the tensor again; None: the strategy computes it. ``non_finite``: set by a strategy under
+    differential privacy on the zero delta it put in place of one holding NaN/Inf (its clip
+    factor ``min(1, C / inf)`` is 0); never set by the code that hands updates in.
     """
 
     client_id: str
@@ -152,6 +154,7 @@ class Update:
     tensor: torch.Tensor
     buffers: torch.Tensor | None = None
     norm: float | None = None
+    non_finite: bool = False
 
 
 class PendingReason(enum.IntEnum):

@@ -40,8 +40,9 @@ def _clipped(delta: torch.Tensor, c: float) -> torch.Tensor:
 
 def test_a_dp_fedbuff_server_clips_noises_and_accounts_over_grpc(tmp_path: Path) -> None:
     C, z, seed, delta = 0.5, 1.2, 77, 1e-5
+    # dp_accountant pinned: epsilon is compared with dp-accounting's RDP below.
     keys = {"buffer_size": 2, "dp_clip_norm": C, "dp_noise_multiplier": z, "dp_seed": seed,
-            "dp_insecure_seed": True, "dp_delta": delta}  # fmt: skip
+            "dp_insecure_seed": True, "dp_delta": delta, "dp_accountant": "rdp"}  # fmt: skip
     srv = RunningServer(strategy="fedbuff", strategy_config=keys, metrics_port=0,
                         dashboard_port=0, rate_limit_per_second=0.0)  # fmt: skip
     rng = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
@@ -70,7 +71,11 @@ def test_a_dp_fedbuff_server_clips_noises_and_accounts_over_grpc(tmp_path: Path)
         assert p.releases == 3 and p.epsilon == pytest.approx(eps, rel=1e-9)
         assert (p.clip_norm, p.noise_multiplier, p.delta) == (C, z, delta)
         assert not p.HasField("target_epsilon") and not p.budget_spent
-        assert p.updates_clipped == 5  # all but a's first, tiny update
+        # Without authentication nobody is an admin: the clip count (it depends on the updates'
+        # norms) is withheld from GetStatus (tests/test_privacy_channels.py), not from the
+        # strategy.
+        assert status.data_withheld and p.updates_clipped == 0
+        assert srv.strategy.privacy.clipped == 5  # all but a's first, tiny update
         m = scrape_metrics(srv.server.metrics_port)
         assert m[("aggsrv_dp_epsilon", frozenset())] == pytest.approx(eps, rel=1e-9)
         assert m[("aggsrv_dp_releases", frozenset())] == 3
@@ -93,7 +98,8 @@ def test_the_budget_stops_the_server_and_a_resumed_one_charges_what_it_republish
     spent."""
     z, delta = 1.5, 1e-5
     three, four = float(_epsilon(z, 3, delta)), float(_epsilon(z, 4, delta))
-    keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": z, "dp_target_epsilon": (three + four) / 2}
+    keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": z, "dp_target_epsilon": (three + four) / 2,
+            "dp_accountant": "rdp"}  # fmt: skip
     settings = {"strategy": "fedasync", "strategy_config": keys, "durability": "on",
                 "state_dir": str(tmp_path / "state"), "rate_limit_per_second": 0.0}  # fmt: skip
     srv = RunningServer(**settings)

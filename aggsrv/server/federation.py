@@ -40,6 +40,7 @@ from aggsrv.server.checkpoints import MIN_CHECKPOINT_EVERY_BYTES, Checkpoints
 from aggsrv.server.client_activity import ClientActivity
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.dashboard.status import PublishRate, StrategyEvents
+from aggsrv.server.disclosure import public_refusals
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
 from aggsrv.server.persistence import RecoveryError, restore
@@ -116,6 +117,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.config = config
         self.clock = clock
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        # Differential privacy (the dp_ keys): what depends on updates' values is shown to
+        # admins only (aggsrv.server.disclosure); the Prometheus port serves none of it.
+        self.private = bool(getattr(config.strategy_settings(), "private", False))
+        if self.private:
+            self.metrics.withhold_data()
         self.started_at = clock()
         self.device = _resolve_device(config.device)
         self.layout: ModelLayout | None = None
@@ -552,6 +558,15 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.counters["rejected"] += 1
         self.rejected_by_code[code_name] += 1
         self.rejected_by_reason[(code_name, reason)] += 1
+
+    def refusal_counts(self, full: bool) -> tuple[int, dict[str, int], dict[tuple[str, str], int]]:
+        """(refused uploads, by code, by (code, reason)) since this process started; with
+        ``full`` False under differential privacy, the refusals for public reasons only
+        (aggsrv.server.disclosure). Any thread: reads copies."""
+        by_reason = dict(self.rejected_by_reason.copy())
+        if self.private and not full:
+            return public_refusals(by_reason)
+        return int(self.counters["rejected"]), dict(self.rejected_by_code.copy()), by_reason
 
     async def close(self) -> None:
         self.closing = True

@@ -2,6 +2,9 @@
 
 Each server owns a registry of its own, so several servers in one process (tests) never share
 counters. Gauges that mirror federation state are read when scraped (callbacks), not pushed.
+
+The port has no authentication: under differential privacy (:meth:`ServerMetrics.withhold_data`)
+it serves no series that depends on what an update holds (aggsrv.server.disclosure).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+
+from aggsrv.server.disclosure import DATA_SERIES, is_public
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +143,24 @@ class ServerMetrics:
         self.eval_history: deque[dict] = deque(maxlen=EVAL_HISTORY)
         self._gauges: dict[str, Gauge] = {}
         self._http = None
+        self.private = False  # differential privacy: data-dependent series withheld
+
+    def withhold_data(self) -> None:
+        """Differential privacy is on: the families of ``DATA_SERIES`` leave the registry (a
+        gauge of them is not registered either), refusals for data-dependent reasons and
+        filter verdicts are not counted, so the unauthenticated port serves none of them."""
+        self.private = True
+        for family in (self.update_norm, self.update_norm_outliers, self.update_cosine,
+                       self.update_cosine_outliers, self.filtered, self.clipped):  # fmt: skip
+            self.registry.unregister(family)
 
     def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
-        """A gauge read from federation state at scrape time."""
-        g = Gauge(f"aggsrv_{name}", doc, registry=self.registry)
+        """A gauge read from federation state at scrape time (not served when it is one of
+        ``DATA_SERIES`` and the metrics are private)."""
+        full = f"aggsrv_{name}"
+        g = Gauge(
+            full, doc, registry=None if self.private and full in DATA_SERIES else self.registry
+        )
         g.set_function(read)
         self._gauges[name] = g
 
@@ -156,13 +175,24 @@ class ServerMetrics:
         filter_reason: str | None = None,
         clipped: bool = False,
     ) -> None:
+        """An update taken (APPLIED, BUFFERED, DUPLICATE or FILTERED)."""
+        if self.private and (filter_reason is not None or outcome.lower() == "filtered"):
+            return  # a filter's verdict reads the values
         self.updates.labels(outcome=outcome.lower()).inc()
         if filter_reason is not None:
             self.filtered.labels(reason=filter_reason.lower()).inc()
-        if clipped:
+        if clipped and not self.private:
             self.clipped.inc()
         if staleness is not None:
             self.staleness.observe(staleness)
+
+    def record_refusal(self, code: str, reason: str) -> None:
+        """A refused upload, by gRPC code name and reason (not counted here when the metrics
+        are private and the reason is data-dependent: aggsrv.server.disclosure)."""
+        if self.private and not is_public(reason):
+            return
+        self.updates.labels(outcome=code.lower()).inc()
+        self.refusals.labels(code=code.lower(), reason=reason).inc()
 
     def record_eval(self, version: int, metrics: dict[str, float]) -> None:
         self.eval_history.append(

@@ -30,6 +30,7 @@ from aggsrv.server.auth import (
     Principal,
     bearer_token,
 )
+from aggsrv.server.disclosure import class_reason
 from aggsrv.server.federation import payload_sizes
 from aggsrv.strategies import StrategyError
 from aggsrv.transport import CodecError, Decoder, StagingSlot, WireDtype
@@ -62,8 +63,9 @@ REFUSAL_REASON: contextvars.ContextVar[str] = contextvars.ContextVar("refusal", 
 
 
 def reason_of(exc: BaseException) -> str:
-    """A refusing exception's class as a reason: NonFiniteResult -> non_finite_result."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
+    """A refusing exception's class as a reason: NonFiniteResult -> non_finite_result (each
+    one classified public or data-dependent in aggsrv.server.disclosure)."""
+    return class_reason(type(exc))
 
 
 def strategy_code(exc: StrategyError) -> grpc.StatusCode:
@@ -371,10 +373,13 @@ class RequestChecks:
         stats: dict[str, float] | None = None,
         reference: Any = None,
         exact_norm: bool = False,
+        refuse_non_finite: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
-        a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass."""
+        a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass.
+        ``refuse_non_finite`` False: NaN/Inf in the main tensor are left for the strategy
+        (differential privacy takes such an update as clipped to zero)."""
         declared = {i.name: int(i.numel) for i in infos}
         if declared != expected:
             await self._abort(
@@ -391,7 +396,7 @@ class RequestChecks:
         try:
             decoder = Decoder(
                 slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse,
-                reference=reference, exact_norm=exact_norm,
+                reference=reference, exact_norm=exact_norm, refuse_non_finite=refuse_non_finite,
             )  # fmt: skip
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")

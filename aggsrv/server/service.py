@@ -4,6 +4,8 @@ of its calls (the checks they make first are in aggsrv.server.requests).
 Every bad input is answered with the status that docs/wire.md "Status codes" lists for it before
 anything reaches the strategy: an update is decoded into a staging slot and validated there (length,
 dtype, CRC-32C, NaN/Inf, its header against the job) and only then handed to the aggregation loop.
+Under differential privacy a NaN/Inf delta is the exception: the strategy clips it to zero, and
+GetStatus shows what depends on updates' values to admin tokens only (aggsrv.server.disclosure).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from aggsrv import protocol as P
 from aggsrv.layout import LayoutMismatchError, ModelLayout
 from aggsrv.server.auth import (
     ID_PATTERN,
+    ROLE_ADMIN,
     Authenticator,
     NoAuth,
 )
@@ -373,8 +376,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             if code is not None and code != SC.UNAVAILABLE:
                 reason = REFUSAL_REASON.get()
                 self.fed.reject(code.name, reason)
-                self.fed.metrics.record_update(code.name)
-                self.fed.metrics.refusals.labels(code=code.name.lower(), reason=reason).inc()
+                self.fed.metrics.record_refusal(code.name, reason)
                 self._log_refusal(seen.get("header"), code, context)
                 self._trace_refusal(seen, code)
             raise
@@ -466,6 +468,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 reason="in_flight",
             )  # fmt: skip
         fed.in_flight_updates.add(key)
+        private = fed.strategy.privacy is not None  # differential privacy
         slot = None
         waiting = False
         try:
@@ -474,8 +477,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,
-                reference=fed.direction if kind is UpdateKind.DELTA else None,
-                exact_norm=fed.strategy.privacy is not None and kind is UpdateKind.DELTA,
+                # Under DP the update's health (norm, cosine) is not watched: see below.
+                reference=fed.direction if kind is UpdateKind.DELTA and not private else None,
+                exact_norm=private and kind is UpdateKind.DELTA,
+                # Under DP a NaN/Inf delta is not refused (a refusal would tell everyone): the
+                # strategy takes it as clipped to zero.
+                refuse_non_finite=not private,
             )  # fmt: skip
             seen["received"] = fed.clock()
             seen["bytes"] = _payload_bytes(views, dtype)
@@ -518,7 +525,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
         label = "duplicate" if outcome.original is not None else outcome.status.name
-        if "norm" in seen and outcome.original is None and kind is UpdateKind.DELTA:
+        # Each update's norm and cosine describe its values: not watched under differential
+        # privacy (they would reach the unauthenticated metrics port and the log's warnings).
+        watched = not (private or fed.private)
+        if watched and "norm" in seen and outcome.original is None and kind is UpdateKind.DELTA:
             fed.metrics.update_norm.observe(seen["norm"])
             if "cosine" in seen:
                 fed.metrics.update_cosine.observe(seen["cosine"])
@@ -683,9 +693,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         return resp
 
     async def GetStatus(self, request, context):  # noqa: N802
-        await self._authorize(context)
+        principal = await self._authorize(context)
         fed = self.fed
-        filters = fed.strategy.update_filters if fed.strategy is not None else None
+        # Under differential privacy what depends on updates' values is an admin's to read
+        # (aggsrv.server.disclosure); without authentication nobody is an admin.
+        full = not fed.private or (principal is not None and principal.role == ROLE_ADMIN)
+        filters = fed.strategy.update_filters if fed.strategy is not None and full else None
+        rejected, by_code, _ = fed.refusal_counts(full)
         resp = pb.StatusResponse(
             has_model=fed.strategy is not None,
             version=fed.published_version,
@@ -694,11 +708,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             clients_active=fed.active_clients(),
             updates_accepted=fed.counters["accepted"],
             updates_applied=fed.counters["applied"],
-            updates_rejected=fed.counters["rejected"],
+            updates_rejected=rejected,
             updates_duplicate=fed.counters["duplicate"],
-            rejected_by_code=dict(fed.rejected_by_code),
+            rejected_by_code=by_code,
             filtered_by_reason=dict(filters.filtered) if filters is not None else {},
             updates_clipped=filters.clipped if filters is not None else 0,
+            data_withheld=not full,
             queue_depth=fed.queue_depth(),
             uploads_in_progress=fed.uploads_in_progress,
             server_time=P.timestamp(fed.clock()),
@@ -715,6 +730,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             resp.eval_metrics.update(fed.last_eval[1])
         spent = fed.privacy_now()
         if spent is not None:
+            if not full:
+                spent["updates_clipped"] = 0
             target = spent.pop("target_epsilon")
             resp.privacy.CopyFrom(pb.PrivacyStatus(**spent))
             if target is not None:

@@ -125,6 +125,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# What a client whose update held NaN/Inf reads under differential privacy (its answer's
+# message; the update is clipped to zero instead of refused).
+NON_FINITE_CLIPPED = (
+    "the update's delta held NaN/Inf: under differential privacy it was clipped to zero (clip "
+    "factor min(1, C/inf) = 0) and taken, so it moved nothing; check the client's training"
+)
+
 # Below float32's largest value by a margin for the rounding of the arithmetic that a bound on a
 # step's reach stands for (strategies refuse an update whose step could reach past it).
 FLOAT32_SAFE_MAX = float(torch.finfo(torch.float32).max) * (1.0 - 1e-3)
@@ -237,6 +244,7 @@ class Strategy(ABC):
             else None
         )
         self._layer_segments: list[slice] | None = None  # per-layer clipping's, made once
+        self._dp_scratch: torch.Tensor | None = None  # differential privacy's delta buffer
         if self.privacy is not None and layout.buffer_numel:
             raise ValueError(
                 f"differential privacy covers the model's weights, and this model has "
@@ -252,7 +260,7 @@ class Strategy(ABC):
         weights (on a shard the whole model's, summed over the shards); chunk by chunk for a
         WEIGHTS update, so no [D] temporary."""
         if update.kind is UpdateKind.DELTA:
-            return self.whole_norm(update.tensor)
+            return self.whole_norm(update.tensor, update.non_finite)
         u, w, step = update.tensor, job.weights, 1 << 18
         sq = sum(
             float((u[i : i + step].double() - w[i : i + step]).square().sum())
@@ -262,12 +270,19 @@ class Strategy(ABC):
             sq = float(self.reduce(torch.tensor([sq], dtype=torch.float64)))
         return math.sqrt(sq)
 
-    def whole_norm(self, t: torch.Tensor) -> float:
+    def whole_norm(self, t: torch.Tensor, non_finite: bool = False) -> float:
         """The L2 norm (float64) of the whole-model vector whose slice ``t`` is: on one server
-        ``t``'s own norm; on a shard the root of the squared norms summed over the shards."""
+        ``t``'s own norm; on a shard the root of the squared norms summed over the shards.
+        ``non_finite``: ``t`` stands for a slice that held NaN/Inf (differential privacy's
+        zero delta, :meth:`_private_delta`): its square counts as infinite, so every shard
+        finds the whole norm infinite."""
         if self.reduce is None:
-            return float(torch.linalg.vector_norm(t, dtype=torch.float64))
+            return (
+                math.inf if non_finite else float(torch.linalg.vector_norm(t, dtype=torch.float64))
+            )
         sq = torch.linalg.vector_norm(t, dtype=torch.float64).square().reshape(1)
+        if non_finite:
+            sq.fill_(math.inf)
         return float(self.reduce(sq).sqrt())
 
     @property
@@ -338,11 +353,15 @@ class Strategy(ABC):
             if screening.refusal is not None:
                 return self._filter_out(update, job, s, now, screening)
             update = screening.update
-        if self.privacy is not None and self.privacy.layer_bounds is not None:
-            update = self._clipped_per_layer(update, job)
+        clipped_before = self.privacy.clipped if self.privacy is not None else 0
+        zeroed = False
+        if self.privacy is not None:
+            update = self._private_delta(update, job)
+            zeroed = update.non_finite
+            if self.privacy.layer_bounds is not None:
+                update = self._clipped_per_layer(update, job)
         # The job's start weights are read while the next version is written: held until then
         # (retiring the job gives up its own lease).
-        clipped_before = self.privacy.clipped if self.privacy is not None else 0
         with self._versions.lease(*job.tensors.values()):
             self._retire_job(job)
             try:
@@ -357,6 +376,8 @@ class Strategy(ABC):
         if self.privacy is not None and self.privacy.clipped > clipped_before:
             # DP clipped it: the client hears so in its own answer (nobody else does).
             outcome = dataclasses.replace(outcome, clipped=True)
+        if zeroed:
+            outcome = dataclasses.replace(outcome, clipped=True, detail=NON_FINITE_CLIPPED)
         if screening is not None:
             assert self.update_filters is not None
             self.update_filters.commit(screening)
@@ -565,6 +586,8 @@ class Strategy(ABC):
             else:
                 part.copy_(update.tensor[seg])
             squares[i] = torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+        if update.non_finite:  # NaN/Inf somewhere (on some shard): every layer's factor is 0
+            squares.fill_(math.inf)
         if self.reduce is not None:
             squares = self.reduce(squares)
         whole = squares.tolist()
@@ -572,8 +595,10 @@ class Strategy(ABC):
         for seg, f in zip(segments, factors, strict=True):
             if f != 1.0:
                 out[seg].mul_(f)
-        norm = math.sqrt(sum(f * f * q for f, q in zip(factors, whole, strict=True)))
-        return dataclasses.replace(update, kind=UpdateKind.DELTA, tensor=out, norm=norm)
+        norm = math.sqrt(sum(f * f * q for f, q in zip(factors, whole, strict=True) if f))
+        return dataclasses.replace(
+            update, kind=UpdateKind.DELTA, tensor=out, norm=norm, non_finite=False
+        )
 
     def _clip_factor(self, update: Update, job: Job, delta: torch.Tensor | None = None) -> float:
         """Differential privacy's ``min(1, C / |delta|)`` for this update: with the norm the
@@ -583,8 +608,45 @@ class Strategy(ABC):
         assert self.privacy is not None
         norm = update.norm if update.kind is UpdateKind.DELTA and self.reduce is None else None
         if norm is None:
-            norm = self.whole_norm(delta) if delta is not None else self.delta_norm(update, job)
+            norm = (
+                self.whole_norm(delta, update.non_finite)
+                if delta is not None
+                else self.delta_norm(update, job)
+            )
         return self.privacy.clip_factor(norm)
+
+    def _private_delta(self, update: Update, job: Job) -> Update:
+        """Differential privacy's form of an accepted update: its delta, as a DELTA update. A
+        WEIGHTS update's delta (client weights minus the job's, float32) is computed here,
+        once, into a buffer of the strategy's. A delta holding NaN/Inf (sent so, or finite
+        weights whose difference overflows float32) counts as clipped to zero, its clip factor
+        ``min(1, C / inf)`` being 0: it becomes a zero delta of norm inf (``non_finite``), so
+        the version is published as it would be for the zero-out neighbour (that client's
+        update all zeros) and the client alone is told (:data:`NON_FINITE_CLIPPED`). Refusing
+        it instead would tell everyone, by the version that then does not appear, that its
+        values were not finite. The finiteness comes from the delta's float64 norm (the
+        decoder's for a DELTA upload, else one pass that clipping then reuses): finite only
+        when every value is; on a shard, this slice's (the whole norm is summed again)."""
+        if update.kind is UpdateKind.WEIGHTS:
+            delta = self._private_scratch()
+            torch.sub(update.tensor, job.weights, out=delta)
+            update = dataclasses.replace(update, kind=UpdateKind.DELTA, tensor=delta, norm=None)
+        norm = update.norm
+        if norm is None:
+            norm = float(torch.linalg.vector_norm(update.tensor, dtype=torch.float64))
+            if self.reduce is None:
+                update = dataclasses.replace(update, norm=norm)
+        if math.isfinite(norm):
+            return update
+        zero = self._private_scratch().zero_()
+        return dataclasses.replace(update, tensor=zero, norm=math.inf, non_finite=True)
+
+    def _private_scratch(self) -> torch.Tensor:
+        """The [D] float32 buffer :meth:`_private_delta` writes a delta into (one per strategy,
+        made on first use: only WEIGHTS and NaN/Inf updates under DP need it)."""
+        if self._dp_scratch is None:
+            self._dp_scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        return self._dp_scratch
 
     def _stepped_version(
         self, total: Callable[[slice], torch.Tensor], step: float, extra: int = 0
@@ -864,7 +926,13 @@ class Strategy(ABC):
         return job
 
     def _validate_numbers(self, update: Update) -> None:
-        """The update's values: finite (NaN/Inf refused, naming where), and its float buffers."""
+        """The update's values: finite (NaN/Inf refused, naming where), and its float buffers.
+        Under differential privacy a NaN/Inf delta is not refused but clipped to zero
+        (:meth:`_private_delta`), so only the float buffers are checked here (DP refuses models
+        with float buffers, so there are none)."""
+        if self.privacy is not None:
+            self._validate_buffers(update.buffers)
+            return
         t = update.tensor
         bad = count_non_finite(t)
         if bad:

@@ -129,6 +129,7 @@ class Decoder:
         sparse: Mapping[str, tuple[Encoding, int]] | None = None,
         reference: Any = None,
         exact_norm: bool = False,
+        refuse_non_finite: bool = True,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
         a sparse section that is not smaller than the dense bytes is refused (WrongLength).
@@ -138,10 +139,15 @@ class Decoder:
         the direction is written; a cosine computed across a change is dropped), read when the
         upload finishes (``aggsrv.server.update_health.RecentChange``). ``exact_norm``: the
         main buffer's :attr:`norm` is accumulated in float64 (clipping under differential
-        privacy needs it exact; the health metrics do with float32's partial sums)."""
+        privacy needs it exact; the health metrics do with float32's partial sums).
+        ``refuse_non_finite`` False: NaN/Inf in the main buffer are not refused but reported
+        (:attr:`non_finite`, and no :attr:`norm`), for differential privacy, which takes such
+        an update as clipped to zero (a refusal would tell everyone that its values were
+        not finite); the other buffers' are refused all the same."""
         self.slot = slot
         self.reference = reference
         self.exact_norm = exact_norm
+        self.refuse_non_finite = refuse_non_finite
         self.wire_dtype = WireDtype.parse(wire_dtype)
         if max_chunk_bytes < self.wire_dtype.itemsize:
             raise ValueError(
@@ -198,6 +204,7 @@ class Decoder:
         self.norm: float | None = None  # the L2 norm of the main buffer, once finished
         self.norm_exact = False  # whether norm was accumulated in float64
         self.cosine: float | None = None  # its cosine to ``reference``, when one was given
+        self.non_finite = False  # the main buffer holds NaN/Inf (refuse_non_finite False)
 
     def reset(self) -> None:
         """Forget the previous upload (successful or not) and accept a new one into the slot."""
@@ -206,7 +213,7 @@ class Decoder:
         self._crc.reset()
         self._state = "open"
         self.norm = self.cosine = None
-        self.norm_exact = False
+        self.norm_exact = self.non_finite = False
 
     @property
     def bytes_received(self) -> int:
@@ -367,18 +374,32 @@ class Decoder:
                 if uu is not None and math.isfinite(uu):
                     continue
                 if uu is not None:  # a float64 sum of squares does not overflow: NaN/Inf
-                    bad = (~torch.isfinite(buf)).nonzero()
-                    self._raise_non_finite(buf, int(bad[0]), bad.numel())
+                    self._non_finite_main(buf)
+                    continue
             # A finite sum of squares proves every element finite (aggsrv.finite); an overflow
             # of finite values only sends us to the exact (slow, rare) check below.
             sq = squared_norm_if_finite(buf) if buf.numel() else 0.0
             if sq is None:
                 bad = (~torch.isfinite(buf)).nonzero()
                 if bad.numel():
+                    if i == 0:
+                        self._non_finite_main(buf)
+                        continue
                     self._raise_non_finite(buf, int(bad[0]), bad.numel())
                 sq = squared_norm(buf)  # the squares overflowed in float32
             if i == 0:
                 self.norm = math.sqrt(sq)
+
+    def _non_finite_main(self, buf: torch.Tensor) -> None:
+        """The main buffer holds NaN/Inf: refused (NonFinite), or with ``refuse_non_finite``
+        False reported, with no norm or cosine."""
+        if not self.refuse_non_finite:
+            self.non_finite = True
+            self.norm = self.cosine = None
+            self.norm_exact = False
+            return
+        bad = (~torch.isfinite(buf)).nonzero()
+        self._raise_non_finite(buf, int(bad[0]), bad.numel())
 
     def _float64_check(self, buf: torch.Tensor) -> float | None:
         """The main buffer's ``u . u`` in float64, in one pass over a CPU float32 buffer: with

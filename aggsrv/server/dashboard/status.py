@@ -10,7 +10,7 @@ The document (``format`` 1), documented for scripts in docs/operations.md:
 ``time``, ``started`` (server clock, Unix seconds), ``strategy`` {``name``, ``settings``},
 ``version``, ``versions_last_minute``, ``updates`` {``accepted``,
 ``applied``, ``duplicate``, ``rejected``}, ``refusals`` {status code: count},
-``refusal_reasons`` [{``code``, ``reason``, ``count``}],
+``refusal_reasons`` [{``code``, ``reason``, ``count``}], ``data_withheld``,
 ``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
 ``staleness``, ``job_turnaround_seconds``, ``client_lag``, ``client_update_rate`` (each client's
 updates per minute), ``client_silence_seconds`` (per registered client, the seconds since it
@@ -20,6 +20,11 @@ last called; each of the five {``le``: upper bounds,
 {``version``, ``k``, ``groups``: [[client ids]]} or null), ``dropped_flags`` (client ids the
 strategy flags as dropped out now) and ``privacy`` (differential privacy's spending, as
 GetStatus's PrivacyStatus, epsilon null when infinite; null without DP).
+
+The page has no authentication: under differential privacy (``data_withheld`` true) it shows
+what a non-admin caller of GetStatus sees (aggsrv.server.disclosure): ``updates.rejected``,
+``refusals`` and ``refusal_reasons`` count only refusals for public reasons, ``privacy`` has no
+``updates_clipped``, and a ``dp_seed`` in the settings reads "withheld".
 """
 
 from __future__ import annotations
@@ -142,6 +147,14 @@ def status_document(fed: Federation) -> dict[str, Any]:
     if strategy is not None:
         settings = {k: _plain(v) for k, v in strategy.config.to_dict().items()}
     events = fed.strategy_events
+    withheld = fed.private  # differential privacy: no caller of the page is an admin
+    rejected, by_code, by_reason = fed.refusal_counts(full=not withheld)
+    privacy = _privacy_json(fed.privacy_now())
+    if withheld:
+        if privacy is not None:
+            privacy.pop("updates_clipped", None)
+        if settings.get("dp_seed") is not None:  # it would let anyone recompute the noise
+            settings["dp_seed"] = "withheld"
     return {
         "format": FORMAT,
         "time": now,
@@ -152,13 +165,15 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "version": fed.published_version if strategy is not None else None,
         "versions_last_minute": fed.publish_rate.last_minute(now),
         "updates": {
-            k: int(fed.counters[k]) for k in ("accepted", "applied", "duplicate", "rejected")
-        },  # fmt: skip
-        "refusals": dict(sorted(fed.rejected_by_code.copy().items())),
+            **{k: int(fed.counters[k]) for k in ("accepted", "applied", "duplicate")},
+            "rejected": rejected,
+        },
+        "refusals": dict(sorted(by_code.items())),
         "refusal_reasons": [
             {"code": code, "reason": reason, "count": n}
-            for (code, reason), n in sorted(fed.rejected_by_reason.copy().items())
+            for (code, reason), n in sorted(by_reason.items())
         ],
+        "data_withheld": withheld,
         "clients": {
             "known": len(fed.clients),
             "states": clients.states,
@@ -172,7 +187,7 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "evaluation": list(metrics.eval_history),
         "groups": events.groups,
         "dropped_flags": sorted(events.dropped),
-        "privacy": _privacy_json(fed.privacy_now()),
+        "privacy": privacy,
     }
 
 

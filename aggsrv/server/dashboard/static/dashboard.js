@@ -165,6 +165,7 @@ function render(s) {
   setText("eval-count", s.evaluation.length);
   fillRows("slowest", s.clients.slowest.map((r) => [r.client, r.seconds.toFixed(1)]));
   fillRows("refusals", s.refusal_reasons.map((r) => [r.code, r.reason, r.count]));
+  $("data-withheld").hidden = !s.data_withheld;
   fillRows("settings", Object.entries(s.strategy.settings).map(([k, v]) => [k, JSON.stringify(v)]));
   const groups = $("groups");
   groups.replaceChildren();
