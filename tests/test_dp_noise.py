@@ -250,3 +250,47 @@ def test_the_count_noise_and_a_fixed_seed_repeat() -> None:
     assert one[0] == draw_values(key, 2, 5, 1, 0.6, PURPOSE_COUNT)[0] != 0
     with pytest.raises(ValueError, match="float64"):
         fill_gaussian(key, 0, 0, np.zeros(3, dtype=np.float32), 1.0)
+
+
+def test_a_fixed_seed_is_warned_about_in_the_log_the_json_and_the_page(caplog) -> None:
+    """`dp_insecure_seed`: the server logs a warning at start, `/api/status` says
+    ``privacy.insecure_seed``, and the page shows the warning in a real browser (skipped
+    without Debian's chromium); a server with a key from the OS says neither."""
+    import json
+    import urllib.request
+
+    from test_dashboard import _browser, _wait
+
+    keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0, "dp_seed": 9,
+            "dp_insecure_seed": True}  # fmt: skip
+    caplog.set_level(logging.WARNING)
+    for seeded in (False, True):  # the browser (which may skip) last
+        config = keys if seeded else {"dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0}
+        srv = RunningServer(strategy="fedasync", strategy_config=config, dashboard_port=0,
+                            rate_limit_per_second=0.0)  # fmt: skip
+        try:
+            with Client(srv.address, "a") as a:
+                a.register(layout=LAYOUT, initial=torch.randn(DIM))
+                a.push(a.get_job(), torch.randn(DIM), kind=UpdateKind.DELTA)
+            url = f"http://127.0.0.1:{srv.server.dashboard_port}/api/status"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert json.load(resp)["privacy"]["insecure_seed"] is seeded
+            warned = [r for r in caplog.records if "NO privacy guarantee" in r.getMessage()]
+            assert bool(warned) is seeded
+            caplog.clear()
+            if seeded:
+                from selenium.webdriver.common.by import By
+
+                browser = _browser()
+                try:
+                    browser.get(f"http://127.0.0.1:{srv.server.dashboard_port}/")
+                    shown = _wait(
+                        lambda b=browser: b.find_element(By.ID, "dp-insecure").is_displayed(),
+                        "the page's warning",
+                    )
+                    text = browser.find_element(By.ID, "dp-insecure").text
+                    assert shown and "no privacy guarantee" in text
+                finally:
+                    browser.quit()
+        finally:
+            srv.stop()

@@ -24,7 +24,8 @@ GetStatus's PrivacyStatus, epsilon null when infinite; null without DP).
 The page has no authentication: under differential privacy (``data_withheld`` true) it shows
 what a non-admin caller of GetStatus sees (aggsrv.server.disclosure): ``updates.rejected``,
 ``refusals`` and ``refusal_reasons`` count only refusals for public reasons, ``privacy`` has no
-``updates_clipped``, and a ``dp_seed`` in the settings reads "withheld".
+``updates_clipped``, and a ``dp_seed`` in the settings reads "withheld". ``privacy.insecure_seed``
+is true when the noise comes from a fixed ``dp_seed`` (no guarantee: the page warns).
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def status_document(fed: Federation) -> dict[str, Any]:
     withheld = fed.private  # differential privacy: no caller of the page is an admin
     rejected, by_code, by_reason = fed.refusal_counts(full=not withheld)
     privacy = _privacy_json(fed.privacy_now())
+    if privacy is not None and strategy is not None and strategy.privacy is not None:
+        # A fixed dp_seed (dp_insecure_seed): the noise can be recomputed; the page says so.
+        privacy["insecure_seed"] = not strategy.privacy.key.secure
     if withheld:
         if privacy is not None:
             privacy.pop("updates_clipped", None)

@@ -155,6 +155,7 @@ function render(s) {
     setText("dp-releases", dp.releases);
     setText("dp-target", dp.target_epsilon === null ? "none" : `ε ≤ ${dp.target_epsilon}`);
     setText("dp-spent", dp.budget_spent ? "· spent: no more versions" : "");
+    $("dp-insecure").hidden = !dp.insecure_seed;
   }
   drawHistogram("chart-staleness", s.staleness, "#2e90fa");
   drawHistogram("chart-turnaround", s.job_turnaround_seconds, "#12b76a");
