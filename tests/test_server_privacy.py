@@ -179,3 +179,33 @@ def test_client_side_clipping_over_grpc() -> None:
                                        rtol=0, atol=2e-6)  # fmt: skip
     finally:
         srv.stop()
+
+
+def test_the_client_sends_dense_updates_under_client_side_clipping(monkeypatch) -> None:
+    """A sparse upload's size tells how many of its values are zero: with the recipe's
+    clip_norm set, encoding "auto" sends a mostly-zero delta dense; without DP it goes sparse."""
+    import aggsrv.client.client as client_module
+
+    used = []
+    real = client_module.encode_sparse
+
+    def spy(*args, **kwargs):
+        used.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "encode_sparse", spy)
+    for keys, sparse in (({"buffer_size": 1}, True),
+                         ({"buffer_size": 1, "dp_clip_norm": 5.0, "dp_clipping": "client"},
+                          False)):  # fmt: skip
+        used.clear()
+        srv = RunningServer(strategy="fedbuff", strategy_config=keys, rate_limit_per_second=0.0)
+        try:
+            with Client(srv.address, "a") as a:
+                a.register(layout=LAYOUT, initial=torch.randn(DIM))
+                delta = torch.zeros(DIM)
+                delta[::97] = 1e-3
+                answer = a.push(a.get_job(), delta, kind=UpdateKind.DELTA)
+                assert answer.version == 1
+        finally:
+            srv.stop()
+        assert bool(used) is sparse

@@ -422,7 +422,9 @@ class Client:
         """Stream one update (the flat [D] delta or final weights); retries keep the update id.
 
         ``encoding``: "dense", "coo", "bitmap", or "auto" (by the share of non-zero elements:
-        sparse updates such as FedEN's proximal ones travel in a fraction of the bytes).
+        sparse updates such as FedEN's proximal ones travel in a fraction of the bytes; always
+        dense when the recipe sets ``clip_norm``, since a sparse upload's size depends on its
+        values).
         ``buffers``: the client's flat [B] float buffers after training (absolute values), which
         every update of a model with float buffers must carry. When the job's recipe sets
         ``clip_norm`` (differential privacy's client-side clipping) the delta is scaled down to
@@ -432,6 +434,8 @@ class Client:
         if tensor.numel() != layout.numel:
             raise ValueError(f"update has {tensor.numel()} elements, the layout {layout.numel}")
         if job.recipe.clip_norm is not None:
+            if encoding == "auto":  # a sparse upload's size would tell how many values are 0
+                encoding = "dense"
             flat = tensor.detach().reshape(-1)
             tensor = clip_update(flat, kind, job.weights.reshape(-1), job.recipe.clip_norm,
                                  self.upload_dtype.torch_dtype)  # fmt: skip
