@@ -15,7 +15,6 @@ import json
 import math
 import pkgutil
 import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import grpc
 import pytest
 import torch
 from server_helpers import RunningServer, scrape_metrics
+from test_dashboard import _wait
 
 import aggsrv.server
 import aggsrv.strategies
@@ -267,16 +267,6 @@ class Run:
     metrics: dict
     nan_answers: list
     model_moved: list
-
-
-def _wait(predicate, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _federate(tmp: Path, dp: bool) -> Run:

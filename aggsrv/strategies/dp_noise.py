@@ -130,70 +130,57 @@ _U53 = 1.0 / 9007199254740992.0  # 2^-53
 
 
 @nb.njit(nogil=True, cache=True)
-def _fill(words, out, scale, draws, ki, wi, fi):
+def _fill(words, out, scale, draws, ki, wi, fi, tail_from=0.0):
     """``out[i] = scale * (N_1 + ... + N_draws) / sqrt(draws)`` while the words last: (values
     written, words used). A value whose words ran out is not written (the caller goes on with
-    the stream's next words). One function, not helpers returning tuples: numba keeps it at
-    about 1.5 ns a draw, helpers cost 40."""
+    the stream's next words). ``tail_from > 0`` draws from the tail method alone, N(0, 1) given
+    value > tail_from (its tests reach past 6 and 8 standard deviations so). One function, not
+    helpers returning tuples: numba keeps it at about 1.5 ns a draw, helpers cost 40."""
     nw = words.shape[0]
     w = 0
     c = scale / math.sqrt(draws)
+    r = tail_from if tail_from > 0.0 else _R
     for i in range(out.shape[0]):
         start = w
         total = 0.0
         for _ in range(draws):
+            sign = False
             while True:
-                if w >= nw:
-                    return i, start
-                bits = words[w]
-                w += 1
-                idx = np.int64(bits & np.uint64(0xFF))
-                bits = bits >> np.uint64(8)
-                sign = (bits & np.uint64(1)) != np.uint64(0)
-                rabs = (bits >> np.uint64(1)) & np.uint64(0x000FFFFFFFFFFFFF)
-                x = np.float64(rabs) * wi[idx]
-                if sign:
-                    x = -x
-                if rabs < ki[idx]:
-                    break
-                if idx == 0:  # beyond R: Marsaglia's exact tail, two 53-bit uniforms a try
-                    while True:
-                        if w + 2 > nw:
+                if tail_from <= 0.0:
+                    if w >= nw:
+                        return i, start
+                    bits = words[w]
+                    w += 1
+                    idx = np.int64(bits & np.uint64(0xFF))
+                    bits = bits >> np.uint64(8)
+                    sign = (bits & np.uint64(1)) != np.uint64(0)
+                    rabs = (bits >> np.uint64(1)) & np.uint64(0x000FFFFFFFFFFFFF)
+                    x = np.float64(rabs) * wi[idx]
+                    if sign:
+                        x = -x
+                    if rabs < ki[idx]:
+                        break
+                    if idx != 0:  # the wedge of layer idx: one more uniform
+                        if w >= nw:
                             return i, start
-                        xx = -math.log1p(-np.float64(words[w] >> np.uint64(11)) * _U53) / _R
-                        yy = -math.log1p(-np.float64(words[w + 1] >> np.uint64(11)) * _U53)
-                        w += 2
-                        if yy + yy > xx * xx:
+                        u = np.float64(words[w] >> np.uint64(11)) * _U53
+                        w += 1
+                        if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
                             break
-                    x = -(_R + xx) if sign else _R + xx
-                    break
-                if w >= nw:
-                    return i, start
-                u = np.float64(words[w] >> np.uint64(11)) * _U53
-                w += 1
-                if (fi[idx - 1] - fi[idx]) * u + fi[idx] < math.exp(-0.5 * x * x):
-                    break
+                        continue
+                # Beyond r: Marsaglia's exact tail, two 53-bit uniforms a try.
+                while True:
+                    if w + 2 > nw:
+                        return i, start
+                    xx = -math.log1p(-np.float64(words[w] >> np.uint64(11)) * _U53) / r
+                    yy = -math.log1p(-np.float64(words[w + 1] >> np.uint64(11)) * _U53)
+                    w += 2
+                    if yy + yy > xx * xx:
+                        break
+                x = -(r + xx) if sign else r + xx
+                break
             total += x
         out[i] = c * total
-    return out.shape[0], w
-
-
-@nb.njit(nogil=True, cache=True)
-def _fill_tail(words, out, r):
-    """Values of N(0, 1) given value > ``r`` by the tail method of :func:`_fill` (its tests
-    reach past 6 and 8 standard deviations with it)."""
-    nw = words.shape[0]
-    w = 0
-    for i in range(out.shape[0]):
-        while True:
-            if w + 2 > nw:
-                return i, w
-            xx = -math.log1p(-np.float64(words[w] >> np.uint64(11)) * _U53) / r
-            yy = -math.log1p(-np.float64(words[w + 1] >> np.uint64(11)) * _U53)
-            w += 2
-            if yy + yy > xx * xx:
-                break
-        out[i] = r + xx
     return out.shape[0], w
 
 
@@ -268,7 +255,8 @@ def tail_normals(stream_key: bytes, n: int, r: float) -> np.ndarray:
     done = 0
     while done < n:
         left = n - done
-        wrote, _ = _fill_tail(_words(enc, 4 * left + 64), out[done:], float(r))
+        words = _words(enc, 4 * left + 64)
+        wrote, _ = _fill(words, out[done:], 1.0, 1, _KI, _WI, _FI, float(r))
         done += wrote
     return out
 
