@@ -328,11 +328,13 @@ def test_amplified_rounds_survive_the_state_and_other_accountants_bound_them() -
         )
     with pytest.raises(ValueError, match="no amplification"):
         PrivacyAccountant(1.0, 1e-5, kind="gdp").open_round(0.1)
-    # A round republished by recovery: two noised copies, i.e. z / sqrt(2).
-    acct.republish()
-    acct.pending["b"] = math.sqrt(2.0)  # what GaussianPrivacy.released does in recovery
-    acct.release()
-    assert acct.rounds[(0.1, 1.2 / math.sqrt(2.0))] == 1 and acct.spent.get("b", 0.0) == 0.0
+    # A round republished by recovery: two noised copies of one sample, i.e. z / sqrt(2) in
+    # place of z; a contribution the sampled event covers costs nothing more.
+    before = dict(acct.rounds)
+    acct.republished({"b": 1.0}, (0.1, 1.2))
+    assert acct.rounds[(0.1, 1.2 / math.sqrt(2.0))] == 1
+    assert acct.rounds.get((0.1, 1.2), 0) == before[(0.1, 1.2)] - 1
+    assert acct.spent.get("b", 0.0) == 0.0
 
 
 def _poisson(**config):
@@ -438,6 +440,24 @@ def test_the_secret_sample_survives_a_restart() -> None:
     assert resumed.privacy.accountant.rounds == s.privacy.accountant.rounds
     other = _poisson(sampling_source="os", dp_accountant="rdp")
     assert _drive(other, "abcdefghij", 8) != _drive(s, "", 8)  # another key: < 1e-15 alike
+
+
+def test_a_state_saved_before_the_first_round_samples_alike() -> None:
+    """The server checkpoints when it adopts the model, before any round: the "os" key must
+    be in that state already, or a recovery from it draws other samples than the log's."""
+    s = _poisson(sampling_source="os", dp_accountant="rdp")
+    before_any_round = s.state_dict()
+    resumed = _poisson(sampling_source="os", dp_accountant="rdp")
+    resumed.load_state_dict(before_any_round)
+    assert _drive(resumed, "abcdefghij", 6) == _drive(s, "abcdefghij", 6)
+
+
+def test_amplification_is_refused_with_adaptive_clipping() -> None:
+    """Adaptive clipping's noise split and its move of C depend on how many sampled clients
+    reported, which an amplified round must keep secret."""
+    with pytest.raises(ValueError, match="how many sampled clients reported"):
+        _poisson(sampling_source="os", dp_accountant="pld", dp_adaptive_quantile=0.5,
+                 late="drop")  # fmt: skip
 
 
 @pytest.mark.parametrize("source", ["seed", "os"])

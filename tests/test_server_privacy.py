@@ -209,3 +209,91 @@ def test_the_client_sends_dense_updates_under_client_side_clipping(monkeypatch) 
         finally:
             srv.stop()
         assert bool(used) is sparse
+
+
+def test_recovery_decides_the_budget_as_the_live_server_did() -> None:
+    """A sync round that its deadline would close is refused for the budget without a log
+    record of its own (the timer's refusal is answered to nobody): the replay of the same calls
+    must refuse it too, and publish no version the live server did not. The republished
+    releases are then charged a second time (epsilon of twice the releases)."""
+    from aggsrv.strategies import Update, make_strategy
+    from aggsrv.strategies.privacy import PrivacyBudgetSpent
+
+    layout = ModelLayout.from_named_shapes([("w", (5, 3)), ("b", (7,))])
+    d, z = layout.numel, 3.0
+
+    def make():
+        keys = {"participation": 1.0, "round_timeout": 10.0, "min_clients": 1,
+                "min_available": 2, "dp_clip_norm": 1.0, "dp_noise_multiplier": z,
+                "dp_target_epsilon": 4.0, "dp_accountant": "rdp"}  # fmt: skip
+        return make_strategy("fedavg", layout=layout, initial=torch.zeros(d), config=keys)
+
+    live, calls = make(), []
+    start = live.state_dict()
+    for c in "ab":
+        live.on_register(c, 0.0)
+        calls.append(("register", c, 0.0))
+    now = 0.0
+    while not live.privacy.exhausted:
+        job = live.job_for("a", now + 1)
+        calls.append(("job", "a", now + 1))
+        update = Update("a", job.job_id, job.base_version, f"a{job.job_id}", 1, 1.0,
+                        UpdateKind.DELTA, torch.randn(d))  # fmt: skip
+        try:
+            live.on_update(update, now + 1)
+        except PrivacyBudgetSpent:  # pragma: no cover - the timer refuses first here
+            break
+        calls.append(("update", update, now + 1))
+        now = live.next_deadline()
+        live.on_timer(now)
+        calls.append(("timer", now, None))
+    releases = live.privacy.accountant.releases
+    assert live.privacy.exhausted and live.version == releases
+    replay = make()
+    replay.load_state_dict(start)
+    replay.privacy.begin_recovery()
+    for kind, a, b in calls:
+        if kind == "register":
+            replay.on_register(a, b)
+        elif kind == "job":
+            replay.job_for(a, b)
+        elif kind == "update":
+            replay.on_update(a, b)
+        else:
+            replay.on_timer(a)
+    replay.privacy.end_recovery()
+    assert replay.version == live.version and replay.privacy.exhausted
+    assert replay.privacy.accountant.epsilon() == pytest.approx(
+        _epsilon(z, 2 * releases, 1e-5), rel=1e-9
+    )
+
+
+def test_a_secretly_sampled_server_recovers_the_same_samples(tmp_path: Path) -> None:
+    """Poisson sampling from an OS key: the key is in the first checkpoint (made when the model
+    is adopted, before any round), so a server recovering from it samples what the log says."""
+    keys = {"sampling": "poisson", "sampling_source": "os", "participation": 0.5,
+            "round_timeout": 600.0, "min_available": 8, "late": "drop", "dp_clip_norm": 1.0,
+            "dp_noise_multiplier": 1.0, "dp_accountant": "rdp"}  # fmt: skip
+    settings = {"strategy": "fedavg", "rate_limit_per_second": 0.0, "durability": "on",
+                "state_dir": str(tmp_path / "state"), "strategy_config": keys}  # fmt: skip
+    srv = RunningServer(**settings)
+    try:
+        clients = [Client(srv.address, f"c{i}") for i in range(8)]
+        clients[0].register(layout=LAYOUT, initial=torch.zeros(DIM))
+        for c in clients[1:]:
+            c.register(layout=LAYOUT)
+        live = set(srv.strategy.participants)
+        for c in clients:
+            if c.client_id in live:
+                c.push(c.get_job(), torch.randn(DIM), kind=UpdateKind.DELTA)
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop()
+    for _, path in D.list_checkpoints(Path(settings["state_dir"]))[1:]:
+        path.unlink()  # recover from the checkpoint made at adoption
+    resumed = RunningServer(**settings, resume=True)
+    try:
+        assert set(resumed.strategy.participants) == live
+    finally:
+        resumed.stop()

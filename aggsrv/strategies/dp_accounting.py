@@ -241,7 +241,6 @@ class PrivacyAccountant:
         self.pending: dict[str, float] = {}  # client -> s in the release being gathered
         self.rounds: dict[tuple[float, float], int] = {}  # (q, z) -> amplified rounds released
         self.sampled: float | None = None  # q when the release being gathered is amplified
-        self.repeats = 1  # how often that amplified release is published (2: republished)
         self.releases = 0  # versions published with a contribution in them (or amplified)
         self._worst = 0.0  # max(spent.values())
         self._epsilons: dict[tuple[float, tuple[tuple[float, float, int], ...]], float] = {}
@@ -267,17 +266,34 @@ class PrivacyAccountant:
         if not 0.0 < q <= 1.0:
             raise ValueError(f"a sampling rate must be in (0, 1], got {q}")
         self.sampled = float(q)
-        self.repeats = 1
 
-    def republish(self) -> None:
-        """The amplified round being gathered is published a second time, with fresh noise
-        (recovery replays a round published before a crash): two noised copies of one sum are
-        worth one with ``z / sqrt(2)``, so the round is charged as
-        ``PoissonSampledDpEvent(q, GaussianDpEvent(z / sqrt(2)))``, covering the contributions
-        the recovery scales by ``sqrt(2)``."""
-        if self.sampled is None:
-            raise ValueError("republish() is for an amplified round (open_round)")
-        self.repeats = 2
+    def republished(self, pending: Mapping[str, float], round_key: tuple[float, float] | None):
+        """A release already charged (``pending``, and ``round_key`` = (q, z) when it was an
+        amplified round) was published a second time with fresh noise (recovery replays what
+        was published before a crash): two noised copies of one sum. Its contributions are
+        charged once more; an amplified round is charged as one
+        ``PoissonSampledDpEvent(q, GaussianDpEvent(z / sqrt(2)))`` instead of ``z``'s (the same
+        sample, twice the information), and a contribution above the sampled event's (``s >
+        1``) once more whole."""
+        z = self.noise_multiplier
+        if round_key is not None:
+            left = self.rounds.get(round_key, 0) - 1
+            if left > 0:
+                self.rounds[round_key] = left
+            else:
+                self.rounds.pop(round_key, None)
+            twice = (round_key[0], round_key[1] / math.sqrt(2.0))
+            self.rounds[twice] = self.rounds.get(twice, 0) + 1
+        for c, s in pending.items():
+            if s == 0 or (round_key is not None and s <= 1.0 + 1e-12):
+                continue
+            total = self.spent.get(c, 0.0) + ((self.factor * s / z) ** 2 if z > 0 else math.inf)
+            self.spent[c] = total
+            self._worst = max(self._worst, total)
+
+    def round_key(self) -> tuple[float, float] | None:
+        """(q, z) of the amplified round being gathered; None when it is not one."""
+        return None if self.sampled is None else self._round_key()
 
     def contribute(self, client: str, weight: float) -> None:
         self.pending[client] = self.pending.get(client, 0.0) + weight
@@ -287,8 +303,7 @@ class PrivacyAccountant:
         round, a client's contribution of ``s <= 1`` is the sampled event's: nothing; more
         (not made by sync FedAvg, whose clients report once a round) is charged whole, as if
         unsampled."""
-        covered = math.sqrt(self.repeats) * (1.0 + 1e-12)
-        if s == 0 or (self.sampled is not None and s <= covered):
+        if s == 0 or (self.sampled is not None and s <= 1.0 + 1e-12):
             return 0.0
         z = self.noise_multiplier
         return (self.factor * s / z) ** 2 if z > 0 else math.inf
@@ -302,9 +317,9 @@ class PrivacyAccountant:
         return tuple(sorted((q, z, n) for (q, z), n in rounds.items()))
 
     def _round_key(self) -> tuple[float, float]:
-        """(q, z) of the amplified round being gathered (z / sqrt(2) when republished)."""
+        """(q, z) of the amplified round being gathered."""
         assert self.sampled is not None
-        return self.sampled, self.noise_multiplier / math.sqrt(self.repeats)
+        return self.sampled, self.noise_multiplier
 
     def worst_after(self, release: Mapping[str, float]) -> float:
         """The largest ``mu^2`` over clients once a release charging each client of
@@ -357,7 +372,6 @@ class PrivacyAccountant:
             key = self._round_key()
             self.rounds[key] = self.rounds.get(key, 0) + 1
             self.sampled = None
-            self.repeats = 1
         self.pending.clear()
         self.releases += 1
 

@@ -203,6 +203,13 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
                 "sampling = 'poisson' closes a round at its deadline with whatever it drew (a "
                 "round is never redrawn, and it may have sampled no one): set round_timeout"
             )
+        if self.amplified and self.dp_adaptive_quantile is not None:
+            raise ValueError(
+                "amplification by sampling (sampling = 'poisson', sampling_source = 'os' with "
+                "the dp_ keys) cannot be used with adaptive clipping (dp_adaptive_quantile): its "
+                "noise split and its move of C depend on how many sampled clients reported, "
+                "which the sampled Gaussian mechanism the accountant charges keeps secret"
+            )
         if self.amplified and self.late != "drop":
             raise ValueError(
                 "amplification by sampling (sampling = 'poisson', sampling_source = 'os' with "
@@ -261,6 +268,10 @@ class FedAvg(Strategy):
         # first draw), and an amplified round's expected size q n (its mean's denominator).
         self._draws = 0
         self._sampling_key: bytes | None = None
+        if self.config.sampling_source == "os":
+            # Drawn now, not at the first round: the first checkpoint (at adoption, before any
+            # round) must hold it, or a recovery from it would draw other samples than the log's.
+            self._secret_key()
         self._amplified = self.privacy is not None and self.config.amplified
         self._expected = 0.0
         # With a robust rule: the contributions' deltas as rows, each row's max |x| (derived
@@ -311,11 +322,6 @@ class FedAvg(Strategy):
         if self._round_open and self._deadline is not None and now >= self._deadline:
             # A Poisson round closes with what it has: waiting for more would condition it.
             if self._acc_count >= self.config.min_clients or self.config.sampling == "poisson":
-                privacy = self.privacy
-                # Recovery republishes a round published before the crash, with other noise
-                # (the test of GaussianPrivacy.released's double charge).
-                if self._amplified and privacy and privacy.recovering and privacy.key.secure:
-                    privacy.accountant.republish()
                 if self.privacy is not None:
                     try:
                         self.privacy.require_budget()
@@ -617,7 +623,7 @@ class FedAvg(Strategy):
 
     def _secret_key(self) -> bytes:
         """The "os" sampling key: 252 random bits from the operating system (``secrets``),
-        made at the first draw; on shards, rank 0's, so every shard samples alike."""
+        made when the strategy is; on shards, rank 0's, so every shard samples alike."""
         if self._sampling_key is None:
             words = torch.zeros(_KEY_WORDS, dtype=torch.int64, device=self.device)
             if self.reducer.rank == 0:

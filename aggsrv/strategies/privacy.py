@@ -305,8 +305,9 @@ class GaussianPrivacy:
         self.draws = 0  # the update noises drawn (each draw its own stream)
         self.count_draws = 0  # adaptive clipping's noised counts drawn
         # Recovery replays the log: versions published before the crash are published again
-        # with fresh noise, so each replayed release is charged twice (see begin_recovery).
+        # with fresh noise, so each replayed release is charged twice (see end_recovery).
         self.recovering = False
+        self._republished: list[tuple[dict[str, float], tuple[float, float] | None]] = []
         self._host_noise: np.ndarray | None = None
         self._noise: torch.Tensor | None = None
         self.clipped = 0  # updates whose delta was scaled down (not part of the state)
@@ -353,13 +354,13 @@ class GaussianPrivacy:
 
     def released(self) -> None:
         """The version was published: spend it, and under adaptive clipping move C with the
-        noised share of unclipped updates. While recovery replays the log, a release is charged
-        twice: the version was (or may have been) published before the crash with other noise."""
+        noised share of unclipped updates. While recovery replays the log, the release is
+        remembered: the version was (or may have been) published before the crash with other
+        noise, and :meth:`end_recovery` charges it a second time."""
         if self.recovering and self.key.secure:
-            # Two Gaussian releases of one sum: mu^2 adds twice, i.e. sensitivity sqrt(2) s.
-            pending = self.accountant.pending
-            for c in pending:
-                pending[c] *= math.sqrt(2.0)
+            acc = self.accountant
+            if acc.pending or acc.sampled is not None:
+                self._republished.append((dict(acc.pending), acc.round_key()))
         self.accountant.release()
         m, below = self.pending_count, self.pending_below
         self.pending_count = self.pending_below = 0
@@ -424,8 +425,8 @@ class GaussianPrivacy:
         units of C; CA2FL computes its own)."""
         if self.exhausted:
             raise PrivacyBudgetSpent(self._spent_text())
-        if self.target_epsilon is None or self.recovering:
-            return  # a replayed update was acknowledged: it is applied (see end_recovery)
+        if self.target_epsilon is None:
+            return
         after = self.accountant.epsilon_of(self.accountant.worst_after(sensitivities))
         if after > self.target_epsilon:
             self._exhaust(after)
@@ -483,14 +484,19 @@ class GaussianPrivacy:
         self.draws = int(state)
 
     def begin_recovery(self) -> None:
-        """Recovery starts replaying the log: releases are charged twice, and the budget does
-        not refuse an update that was acknowledged before the crash."""
+        """Recovery starts replaying the log: the releases it makes are remembered. The replay
+        itself is charged as the live server was (so its budget checks decide alike)."""
         self.recovering = True
+        self._republished = []
 
     def end_recovery(self) -> None:
-        """Recovery ended: if the replay's double charges took epsilon past the target, the
-        budget is spent now."""
+        """Recovery ended: every release it made was published a second time with fresh noise
+        (a new key), so each is charged again; if that takes epsilon past the target, the budget
+        is spent now."""
         self.recovering = False
+        for pending, round_key in self._republished:
+            self.accountant.republished(pending, round_key)
+        self._republished = []
         target = self.target_epsilon
         if target is not None and not self.exhausted:
             eps = self.accountant.epsilon()
