@@ -18,10 +18,12 @@ from server_helpers import RunningServer
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
+from aggsrv.server import durability as durable
 from aggsrv.server.config import ServerConfig
 from aggsrv.strategies import make_strategy
 from aggsrv.strategies.base import UpdateKind
 from aggsrv.strategies.dp_noise import (
+    _FI,
     _KI,
     _R,
     _WI,
@@ -120,7 +122,7 @@ def test_the_key_is_neither_logged_nor_written_to_disk(tmp_path: Path, caplog) -
     finally:
         srv.stop()
     files = [p for p in (tmp_path / "state").rglob("*") if p.is_file()]
-    assert any("checkpoint" in p.name or p.suffix == ".ckpt" for p in files) or len(files) > 1
+    assert len(durable.list_checkpoints(tmp_path / "state")) >= 2  # adoption and after pushes
     for path in files:
         data = path.read_bytes()
         assert secret not in data and secret.hex().encode() not in data, path
@@ -140,6 +142,17 @@ def test_serve_refuses_a_fixed_seed_without_the_insecure_opt_in() -> None:
     with pytest.raises(ValueError, match="dp_seed.*dp_insecure_seed"):
         ServerConfig(strategy="fedbuff", strategy_config=keys)
     ServerConfig(strategy="fedbuff", strategy_config={**keys, "dp_insecure_seed": True})
+
+
+def test_dp_with_a_state_dir_needs_the_write_ahead_log(tmp_path: Path) -> None:
+    """With checkpoints only, a resumed server would not charge what it published since."""
+    keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0}
+    with pytest.raises(ValueError, match="durability = 'on'"):
+        ServerConfig(strategy="fedbuff", strategy_config=keys, state_dir=str(tmp_path),
+                     durability="off")  # fmt: skip
+    ServerConfig(strategy="fedbuff", strategy_config=keys, state_dir=str(tmp_path))
+    ServerConfig(strategy="fedbuff", strategy_config=keys, state_dir="", durability="off",
+                 auth="none")  # nothing kept, nothing resumed  # fmt: skip
 
 
 def test_max_update_norm_is_refused_with_the_dp_keys() -> None:
@@ -167,6 +180,24 @@ def test_a_seeded_strategy_draws_the_documented_stream() -> None:
 
 
 # ------------------------------------------------------------------ the sampler's law
+
+
+def test_every_layer_of_the_ziggurat_has_the_same_area() -> None:
+    """The tables' construction: layer i (1..255) spans [0, x_i] x [f(x_i), f(x_{i-1})] with
+    f(x) = exp(-x^2/2), the top layer closes at f = 1, and each has the base layer's area
+    V = R f(R) + the tail's (scipy's survival function as the oracle), to 1e-12."""
+    x = _WI * 2.0**52
+    f = np.exp(-0.5 * x * x)
+    tail = math.sqrt(2 * math.pi) * stats.norm.sf(_R)
+    v = _R * math.exp(-0.5 * _R * _R) + tail
+    assert x[255] == pytest.approx(_R, rel=1e-15) and _FI[255] == pytest.approx(f[255])
+    np.testing.assert_allclose(x[2:] * (f[1:-1] - f[2:]), v, rtol=1e-12)
+    assert x[1] * (1.0 - f[1]) == pytest.approx(v, rel=1e-12)  # the top layer closes
+    # The base layer: a strip of width V / f(R) (its part below R is accepted at once).
+    assert x[0] * math.exp(-0.5 * _R * _R) == pytest.approx(v, rel=1e-12)
+    # The acceptance bound of layer i is x_{i-1} / x_i (0 for the top layer) in 52-bit units.
+    np.testing.assert_allclose(_KI[2:].astype(float), x[1:-1] / x[2:] * 2.0**52, rtol=1e-15)
+    assert _KI[1] == 0 and _KI[0] == int(_R / x[0] * 2.0**52)
 
 
 def test_the_body_follows_the_normal_law() -> None:
@@ -213,6 +244,11 @@ def test_the_sampler_lands_in_its_tail_as_often_as_the_normal_law_says() -> None
     p = 2 * stats.norm.sf(_R)
     n = draws.size
     assert abs(beyond - n * p) < 5 * math.sqrt(n * p * (1 - p))
+    # And what lands there follows N(0, 1) given |X| > R (the sampler's own tail, not the
+    # method's from another start).
+    tail = np.abs(draws[np.abs(draws) > _R])
+    log_sf_r = stats.norm.logsf(_R)
+    assert stats.kstest(tail, lambda x: -np.expm1(stats.norm.logsf(x) - log_sf_r)).pvalue > P_MIN
 
 
 def _tail_words(xx: float) -> np.ndarray:

@@ -164,6 +164,13 @@ class ServerConfig(TomlConfig):
         # A bad strategy name or [strategy_config] key fails at startup, not at the first
         # registration (where it would reach a client as an opaque error).
         settings = self.strategy_settings()
+        if getattr(settings, "private", False) and self.state_dir and self.durability == "off":
+            raise ValueError(
+                "differential privacy with a state_dir needs durability = 'on': with checkpoints "
+                "only, a server resumed after a crash would not charge the versions it published "
+                "since the last checkpoint, and would publish other ones under the same numbers. "
+                "Set durability = 'on' (the default with a state_dir), or give no state_dir"
+            )
         if getattr(settings, "dp_seed", None) is not None and not settings.dp_insecure_seed:
             raise ValueError(
                 "dp_seed fixes the differential-privacy noise: anyone who knows or guesses it "

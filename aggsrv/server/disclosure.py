@@ -106,7 +106,9 @@ DATA_REASONS = frozenset(
 
 # Prometheus families (names without _total, _bucket, ...) that describe updates' values: not
 # served under DP. Filter verdicts (aggsrv_updates_filtered, GetStatus filtered_by_reason) all
-# read the values; the update filters are refused with the dp_ keys anyway.
+# read the values; the update filters are refused with the dp_ keys anyway. The time one update
+# takes to fold in depends on its values too (a NaN/Inf delta is zeroed, per-layer clipping
+# scales only the layers it clips), so aggsrv_aggregation_seconds goes as well.
 DATA_SERIES = frozenset(
     {
         "aggsrv_update_norm",
@@ -116,6 +118,7 @@ DATA_SERIES = frozenset(
         "aggsrv_updates_filtered",
         "aggsrv_updates_clipped",
         "aggsrv_dp_updates_clipped",
+        "aggsrv_aggregation_seconds",
     }
 )
 

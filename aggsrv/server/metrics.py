@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 
 from aggsrv.server.disclosure import DATA_SERIES, is_public
 
@@ -150,9 +151,9 @@ class ServerMetrics:
         gauge of them is not registered either), refusals for data-dependent reasons and
         filter verdicts are not counted, so the unauthenticated port serves none of them."""
         self.private = True
-        for family in (self.update_norm, self.update_norm_outliers, self.update_cosine,
-                       self.update_cosine_outliers, self.filtered, self.clipped):  # fmt: skip
-            self.registry.unregister(family)
+        for family in list(vars(self).values()):
+            if isinstance(family, MetricWrapperBase) and family.describe()[0].name in DATA_SERIES:
+                self.registry.unregister(family)
 
     def gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read from federation state at scrape time (not served when it is one of

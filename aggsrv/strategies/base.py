@@ -551,19 +551,14 @@ class Strategy(ABC):
     def _noise_for_release(self, extra: int = 0) -> Iterator[torch.Tensor | None]:
         """Differential privacy's noise for the version about to be published, made of the
         contributions gathered and ``extra`` more: a [D] draw of N(0, (z C)^2) to add to the
-        clipped sum before the strategy scales it (None without DP or noise). A refusal inside
-        the block puts the noise generator back, so the version that is finally published gets
-        the draw a replay of the log gets too."""
+        clipped sum before the strategy scales it (None without DP or noise). A release refused
+        inside the block (its model would not be finite) has spent its draw: the next one is
+        fresh, since the refusal, which everyone sees, depended on that draw."""
         privacy = self.privacy
         if privacy is None or privacy.noise_multiplier == 0:
             yield None
             return
-        state = privacy.generator_state()
-        try:
-            yield privacy.noise(extra)
-        except BaseException:
-            privacy.restore_generator(state)
-            raise
+        yield privacy.noise(extra)
 
     def _clipped_per_layer(self, update: Update, job: Job) -> Update:
         """Differential privacy's per-layer clipping (``dp_clip_layers``): the update's delta

@@ -461,8 +461,7 @@ class GaussianPrivacy:
         """A fresh [D] float64 draw of N(0, (z C)^2) for a release of the pending contributions
         and ``extra`` more (a scratch buffer, overwritten by the next draw), from the secure
         sampler (:mod:`aggsrv.strategies.dp_noise`) on the CPU, then moved to the model's
-        device. Draw it only for a version that is then published, or put the draw counter
-        back (:meth:`generator_state`) when the publication is refused."""
+        device. Every call is a new draw (a refused release's draw is never used again)."""
         if self._host_noise is None:
             self._host_noise = np.empty(self.dim, dtype=np.float64)
             host = torch.from_numpy(self._host_noise)
@@ -475,13 +474,6 @@ class GaussianPrivacy:
             self._noise.copy_(torch.from_numpy(self._host_noise))
         self.last_noise_std = std
         return self._noise
-
-    def generator_state(self) -> int:
-        """Where the noise stream stands (the next draw's number)."""
-        return self.draws
-
-    def restore_generator(self, state: int) -> None:
-        self.draws = int(state)
 
     def begin_recovery(self) -> None:
         """Recovery starts replaying the log: the releases it makes are remembered. The replay
