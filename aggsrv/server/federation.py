@@ -624,8 +624,13 @@ def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int)
 
     def run() -> None:
         restore(fed, D.load_checkpoint(D.checkpoint_path(directory, checkpoint)))
+        privacy = fed.strategy.privacy if fed.strategy is not None else None
+        if privacy is not None:  # what recovery republishes is charged twice
+            privacy.begin_recovery()
         for _, record in D.iter_records(directory, checkpoint):
             fed.replay(record)
+        if privacy is not None:
+            privacy.end_recovery()
         fed.publish_recovered()
 
     try:

@@ -650,7 +650,7 @@ class Strategy(ABC):
         chunk by chunk: ``total(s)`` is its float64 sum over elements ``s`` (a fresh tensor it
         may change), rounded once to float32; the noise is differential privacy's for a
         release of the gathered contributions and ``extra`` more (none without DP). Nothing
-        of the state changes; a refusal puts the noise generator back."""
+        of the state changes (a refused release's noise draw is spent)."""
         with self._noise_for_release(extra) as noise:
             new = self._new_model_buffer()
             for start in range(0, self.dim, 1 << 18):

@@ -19,13 +19,13 @@ such a round cost no ``mu^2``. All clients share those rounds, so they are one c
 * ``gdp``: exact. ``delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)`` is the
   privacy profile of a ``mu``-GDP mechanism (Dong, Roth & Su 2019, Cor. 2.13; Balle & Wang
   2018, Thm. 8), solved for eps (log-space, ``scipy.special.log_ndtr``; Brent's method);
-  ``eps = 0`` when ``delta(0) <= delta``. About 0.1 ms. It cannot express an amplified round:
+  ``eps = 0`` when ``delta(0) <= delta``. About 0.02 ms. It cannot express an amplified round:
   those are charged as the unsampled Gaussian (``mu^2 += 1 / z^2`` per round), which bounds them.
 * ``pld``: dp-accounting's privacy loss distribution accountant, pessimistic by its
   discretization: for ``mu^2`` alone one ``GaussianDpEvent(1 / mu)`` at an interval of
-  ``eps_gdp / 200`` (at most 0.5 % above the exact value; about 1-2 ms); with amplified rounds,
+  ``eps_gdp / 200`` (at most 0.5 % above the exact value; 1-11 ms); with amplified rounds,
   their ``SelfComposedDpEvent`` plus that Gaussian event at an interval of 1e-3 (tens of ms).
-* ``rdp``: dp-accounting's Rényi accountant for the same events (loose by 5-10 % for a
+* ``rdp``: dp-accounting's Rényi accountant for the same events (loose by 5-15 % for a
   Gaussian; about 0.3 ms, tens of ms with amplified rounds).
 
 Each conversion is cached per ``(mu^2, amplified rounds)``: the budget check asks one new value
@@ -59,7 +59,7 @@ AMPLIFYING_KINDS = ("pld", "rdp")  # those that can compose Poisson-sampled roun
 NEIGHBOUR_FACTORS = {"zero_out": 1.0, "replace_one": 2.0}
 # "pld" for mu^2 alone: the discretization interval as a share of the exact epsilon. The PLD
 # accountant's epsilon is at most one interval above the exact one (measured: 0.5 % at most for
-# mu in [1e-4, 100]) and its cost does not grow with mu (1-2 ms).
+# mu in [1e-4, 100]) and costs 1-11 ms a conversion.
 PLD_INTERVAL_SHARE = 1.0 / 200.0
 PLD_MIN_INTERVAL = 1e-5
 # "pld" with amplified rounds: one interval for the sampled rounds' self-composition and the
