@@ -330,3 +330,28 @@ def test_a_fixed_seed_is_warned_about_in_the_log_the_json_and_the_page(caplog) -
                     browser.quit()
         finally:
             srv.stop()
+
+
+def _draw_in_child(queue) -> None:
+    out = np.empty(3 * BLOCK)
+    fill_gaussian(NoiseKey.insecure(1), 0, 0, out, 1.0)
+    queue.put(out[:5].tolist())
+
+
+def test_a_forked_process_draws_noise_after_its_parent_did() -> None:
+    """A sweep forks workers after the parent may have drawn noise on its thread pool: the
+    child has none of those threads and must make its own (it used to wait forever)."""
+    import multiprocessing
+
+    parent = np.empty(3 * BLOCK)
+    fill_gaussian(NoiseKey.insecure(1), 0, 0, parent, 1.0)  # the pool's threads now exist
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_draw_in_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == parent[:5].tolist()
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()

@@ -272,6 +272,15 @@ def _threads() -> int:
     return max(1, min(cores or 1, 8))
 
 
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
+
+
+# A forked child (a sweep's worker) has none of the parent's threads: it makes its own pool.
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
