@@ -140,7 +140,7 @@ def test_a_buffered_strategys_fill_and_fill_time_reach_the_metrics() -> None:
 
 
 def test_strategy_events_keep_the_last_grouping_and_the_flags_and_pass_them_on() -> None:
-    from aggsrv.server.dashboard.status import StrategyEvents
+    from aggsrv.server.dashboard.events import StrategyEvents
 
     seen: list[dict] = []
     events = StrategyEvents(then=seen.append)
@@ -155,7 +155,7 @@ def test_strategy_events_keep_the_last_grouping_and_the_flags_and_pass_them_on()
 
 
 def test_the_publish_rate_counts_past_four_thousand_a_minute() -> None:
-    from aggsrv.server.dashboard.status import PublishRate
+    from aggsrv.server.dashboard.events import PublishRate
 
     rate = PublishRate()
     for i in range(12_000):  # 100 versions a second for 120 s

@@ -81,3 +81,82 @@ def test_persistence_never_imports_the_federation() -> None:
         if n.startswith(("aggsrv.server.federation", "aggsrv.server.service"))
     )  # fmt: skip
     assert not above, f"aggsrv/server/persistence.py imports {above}"
+
+
+def _package_modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (``kernels/`` is ``aggsrv.kernels``)."""
+    repo = Path(__file__).resolve().parents[1]
+    modules: dict[str, Path] = {}
+    for folder, package in ((repo / "aggsrv", "aggsrv"), (repo / "kernels", "aggsrv.kernels")):
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``module`` imports anywhere: at the top, inside functions, under
+    TYPE_CHECKING (a cycle hidden in a function is still a cycle of the design)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = module.split(".") if is_package else module.split(".")[:-1]
+                here = here[: len(here) - node.level + 1]
+                base = ".".join(here + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            # A package's own parent is where it lives, not an import of the design.
+            if name and name != module and not module.startswith(name + "."):
+                found.add(name)
+    return found
+
+
+def test_no_import_cycles_between_the_packages_modules() -> None:
+    """No two modules of aggsrv import each other, directly or through others, wherever the
+    import stands (Tarjan's strongly connected components of the import graph)."""
+    modules = _package_modules()
+    graph = {m: _imported(m, p, set(modules)) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+    # The walk sees imports inside functions and under TYPE_CHECKING.
+    assert "aggsrv.sim.attacks" in graph["aggsrv.sim.config"]  # in a method
+    assert "aggsrv.server.federation" in graph["aggsrv.server.dashboard.status"]

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from aggsrv import kernels
-from aggsrv.aggregators.spec import Aggregator
 from aggsrv.kernels import Reduce
 
 __all__ = ["AggregateInfo", "combine"]
@@ -71,6 +71,17 @@ class AggregateInfo:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
+class RuleSpec(Protocol):
+    """What :func:`combine` reads of an :class:`~aggsrv.aggregators.spec.Aggregator` (the spec
+    module builds on this one, not the other way round)."""
+
+    rule: str
+    params: Mapping[str, Any]
+    norm_bound: float | None
+
+    def min_rows(self) -> int: ...
+
+
 def _checked_weights(weights: Any, K: int) -> torch.Tensor:
     w = torch.as_tensor(weights, dtype=torch.float64).detach().to("cpu").reshape(-1)
     if w.shape != (K,):
@@ -83,7 +94,7 @@ def _checked_weights(weights: Any, K: int) -> torch.Tensor:
 
 
 def combine(
-    spec: Aggregator,
+    spec: RuleSpec,
     X: torch.Tensor,
     weights: Any,
     *,
@@ -120,7 +131,7 @@ def combine(
 
 
 def _run(
-    spec: Aggregator,
+    spec: RuleSpec,
     X: torch.Tensor,
     w: torch.Tensor,
     center: torch.Tensor | None,

@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aggsrv.aggregators.combine import AggregateInfo
+from aggsrv.aggregators.combine import combine as combine_rows
 from aggsrv.spec_text import NamedSpec, check_params, parse_chain
 
 if TYPE_CHECKING:
     import torch
 
-    from aggsrv.aggregators.combine import AggregateInfo
     from aggsrv.kernels import Reduce
 
 __all__ = ["Aggregator", "NORM_BOUND", "RULES", "parse_aggregator"]
@@ -69,9 +70,7 @@ class Aggregator:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AggregateInfo]:
         """:func:`aggsrv.aggregators.combine.combine` with this aggregator."""
-        from aggsrv.aggregators.combine import combine
-
-        return combine(self, X, weights, center=center, reduce=reduce, out=out)
+        return combine_rows(self, X, weights, center=center, reduce=reduce, out=out)
 
     def __str__(self) -> str:
         rule = str(NamedSpec(self.rule, {k: v for k, v in self.params.items() if v is not None}))

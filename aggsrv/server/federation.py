@@ -39,7 +39,7 @@ from aggsrv.server.aggregation_loop import (
 from aggsrv.server.checkpoints import MIN_CHECKPOINT_EVERY_BYTES, Checkpoints
 from aggsrv.server.client_activity import ClientActivity
 from aggsrv.server.config import ServerConfig
-from aggsrv.server.dashboard.status import PublishRate, StrategyEvents
+from aggsrv.server.dashboard.events import PublishRate, StrategyEvents
 from aggsrv.server.disclosure import public_refusals
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics

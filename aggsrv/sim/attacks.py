@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from aggsrv.client.train import TrainResult
+from aggsrv.sim.ids import client_id
 from aggsrv.sim.local import LocalTrainer, draw_seed
 
 __all__ = [
@@ -281,7 +282,6 @@ class Attack:
     def summary(self, sent: Mapping[str, int], accepted: Mapping[str, int]) -> dict[str, Any]:
         """The run summary's ``attack`` entry; ``sent``/``accepted``: crafted updates per
         attacker id (the transports count them)."""
-        from aggsrv.sim.setup import client_id
 
         ids = [client_id(c) for c in self.attackers]
         return {

@@ -17,15 +17,12 @@ from torch import nn
 from aggsrv.layout import ModelLayout
 from aggsrv.sim.attacks import Attack, AttackedTrainer, make_attack
 from aggsrv.sim.config import SimConfig
+from aggsrv.sim.ids import client_id
 from aggsrv.sim.local import Evaluator, LocalTrainer
 
 __all__ = ["RunSetup", "client_id", "prepare"]
 
 log = logging.getLogger(__name__)
-
-
-def client_id(i: int) -> str:
-    return f"client-{i:03d}"
 
 
 @dataclass
