@@ -111,7 +111,7 @@ class PrivacyConfig:
         "dp_neighbour": "DP: zero_out (one client's updates set to zero) or replace_one "
         "(replaced by any; doubles the sensitivity)",
         "dp_clipping": "DP: server (it clips) or client (the recipe asks clients to clip; the "
-        "server refuses more)",
+        "server clips the rest)",
         "dp_adaptive_quantile": "DP: move C toward this quantile of the update norms (Andrew et "
         "al. 2021); unset = C fixed",
         "dp_adaptive_lr": "DP: adaptive clipping's learning rate (C *= exp(-lr (b - quantile)))",
