@@ -359,7 +359,7 @@ def test_a_model_with_batchnorm_statistics_is_refused() -> None:
 
 def test_epsilon_grows_with_releases_and_falls_with_noise() -> None:
     """Sanity of the closed form against dp-accounting over a grid (no amplification)."""
-    from aggsrv.strategies.privacy import gaussian_epsilon
+    from aggsrv.strategies.dp_accounting import gaussian_epsilon
 
     for z in (0.5, 1.0, 4.0):
         eps = [gaussian_epsilon(z, float(t), 1e-5) for t in (1, 10, 100)]

@@ -156,22 +156,28 @@ def test_nothing_released_is_zero_and_no_noise_is_infinite(kind) -> None:
     assert mu_squared_epsilon(1.0, 1e-5, kind, rounds=((0.1, 0.0, 3),)) == math.inf
 
 
-def test_epsilon_of_is_cached_and_fast() -> None:
-    """A new mu^2 per release (the budget check's pattern): gdp about 0.02 ms, pld 1-2 ms, rdp
-    0.2 ms; a repeated one is a lookup."""
-    import time
+def test_epsilon_of_converts_each_mu_squared_once(monkeypatch) -> None:
+    """The budget check asks a new mu^2 per release at most: each value is converted once,
+    a repeated one is answered from the cache with the same epsilon (the cost of a conversion
+    is measured in docs/privacy.md, not asserted here)."""
+    import aggsrv.strategies.dp_accounting as accounting
 
-    for kind, budget in (("gdp", 5e-3), ("pld", 5e-2), ("rdp", 5e-2)):  # 20x the measured
+    calls = []
+    real = accounting.mu_squared_epsilon
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "mu_squared_epsilon", counted)
+    for kind in KINDS:
+        calls.clear()
         acct = PrivacyAccountant(1.0, 1e-5, kind=kind)
-        acct.epsilon_of(7.0)  # imports done
-        values = [0.01 * (i + 1) for i in range(20)]
-        t0 = time.perf_counter()
+        values = [0.01 * (i + 1) for i in range(7)]
         first = [acct.epsilon_of(v) for v in values]
-        per_call = (time.perf_counter() - t0) / len(values)
-        assert per_call < budget, (kind, per_call)
-        t0 = time.perf_counter()
         assert [acct.epsilon_of(v) for v in values] == first
-        assert (time.perf_counter() - t0) / len(values) < 1e-4
+        assert calls == values
+        assert first == [real(v, 1e-5, kind) for v in values]
 
 
 # ----------------------------------------------------------------------------- replace-one

@@ -468,7 +468,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 reason="in_flight",
             )  # fmt: skip
         fed.in_flight_updates.add(key)
-        private = fed.strategy.privacy is not None  # differential privacy
+        private = fed.private  # differential privacy (the strategy's dp_ keys)
         slot = None
         waiting = False
         try:
@@ -527,7 +527,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         label = "duplicate" if outcome.original is not None else outcome.status.name
         # Each update's norm and cosine describe its values: not watched under differential
         # privacy (they would reach the unauthenticated metrics port and the log's warnings).
-        watched = not (private or fed.private)
+        watched = not private
         if watched and "norm" in seen and outcome.original is None and kind is UpdateKind.DELTA:
             fed.metrics.update_norm.observe(seen["norm"])
             if "cosine" in seen:

@@ -275,7 +275,6 @@ class PrivacyAccountant:
         ``PoissonSampledDpEvent(q, GaussianDpEvent(z / sqrt(2)))`` instead of ``z``'s (the same
         sample, twice the information), and a contribution above the sampled event's (``s >
         1``) once more whole."""
-        z = self.noise_multiplier
         if round_key is not None:
             left = self.rounds.get(round_key, 0) - 1
             if left > 0:
@@ -285,15 +284,13 @@ class PrivacyAccountant:
             twice = (round_key[0], round_key[1] / math.sqrt(2.0))
             self.rounds[twice] = self.rounds.get(twice, 0) + 1
         for c, s in pending.items():
-            if s == 0 or (round_key is not None and s <= 1.0 + 1e-12):
-                continue
-            total = self.spent.get(c, 0.0) + ((self.factor * s / z) ** 2 if z > 0 else math.inf)
+            total = self.spent.get(c, 0.0) + self._charge_in(s, amplified=round_key is not None)
             self.spent[c] = total
             self._worst = max(self._worst, total)
 
     def round_key(self) -> tuple[float, float] | None:
         """(q, z) of the amplified round being gathered; None when it is not one."""
-        return None if self.sampled is None else self._round_key()
+        return None if self.sampled is None else (self.sampled, self.noise_multiplier)
 
     def contribute(self, client: str, weight: float) -> None:
         self.pending[client] = self.pending.get(client, 0.0) + weight
@@ -303,7 +300,11 @@ class PrivacyAccountant:
         round, a client's contribution of ``s <= 1`` is the sampled event's: nothing; more
         (not made by sync FedAvg, whose clients report once a round) is charged whole, as if
         unsampled."""
-        if s == 0 or (self.sampled is not None and s <= 1.0 + 1e-12):
+        return self._charge_in(s, amplified=self.sampled is not None)
+
+    def _charge_in(self, s: float, amplified: bool) -> float:
+        """:meth:`_charge` for a release that was (or was not) an amplified round."""
+        if s == 0 or (amplified and s <= 1.0 + 1e-12):
             return 0.0
         z = self.noise_multiplier
         return (self.factor * s / z) ** 2 if z > 0 else math.inf
@@ -311,15 +312,10 @@ class PrivacyAccountant:
     def _rounds(self, extra: bool) -> tuple[tuple[float, float, int], ...]:
         """The amplified rounds as (q, z, count), with the one being gathered if ``extra``."""
         rounds = dict(self.rounds)
-        if extra and self.sampled is not None:
-            key = self._round_key()
+        key = self.round_key()
+        if extra and key is not None:
             rounds[key] = rounds.get(key, 0) + 1
         return tuple(sorted((q, z, n) for (q, z), n in rounds.items()))
-
-    def _round_key(self) -> tuple[float, float]:
-        """(q, z) of the amplified round being gathered."""
-        assert self.sampled is not None
-        return self.sampled, self.noise_multiplier
 
     def worst_after(self, release: Mapping[str, float]) -> float:
         """The largest ``mu^2`` over clients once a release charging each client of
@@ -369,7 +365,7 @@ class PrivacyAccountant:
             self.spent[c] = total
             self._worst = max(self._worst, total)
         if self.sampled is not None:
-            key = self._round_key()
+            key = (self.sampled, self.noise_multiplier)
             self.rounds[key] = self.rounds.get(key, 0) + 1
             self.sampled = None
         self.pending.clear()

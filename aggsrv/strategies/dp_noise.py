@@ -223,43 +223,39 @@ def _encryptor(stream_key: bytes, block: int):
     return cipher.encryptor()
 
 
+def _draw(
+    stream_key: bytes, block: int, out: np.ndarray, scale: float, draws: int, tail_from=0.0
+) -> None:
+    """Fill ``out`` from block ``block`` of a stream with :func:`_fill`'s values, fetching the
+    stream's words as they are used (a value whose words ran out is drawn from the next ones)."""
+    enc = _encryptor(stream_key, block)
+    per_value = 4 if tail_from > 0.0 else draws  # the tail method takes 2 words a try
+    done = 0
+    while done < out.shape[0]:
+        left = out.shape[0] - done
+        words = _words(enc, per_value * left + left // 16 + 64)
+        wrote, _ = _fill(words, out[done:], scale, draws, _KI, _WI, _FI, tail_from)
+        done += wrote
+
+
 def gaussian_block(stream_key: bytes, block: int, out: np.ndarray, scale: float) -> None:
     """Fill ``out`` (float64, at most :data:`BLOCK` values) with block ``block`` of the stream:
     ``scale * (N1 + N2) / sqrt(2)`` per value."""
-    enc = _encryptor(stream_key, block)
-    n = out.shape[0]
-    done = 0
-    while done < n:
-        left = n - done
-        words = _words(enc, 2 * left + left // 16 + 64)
-        wrote, _ = _fill(words, out[done:], scale, 2, _KI, _WI, _FI)
-        done += wrote
+    _draw(stream_key, block, out, scale, 2)
 
 
 def standard_normals(stream_key: bytes, n: int) -> np.ndarray:
     """``n`` single ziggurat draws of N(0, 1) from the start of a stream (the sampler alone,
     without the secure mode's sum; for tests and audits)."""
-    enc = _encryptor(stream_key, 0)
     out = np.empty(n, dtype=np.float64)
-    done = 0
-    while done < n:
-        left = n - done
-        words = _words(enc, left + left // 16 + 64)
-        wrote, _ = _fill(words, out[done:], 1.0, 1, _KI, _WI, _FI)
-        done += wrote
+    _draw(stream_key, 0, out, 1.0, 1)
     return out
 
 
 def tail_normals(stream_key: bytes, n: int, r: float) -> np.ndarray:
     """``n`` draws of N(0, 1) given value > ``r`` by the sampler's tail method (for tests)."""
-    enc = _encryptor(stream_key, 0)
     out = np.empty(n, dtype=np.float64)
-    done = 0
-    while done < n:
-        left = n - done
-        words = _words(enc, 4 * left + 64)
-        wrote, _ = _fill(words, out[done:], 1.0, 1, _KI, _WI, _FI, float(r))
-        done += wrote
+    _draw(stream_key, 0, out, 1.0, 1, float(r))
     return out
 
 

@@ -264,8 +264,8 @@ class FedAvg(Strategy):
         self._round_open = False
         self._participants: dict[str, bool] = {}
         self._deadline: float | None = None
-        # Sampling: draws made (a counter the "os" key hashes with), that key (made at the
-        # first draw), and an amplified round's expected size q n (its mean's denominator).
+        # Sampling: draws made (a counter the "os" key hashes with), that key, and an
+        # amplified round's expected size q n (its mean's denominator).
         self._draws = 0
         self._sampling_key: bytes | None = None
         if self.config.sampling_source == "os":

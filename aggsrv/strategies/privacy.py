@@ -54,9 +54,10 @@ import numpy as np
 import torch
 
 from aggsrv.strategies.dp_accounting import (
+    ACCOUNTANT_KINDS,
+    NEIGHBOUR_FACTORS,
     PrivacyAccountant,
     dp_accounting_module,
-    gaussian_epsilon,
 )
 from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, cipher_module, fill_gaussian
 from aggsrv.strategies.errors import StrategyError
@@ -64,10 +65,8 @@ from aggsrv.strategies.errors import StrategyError
 __all__ = [
     "DP_STRATEGIES",
     "GaussianPrivacy",
-    "PrivacyAccountant",
     "PrivacyBudgetSpent",
     "PrivacyConfig",
-    "gaussian_epsilon",
     "refuse_privacy_keys",
 ]
 
@@ -79,8 +78,6 @@ LAYER_SPLITS = ("whole", "equal", "size")
 # Client-side clipping: a delta up to this much above C is float rounding of a clipped one
 # (scaled down to C exactly, not counted as clipped); a larger one is clipped by the server.
 CLIENT_CLIP_SLACK = 1e-3
-ACCOUNTANTS = ("gdp", "pld", "rdp")
-NEIGHBOURS = ("zero_out", "replace_one")
 
 
 class PrivacyBudgetSpent(StrategyError):
@@ -171,12 +168,14 @@ class PrivacyConfig:
                 "per-layer clipping (dp_clip_layers) is done by the server with a fixed C: "
                 "use it with dp_clipping = 'server' and without dp_adaptive_quantile"
             )
-        if self.dp_accountant not in ACCOUNTANTS:
+        if self.dp_accountant not in ACCOUNTANT_KINDS:
             raise ValueError(
-                f"dp_accountant must be one of {ACCOUNTANTS}, got {self.dp_accountant!r}"
+                f"dp_accountant must be one of {ACCOUNTANT_KINDS}, got {self.dp_accountant!r}"
             )
-        if self.dp_neighbour not in NEIGHBOURS:
-            raise ValueError(f"dp_neighbour must be one of {NEIGHBOURS}, got {self.dp_neighbour!r}")
+        if self.dp_neighbour not in NEIGHBOUR_FACTORS:
+            raise ValueError(
+                f"dp_neighbour must be one of {tuple(NEIGHBOUR_FACTORS)}, got {self.dp_neighbour!r}"
+            )
         if self.dp_clipping not in CLIPPING:
             raise ValueError(f"dp_clipping must be one of {CLIPPING}, got {self.dp_clipping!r}")
         c = self.dp_clip_norm

@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from aggsrv.sim import SimConfig, run
-from aggsrv.strategies.privacy import gaussian_epsilon
+from aggsrv.strategies.dp_accounting import gaussian_epsilon
 
 # Method label -> (strategy, its own keys on top of the setting's). Sync FedAvg samples every
 # client in every round and waits for the slowest (a timeout longer than the run). FedBuff's
