@@ -6,7 +6,7 @@ memory and bits on the device. Prints one JSON line ("GPUCHECK {...}") of counts
     python bench/gpu_durability_check.py         # CUDA (needs a GPU)
     python bench/gpu_durability_check.py cpu     # the same steps on the CPU (no host copies)
 
-Run from the repository root (it imports tests/server_helpers.py).
+Run from the repository root (it imports tests/support/server_helpers.py).
 """
 
 import json
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import torch  # noqa: E402
 from server_helpers import RunningServer  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Helpers for the network benchmarks (bench/test_bench_ingest.py).
 
 - `LoopThread`: an asyncio event loop in a daemon thread, to run grpc.aio servers beside a
-  synchronous client (the approach of `RunningServer` in tests/test_server_grpc.py);
+  synchronous client (the approach of `RunningServer` in tests/server/test_server_grpc.py);
 - `AggsrvServer`: `aggsrv.server.app.Server` on an ephemeral loopback port in such a thread;
 - `BareReceiver`: a grpc.aio server that answers `aggsrv.v1.Aggregation/PushUpdate` by iterating
   the stream and counting `len(msg.chunk.data)` (no decode, no CRC, no strategy): the floor of a

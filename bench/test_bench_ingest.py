@@ -3,7 +3,7 @@
 Run: `pytest bench/test_bench_ingest.py --benchmark-only -s` (full sizes: about 2-3 minutes and
 ~3 GiB RAM); `AGGSRV_BENCH_SCALE=0.01` scales every D for a smoke run. Everything runs on
 loopback; the servers run in background threads of this process (own event loops, as
-tests/test_server_grpc.py does), except the memory benchmark's server, which runs in a
+tests/server/test_server_grpc.py does), except the memory benchmark's server, which runs in a
 subprocess so its RSS is its own. Helpers: bench/ingest_helpers.py.
 
 - `test_bench_ingest_push`: one client pushes the same D = 16M float32 delta (64 MB, 1 MiB

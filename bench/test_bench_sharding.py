@@ -12,7 +12,7 @@ For fedasync (elementwise: no collective) and the three reducing families, ortho
 feddgic: D = 4M (2^22) float32 in a ResNet-18-shaped layout (the 62 tensors of
 `resnet18_sizes` rescaled to D, named as in a CIFAR ResNet-18, BatchNorm modules flagged as
 normalisation), K = 16 clients. The same update sequence drives three candidates (the `_drive`
-of tests/test_sharding.py: every step each client asks for a job in a seeded order, and an
+of tests/sharding/test_sharding.py: every step each client asks for a job in a seeded order, and an
 update is the job's weights plus a per-client noise row times 0.1 / (1 + step mod 3)):
 
 - **1 shard**: one process with the whole model and a LocalReducer (the kernels' single-pass

@@ -6,7 +6,8 @@ Equivalent to running, from the repository root::
         proto/aggsrv/v1/*.proto
 
 Use grpcio-tools 1.81.x (docs/design.md "Measured platform facts"): its stubs import under protobuf
-6.33 and 7.x. The committed stubs must equal this script's output (tests/test_proto.py checks it).
+6.33 and 7.x. The committed stubs must equal this script's output (tests/transport/test_proto.py
+checks it).
 
 Usage: ``python proto/generate.py [OUT_DIR]`` (default: the repository root).
 """

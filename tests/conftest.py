@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def servers():
-    """A factory of in-process RunningServers (tests/server_helpers.py), all stopped at the end
-    of the test."""
+    """A factory of in-process RunningServers (tests/support/server_helpers.py), all
+    stopped at the end of the test."""
     from server_helpers import RunningServer  # grpc only for the tests that use a server
 
     started = []

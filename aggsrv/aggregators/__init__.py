@@ -4,7 +4,7 @@
 multi_krum:f=2,m=5")``); its :meth:`~Aggregator.combine` turns [K, D] rows and their weights
 into one [D] aggregate with the :mod:`aggsrv.kernels` robust kernels. :class:`RowBuffer` holds
 the rows a strategy keeps between aggregations. Imports the kernels and the spec parser only
-(tests/test_layers.py checks it).
+(tests/project/test_layers.py checks it).
 """
 
 from __future__ import annotations

@@ -1135,5 +1135,6 @@ class Strategy(ABC):
         """A number that moves exactly when :meth:`job_for` changed the strategy's state: a job
         issued (which also retires the one it supersedes) or a noted side effect. The server
         logs a GetJob only when it moved; a strategy whose job_for changes anything else must
-        call :meth:`_note_side_effect` (tests/test_strategy_durable_state.py checks all)."""
+        call :meth:`_note_side_effect` (tests/strategies/test_strategy_durable_state.py checks
+        all)."""
         return self._next_job_id + self._side_effects

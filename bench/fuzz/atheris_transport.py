@@ -8,7 +8,8 @@ a hang or a write outside the slot is a finding (libFuzzer stops and prints the 
     python bench/fuzz/atheris_transport.py -runs=100000          # or -max_total_time=600
     python bench/fuzz/atheris_transport.py CORPUS_DIR            # keep and grow a corpus
 
-tests/test_fuzz_atheris.py runs it for a few thousand inputs in CI when atheris is installed.
+tests/transport/test_fuzz_atheris.py runs it for a few thousand inputs in CI when atheris is
+installed.
 """
 
 from __future__ import annotations
