@@ -4,9 +4,11 @@ server and the client: wire dtypes, layouts, recipes, chunked tensor streams, ti
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from enum import Enum
 
 import torch
 from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from aggsrv.layout import ModelLayout
 from aggsrv.transport import Crc32c, Encoder, Encoding, WireDtype
@@ -14,37 +16,25 @@ from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
 from aggsrv.values import FilterReason, ProjectionMode, Recipe, Status, UpdateKind
 
-WIRE_TO_PB = {
-    WireDtype.FLOAT32: tpb.WIRE_DTYPE_FLOAT32,
-    WireDtype.FLOAT16: tpb.WIRE_DTYPE_FLOAT16,
-    WireDtype.BFLOAT16: tpb.WIRE_DTYPE_BFLOAT16,
-}
-PB_TO_WIRE = {v: k for k, v in WIRE_TO_PB.items()}
-ENCODING_TO_PB = {
-    Encoding.DENSE: tpb.TENSOR_ENCODING_DENSE,
-    Encoding.COO: tpb.TENSOR_ENCODING_COO,
-    Encoding.BITMAP: tpb.TENSOR_ENCODING_BITMAP,
-}
-PB_TO_ENCODING = {v: k for k, v in ENCODING_TO_PB.items()}
+
+def _same_names(ours: type[Enum], wire: EnumTypeWrapper, prefix: str) -> tuple[dict, dict]:
+    """Our enum to the wire's and back, member by member: the proto spells each of our names as
+    ``PREFIX_NAME``, so a member the wire lacks fails here, at import."""
+    to_pb = {m: wire.Value(f"{prefix}_{m.name}") for m in ours}
+    return to_pb, {v: k for k, v in to_pb.items()}
+
+
+WIRE_TO_PB, PB_TO_WIRE = _same_names(WireDtype, tpb.WireDtype, "WIRE_DTYPE")
+ENCODING_TO_PB, PB_TO_ENCODING = _same_names(Encoding, tpb.TensorEncoding, "TENSOR_ENCODING")
 PB_TO_ENCODING[tpb.TENSOR_ENCODING_UNSPECIFIED] = Encoding.DENSE
-KIND_TO_PB = {UpdateKind.WEIGHTS: pb.UPDATE_KIND_WEIGHTS, UpdateKind.DELTA: pb.UPDATE_KIND_DELTA}
-PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
-STATUS_TO_PB = {
-    Status.APPLIED: pb.OUTCOME_APPLIED,
-    Status.BUFFERED: pb.OUTCOME_BUFFERED,
-    Status.DUPLICATE: pb.OUTCOME_DUPLICATE,
-    Status.FILTERED: pb.OUTCOME_FILTERED,
-}
-PB_TO_STATUS = {v: k for k, v in STATUS_TO_PB.items()}
+KIND_TO_PB, PB_TO_KIND = _same_names(UpdateKind, pb.UpdateKind, "UPDATE_KIND")
+STATUS_TO_PB, PB_TO_STATUS = _same_names(Status, pb.Outcome, "OUTCOME")
 # FilterReason's numbers are the wire's (values.FilterReason), so the value travels as is.
 FILTER_REASON_TO_PB = {r: int(r) for r in FilterReason}
 PB_TO_FILTER_REASON = {int(r): r for r in FilterReason if r is not FilterReason.UNSPECIFIED}
-PROJECTION_TO_PB = {
-    ProjectionMode.NONE: pb.PROJECTION_MODE_NONE,
-    ProjectionMode.WHOLE: pb.PROJECTION_MODE_WHOLE,
-    ProjectionMode.LAYERWISE: pb.PROJECTION_MODE_LAYERWISE,
-}
-PB_TO_PROJECTION = {v: k for k, v in PROJECTION_TO_PB.items()}
+PROJECTION_TO_PB, PB_TO_PROJECTION = _same_names(
+    ProjectionMode, pb.ProjectionMode, "PROJECTION_MODE"
+)
 # FedEN's elastic-net choices travel in Recipe.extra (aggsrv.client.train: 0/1 per key) and on
 # the wire in ElasticNet's enum fields; other values stay in the extra map for the client to refuse.
 ELASTIC_ENUMS = {

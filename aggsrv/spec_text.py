@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NamedSpec", "check_params", "parse_chain", "parse_named"]
+__all__ = ["NamedSpec", "check_params", "parse_chain", "parse_named", "parse_value"]
 
 _INT = re.compile(r"[+-]?\d+$")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -40,7 +40,9 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """One stripped value: bool, None, int, float (``inf`` and ``nan`` too) or, failing those,
+    the text itself."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -71,7 +73,7 @@ def parse_named(text: Any, what: str) -> NamedSpec:
             raise ValueError(f"{what} {text!r}: expected key=value, got {item!r}")
         if key in params:
             raise ValueError(f"{what} {text!r}: {key!r} given twice")
-        params[key] = _value(val)
+        params[key] = parse_value(val)
     return NamedSpec(name, params)
 
 

@@ -6,28 +6,22 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aggsrv.spec_text import parse_value
+
 from .presets import PROFILES
 
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def _value(text: str) -> Any:
-    """A ``key=value`` value from a string spec: bool, None, int, float, ``lo..hi`` or str."""
+    """A ``key=value`` value from a string spec: ``lo..hi`` (a pair of numbers) or one value
+    read as the other specs read theirs (aggsrv.spec_text)."""
     text = text.strip()
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    if low in ("inf", "+inf", "-inf", "nan"):
-        return float(low)  # read as numbers so the range check names the problem
     if ".." in text:
         lo, _, hi = text.partition("..")
         if _NUMBER.match(lo.strip()) and _NUMBER.match(hi.strip()):
             return [_value(lo), _value(hi)]
-    if _NUMBER.match(text):
-        return int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text)
-    return text
+    return parse_value(text)
 
 
 def _parse_string(spec: str) -> list[tuple[str, dict[str, Any]]]:
