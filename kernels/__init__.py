@@ -212,6 +212,16 @@ def _row_pair(X: Any, other: Any) -> None:
             raise ValueError(f"other has rows of length {other.shape[1]} but X has {X.shape[1]}")
 
 
+def _row_pair_pass(kernel: str, X: Any, other: Any, reduce: Any, backend: str) -> torch.Tensor:
+    """The backend's Gram-type `kernel` (gram_matrix, pairwise_sq_distances) on checked rows,
+    in the accumulation dtype of X."""
+    _row_pair(X, other)
+    red = _reduce(reduce)
+    impl = _backend(backend, X.device)
+    Y = None if other is None else _rows(other)
+    return getattr(impl, kernel)(_rows(X), Y, reduce=red).to(_acc_dtype(X))
+
+
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -454,11 +464,7 @@ def gram_matrix(
     `cosine_matrix`, without the normalisation. `reduce` gets this slice's float64 Gram
     ([K, K] symmetric, or [K, M]) and returns its sum over the shards, which the call returns.
     """
-    _row_pair(X, other)
-    red = _reduce(reduce)
-    impl = _backend(backend, X.device)
-    Y = None if other is None else _rows(other)
-    return impl.gram_matrix(_rows(X), Y, reduce=red).to(_acc_dtype(X))
+    return _row_pair_pass("gram_matrix", X, other, reduce, backend)
 
 
 def pairwise_sq_distances(
@@ -479,11 +485,7 @@ def pairwise_sq_distances(
     or with `other` [K*M + K + M] (Gram, squared norms of X's rows, of Y's rows), and the
     distances are formed from their sum over the shards.
     """
-    _row_pair(X, other)
-    red = _reduce(reduce)
-    impl = _backend(backend, X.device)
-    Y = None if other is None else _rows(other)
-    return impl.pairwise_sq_distances(_rows(X), Y, reduce=red).to(_acc_dtype(X))
+    return _row_pair_pass("pairwise_sq_distances", X, other, reduce, backend)
 
 
 def layer_normalized_cosine(
@@ -711,33 +713,8 @@ def _condensed(arr: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 # The robust aggregation kernels live in their own module; it imports the helpers above, so it
-# is imported last.
-from .robust import (  # noqa: E402
-    GeometricMedian,
-    bulyan_select,
-    centered_clip,
-    clip_rows,
-    coordinate_median,
-    geometric_median,
-    krum_scores,
-    krum_select,
-    mean_around_median,
-    sq_distances_to,
-    trimmed_count,
-    trimmed_mean,
-)
+# is imported last. Its `__all__` is the one list of what it adds to this package's.
+from .robust import *  # noqa: E402, F403
+from .robust import __all__ as _robust_names  # noqa: E402
 
-__all__ += [
-    "GeometricMedian",
-    "bulyan_select",
-    "centered_clip",
-    "clip_rows",
-    "coordinate_median",
-    "geometric_median",
-    "krum_scores",
-    "krum_select",
-    "mean_around_median",
-    "sq_distances_to",
-    "trimmed_count",
-    "trimmed_mean",
-]
+__all__ += _robust_names

@@ -174,6 +174,19 @@ def _nn_chain(d: np.ndarray, n: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
+def _find(parent: np.ndarray, x: np.int64) -> np.int64:
+    """Root of x's set in the union-find `parent`, compressing the path from x to it."""
+    root = x
+    while parent[root] != root:
+        root = parent[root]
+    while parent[x] != root:
+        nxt = parent[x]
+        parent[x] = root
+        x = nxt
+    return root
+
+
+@njit(cache=True, nogil=True)
 def _label(z: np.ndarray, n: int) -> None:
     """Relabel height-sorted merges to scipy ids in place (scipy's LinkageUnionFind + label)."""
     parent = np.arange(2 * n - 1, dtype=np.int64)
@@ -182,23 +195,8 @@ def _label(z: np.ndarray, n: int) -> None:
     for k in range(n - 1):
         x = np.int64(z[k, 0])
         y = np.int64(z[k, 1])
-        # find with path compression, for x and y
-        rx = x
-        while parent[rx] != rx:
-            rx = parent[rx]
-        p = x
-        while parent[p] != rx:
-            q = parent[p]
-            parent[p] = rx
-            p = q
-        ry = y
-        while parent[ry] != ry:
-            ry = parent[ry]
-        p = y
-        while parent[p] != ry:
-            q = parent[p]
-            parent[p] = ry
-            p = q
+        rx = _find(parent, x)
+        ry = _find(parent, y)
         if rx < ry:
             z[k, 0] = rx
             z[k, 1] = ry

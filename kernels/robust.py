@@ -53,6 +53,16 @@ def _row_out(name: str, out: Any, X: torch.Tensor) -> torch.Tensor:
     return _out(name, out, like, {"X": X})
 
 
+def _per_coordinate(
+    kernel: str, X: torch.Tensor, args: tuple[int, ...], out: Any, backend: str
+) -> torch.Tensor:
+    """The backend's order-statistics `kernel` over the checked rows X, written to the [D]
+    result buffer (`_row_out`), which it returns."""
+    out = _row_out("out", out, X)
+    getattr(_backend(backend, X.device), kernel)(_rows(X), *args, out)
+    return out
+
+
 def _nonempty(X: torch.Tensor, what: str) -> None:
     if X.shape[0] == 0:
         raise ValueError(f"{what} of zero rows is undefined (X has shape {tuple(X.shape)})")
@@ -83,10 +93,7 @@ def coordinate_median(
     """
     _data("X", X, dims=(2,))
     _nonempty(X, "the median")
-    out = _row_out("out", out, X)
-    impl = _backend(backend, X.device)
-    impl.coordinate_median(_rows(X), out)
-    return out
+    return _per_coordinate("coordinate_median", X, (), out, backend)
 
 
 def trimmed_count(K: int, trim: float) -> int:
@@ -126,10 +133,7 @@ def trimmed_mean(
         c = _int("cut", cut, 0)
     if 2 * c >= K:
         raise ValueError(f"cutting {c} rows at each end of {K} leaves none (need 2 * cut < K)")
-    out = _row_out("out", out, X)
-    impl = _backend(backend, X.device)
-    impl.trimmed_mean(_rows(X), c, out)
-    return out
+    return _per_coordinate("trimmed_mean", X, (c,), out, backend)
 
 
 def mean_around_median(
@@ -149,10 +153,7 @@ def mean_around_median(
     keep = _int("keep", keep, 1)
     if keep > X.shape[0]:
         raise ValueError(f"keep={keep} values of {X.shape[0]} rows")
-    out = _row_out("out", out, X)
-    impl = _backend(backend, X.device)
-    impl.mean_around_median(_rows(X), keep, out)
-    return out
+    return _per_coordinate("mean_around_median", X, (keep,), out, backend)
 
 
 # --------------------------------------------------------------------------------------------
