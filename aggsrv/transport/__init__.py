@@ -5,60 +5,20 @@ Wire rules (docs/design.md): little-endian float32 / float16 / bfloat16 values, 
 elements at most the negotiated size, CRC-32C over all payload bytes in order in the trailer.
 """
 
-from .crc import HARDWARE_CRC, BytesLike, Crc32c, crc32c
-from .decoder import Decoder, StagingSlot
-from .dtypes import WireDtype, from_wire, is_wire_image, to_wire, wire_view
-from .encoder import (
-    DEFAULT_CHUNK_BYTES,
-    MESSAGE_OVERHEAD_BYTES,
-    Chunk,
-    Encoder,
-    chunk_limit,
-    iter_chunks,
-    round_chunk_bytes,
-)
-from .errors import (
-    BadChunk,
-    ChecksumMismatch,
-    ChunkTooLarge,
-    CodecError,
-    NonFinite,
-    Truncated,
-    UnsupportedDtype,
-    WrongLength,
-)
-from .sparse import Encoding, choose_encoding, decode_sparse, encode_sparse, encoded_nbytes
+# The package's names are its modules' public ones (each module's __all__), listed once there.
+from . import crc, decoder, dtypes, encoder, errors, sparse
+from .crc import *  # noqa: F403
+from .decoder import *  # noqa: F403
+from .dtypes import *  # noqa: F403
+from .encoder import *  # noqa: F403
+from .errors import *  # noqa: F403
+from .sparse import *  # noqa: F403
 
 __all__ = [
-    "Encoding",
-    "choose_encoding",
-    "decode_sparse",
-    "encode_sparse",
-    "encoded_nbytes",
-    "DEFAULT_CHUNK_BYTES",
-    "HARDWARE_CRC",
-    "MESSAGE_OVERHEAD_BYTES",
-    "BadChunk",
-    "BytesLike",
-    "ChecksumMismatch",
-    "Chunk",
-    "ChunkTooLarge",
-    "CodecError",
-    "Crc32c",
-    "Decoder",
-    "Encoder",
-    "NonFinite",
-    "StagingSlot",
-    "Truncated",
-    "UnsupportedDtype",
-    "WireDtype",
-    "WrongLength",
-    "chunk_limit",
-    "crc32c",
-    "from_wire",
-    "is_wire_image",
-    "iter_chunks",
-    "round_chunk_bytes",
-    "to_wire",
-    "wire_view",
+    *crc.__all__,
+    *decoder.__all__,
+    *dtypes.__all__,
+    *encoder.__all__,
+    *errors.__all__,
+    *sparse.__all__,
 ]

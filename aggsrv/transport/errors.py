@@ -1,7 +1,8 @@
 """Codec errors, one class per gRPC status the server answers with.
 
-Each class names its status in ``grpc_code_name`` (a string, e.g. ``"INVALID_ARGUMENT"``) so that
-this package never imports grpc; the server maps it with ``grpc.StatusCode[exc.grpc_code_name]``.
+Each class names its status in ``grpc_code_name`` (a string; ``"INVALID_ARGUMENT"`` unless the class
+says otherwise) so that this package never imports grpc; the server maps it with
+``grpc.StatusCode[exc.grpc_code_name]``.
 Messages name the tensor, the offsets and the expected and received values, so that the person
 reading the client's error can fix the client.
 """
@@ -39,25 +40,17 @@ class ChunkTooLarge(CodecError):
 class BadChunk(CodecError):
     """A chunk names an unknown tensor, is misaligned, out of order or holds a partial element."""
 
-    grpc_code_name = "INVALID_ARGUMENT"
-
 
 class WrongLength(CodecError):
     """A chunk runs past the end of its tensor."""
-
-    grpc_code_name = "INVALID_ARGUMENT"
 
 
 class UnsupportedDtype(CodecError):
     """A wire dtype (or a tensor's dtype) the codec does not carry."""
 
-    grpc_code_name = "INVALID_ARGUMENT"
-
 
 class NonFinite(CodecError):
     """The decoded payload holds NaN or Inf."""
-
-    grpc_code_name = "INVALID_ARGUMENT"
 
 
 class ChecksumMismatch(CodecError):
