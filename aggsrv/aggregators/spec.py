@@ -11,16 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from aggsrv.aggregators.combine import AggregateInfo
 from aggsrv.aggregators.combine import combine as combine_rows
 from aggsrv.spec_text import NamedSpec, check_params, parse_chain
-
-if TYPE_CHECKING:
-    import torch
-
-    from aggsrv.kernels import Reduce
 
 __all__ = ["Aggregator", "NORM_BOUND", "RULES", "parse_aggregator"]
 
@@ -60,17 +54,8 @@ class Aggregator:
         """:func:`parse_aggregator`."""
         return parse_aggregator(text, what)
 
-    def combine(
-        self,
-        X: torch.Tensor,
-        weights: Any,
-        *,
-        center: torch.Tensor | None = None,
-        reduce: Reduce | None = None,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, AggregateInfo]:
-        """:func:`aggsrv.aggregators.combine.combine` with this aggregator."""
-        return combine_rows(self, X, weights, center=center, reduce=reduce, out=out)
+    # combine(X, weights, *, center, reduce, out): the aggregator is the spec the function runs.
+    combine = combine_rows
 
     def __str__(self) -> str:
         rule = str(NamedSpec(self.rule, {k: v for k, v in self.params.items() if v is not None}))
