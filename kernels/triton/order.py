@@ -40,13 +40,10 @@ FALLBACK_BYTES = 1 << 28
 
 
 @triton.jit
-def _order_kernel(
-    x_ptr, out_ptr, K, D, stride_x, cut,
-    ACC_F64: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """out[cols] = mean of each column's order statistics cut..K-cut-1 (stable ranks)."""
-    pb = tl.program_id(0)
-    cols = pb * BLOCK + tl.arange(0, BLOCK)
+def _column_tile(x_ptr, K, D, stride_x, KP: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK columns and the KP row indices, their masks, and the [BLOCK, KP]
+    tile of X they cut out (columns by rows, 0 where masked), in X's dtype."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rows = tl.arange(0, KP)
     cm = cols < D
     rm = rows < K
@@ -55,6 +52,16 @@ def _order_kernel(
         mask=cm[:, None] & rm[None, :],
         other=0.0,
     )
+    return cols, rows, cm, rm, tile
+
+
+@triton.jit
+def _order_kernel(
+    x_ptr, out_ptr, K, D, stride_x, cut,
+    ACC_F64: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[cols] = mean of each column's order statistics cut..K-cut-1 (stable ranks)."""
+    cols, rows, cm, rm, tile = _column_tile(x_ptr, K, D, stride_x, KP, BLOCK)
     if ACC_F64:  # noqa: SIM108 - constexpr branch, the compiled kernel keeps one
         tile = tile.to(tl.float64)
     else:
@@ -82,16 +89,8 @@ def _window_kernel(
     """out[cols] = mean of the `keep` values of each column nearest its median `med` (float64):
     a value is kept when fewer than `keep` values of its column come before it in the order
     (distance to the median, value, row), the greedy walk's choices (kernels/robust.py)."""
-    pb = tl.program_id(0)
-    cols = pb * BLOCK + tl.arange(0, BLOCK)
-    rows = tl.arange(0, KP)
-    cm = cols < D
-    rm = rows < K
-    tile = tl.load(
-        x_ptr + rows[None, :].to(tl.int64) * stride_x + cols[:, None],
-        mask=cm[:, None] & rm[None, :],
-        other=0.0,
-    ).to(tl.float64)
+    cols, rows, cm, rm, tile = _column_tile(x_ptr, K, D, stride_x, KP, BLOCK)
+    tile = tile.to(tl.float64)
     med = tl.load(med_ptr + cols, mask=cm, other=0.0)
     dist = tl.abs(tile - med[:, None])
     total = tl.zeros([BLOCK], dtype=tl.float64)
@@ -120,6 +119,13 @@ def _sorted_chunks(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
         out[s : s + step] = (srt[cut : K - cut].sum(dim=0) / (K - 2 * cut)).to(out.dtype)
 
 
+def _tile_shape(X: torch.Tensor) -> tuple[int, int]:
+    """(rows of the register tile: K rounded up to a power of two, columns per program)."""
+    KP = next_pow2(X.shape[0])
+    tile = TILE_ELEMENTS_CUDA if X.is_cuda else TILE_ELEMENTS_INTERP
+    return KP, max(16, tile // KP)
+
+
 def _run(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
     K, D = X.shape
     if D == 0:
@@ -127,9 +133,7 @@ def _run(X: torch.Tensor, cut: int, out: torch.Tensor) -> None:
     if K > MAX_SORT_ROWS:
         _sorted_chunks(X, cut, out)
         return
-    KP = next_pow2(K)
-    tile = TILE_ELEMENTS_CUDA if X.is_cuda else TILE_ELEMENTS_INTERP
-    block = max(16, tile // KP)
+    KP, block = _tile_shape(X)
     _order_kernel[(triton.cdiv(D, block),)](
         X, out, K, D, X.stride(0), cut,
         ACC_F64=X.dtype == torch.float64, KP=KP, BLOCK=block, num_warps=config(X).num_warps,
@@ -160,9 +164,7 @@ def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
             walk(X[:, s : s + step], keep, out[s : s + step])
         return
     med = torch.empty(D, dtype=torch.float64, device=X.device)
-    KP = next_pow2(K)
-    tile = TILE_ELEMENTS_CUDA if X.is_cuda else TILE_ELEMENTS_INTERP
-    block = max(16, tile // KP)
+    KP, block = _tile_shape(X)
     grid = (triton.cdiv(D, block),)
     warps = config(X).num_warps
     _order_kernel[grid](
