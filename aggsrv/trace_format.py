@@ -238,10 +238,11 @@ def update_record(
     nbytes: int,
     outcome: str,
 ) -> str:
+    """An upload's line; ``outcome`` (a Status name or a refusal's code) is written lower case."""
     return json.dumps(
         {"ev": "update", "t": round(received, 6), "start": round(started, 6), "c": client,
          "job": job, "base": base, "v": version, "s": staleness, "bytes": nbytes,
-         "out": outcome},
+         "out": outcome.lower()},
         separators=(",", ":"),
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from aggsrv import trace_format as F
 
@@ -106,24 +107,10 @@ class TraceWriter:
         self._last_job[client] = job
         self._write(F.job_record(client, job, base, asked, self._clock(), nbytes))
 
-    def update(
-        self,
-        client: str,
-        job: int | None,
-        base: int | None,
-        started: float,
-        received: float,
-        version: int,
-        staleness: int | None,
-        nbytes: int,
-        outcome: str,
-    ) -> None:
-        """An upload that got an answer (``outcome``: the Status name or the refusal's code)."""
-        self._write(
-            F.update_record(
-                client, job, base, started, received, version, staleness, nbytes, outcome.lower()
-            )
-        )
+    def update(self, *fields: Any) -> None:
+        """An upload that got an answer: the fields of :func:`aggsrv.trace_format.update_record`
+        in its order (``outcome``: the Status name or the refusal's code)."""
+        self._write(F.update_record(*fields))
 
     def close(self) -> None:
         self._closed = True
