@@ -70,19 +70,21 @@ def _positive_int(scheme: str, key: str, value: Any) -> int:
     return int(value)
 
 
-def _positive_float(scheme: str, key: str, value: Any) -> float:
+def _number(scheme: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.number):
         raise ValueError(f"{scheme}: {key} must be a number, got {value!r}")
-    value = float(value)
+    return float(value)
+
+
+def _positive_float(scheme: str, key: str, value: Any) -> float:
+    value = _number(scheme, key, value)
     if not value > 0:  # also rejects NaN
         raise ValueError(f"{scheme}: {key} must be > 0 (use inf for uniform), got {value!r}")
     return value
 
 
 def _fraction(scheme: str, key: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-        raise ValueError(f"{scheme}: {key} must be a number, got {value!r}")
-    value = float(value)
+    value = _number(scheme, key, value)
     if not lo <= value <= hi:
         raise ValueError(f"{scheme}: {key} must lie in [{lo:g}, {hi:g}], got {value!r}")
     return value
