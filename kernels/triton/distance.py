@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .._partials import Reduce, summed
 from ._common import acc_dtype, config, tile_table
+from ._streams import copy_span, tile_and_row
 from .segmented import seg_reduce
 
 
@@ -25,10 +26,7 @@ def _sq_partial_kernel(
     HAS_POINT: tl.constexpr, ACC_F64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """part[t, k] = sum over tile t of (x[k] - p)^2, or of x[k]^2 without a point (float64)."""
-    t = tl.program_id(0)
-    k = tl.program_id(1)
-    start = tl.load(t_start_ptr + t)
-    end = tl.load(t_end_ptr + t)
+    t, k, start, end = tile_and_row(t_start_ptr, t_end_ptr)
     x_row = x_ptr + k.to(tl.int64) * stride_x
     if ACC_F64:  # noqa: SIM108 - constexpr branch, the compiled kernel keeps one
         acc = tl.zeros([BLOCK], dtype=tl.float64)
@@ -53,20 +51,14 @@ def _scale_rows_kernel(
 ):  # fmt: skip
     """out[k] = x[k] * scale[k] on tile t; a scale of exactly 1 copies x bit for bit (and with
     out = x writes nothing)."""
-    t = tl.program_id(0)
-    k = tl.program_id(1)
-    start = tl.load(t_start_ptr + t)
-    end = tl.load(t_end_ptr + t)
+    _, k, start, end = tile_and_row(t_start_ptr, t_end_ptr)
     c = tl.load(scale_ptr + k)
     acc_ty = scale_ptr.dtype.element_ty
     x_row = x_ptr + k.to(tl.int64) * stride_x
     o_row = out_ptr + k.to(tl.int64) * stride_o
     if c == 1:
         if not SKIP_ONE:
-            for off in range(start, end, BLOCK):
-                idx = off + tl.arange(0, BLOCK)
-                m = idx < end
-                tl.store(o_row + idx, tl.load(x_row + idx, mask=m), mask=m)
+            copy_span(x_row, o_row, start, end, BLOCK)
     else:
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)

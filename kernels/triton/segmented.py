@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .._partials import Reduce
 from ._common import acc_dtype, config, next_pow2, tile_table
+from ._streams import copy_span, tile_and_row
 
 
 @triton.jit
@@ -24,11 +25,8 @@ def _dots_partial_kernel(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """part[t, k] = sum over tile t of a[k] * b[k] (b broadcast when stride_b == 0)."""
-    t = tl.program_id(0)
-    k = tl.program_id(1)
+    t, k, start, end = tile_and_row(t_start_ptr, t_end_ptr)
     acc_ty = part_ptr.dtype.element_ty
-    start = tl.load(t_start_ptr + t)
-    end = tl.load(t_end_ptr + t)
     a_row = a_ptr + k.to(tl.int64) * stride_a
     b_row = b_ptr + k.to(tl.int64) * stride_b
     acc = tl.zeros([BLOCK], dtype=acc_ty)
@@ -68,10 +66,7 @@ def _project_apply_kernel(
     SKIP_ZERO: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[k] = g[k] - c[k, seg] * b on tile t; a zero coefficient copies g bit for bit."""
-    t = tl.program_id(0)
-    k = tl.program_id(1)
-    start = tl.load(t_start_ptr + t)
-    end = tl.load(t_end_ptr + t)
+    t, k, start, end = tile_and_row(t_start_ptr, t_end_ptr)
     seg = tl.load(t_seg_ptr + t)
     c = tl.load(coef_ptr + k * L + seg)
     acc_ty = coef_ptr.dtype.element_ty
@@ -80,10 +75,7 @@ def _project_apply_kernel(
     if c == 0:
         # Untouched segment: with out = g there is nothing to write at all.
         if not SKIP_ZERO:
-            for off in range(start, end, BLOCK):
-                idx = off + tl.arange(0, BLOCK)
-                m = idx < end
-                tl.store(o_row + idx, tl.load(g_row + idx, mask=m), mask=m)
+            copy_span(g_row, o_row, start, end, BLOCK)
     else:
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
@@ -91,6 +83,16 @@ def _project_apply_kernel(
             g = tl.load(g_row + idx, mask=m, other=0.0).to(acc_ty)
             b = tl.load(b_ptr + idx, mask=m, other=0.0).to(acc_ty)
             tl.store(o_row + idx, (g - c * b).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _calib_loads(x_ptr, sent_ptr, w_ptr, snap_ptr, idx, m, acc_ty: tl.constexpr):
+    """ORTHOFL's four vectors (x, sent, w, snap) on one block, in the accumulation dtype."""
+    x = tl.load(x_ptr + idx, mask=m, other=0.0).to(acc_ty)
+    s = tl.load(sent_ptr + idx, mask=m, other=0.0).to(acc_ty)
+    w = tl.load(w_ptr + idx, mask=m, other=0.0).to(acc_ty)
+    p = tl.load(snap_ptr + idx, mask=m, other=0.0).to(acc_ty)
+    return x, s, w, p
 
 
 @triton.jit
@@ -111,10 +113,7 @@ def _calib_partial_kernel(
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             m = idx < end
-            x = tl.load(x_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            s = tl.load(sent_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            w = tl.load(w_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            p = tl.load(snap_ptr + idx, mask=m, other=0.0).to(acc_ty)
+            x, s, w, p = _calib_loads(x_ptr, sent_ptr, w_ptr, snap_ptr, idx, m, acc_ty)
             dm = x - s
             dg = w - p
             acc_gm += dg * dm
@@ -145,10 +144,7 @@ def _calib_apply_kernel(
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             m = idx < end
-            x = tl.load(x_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            s = tl.load(sent_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            w = tl.load(w_ptr + idx, mask=m, other=0.0).to(acc_ty)
-            p = tl.load(snap_ptr + idx, mask=m, other=0.0).to(acc_ty)
+            x, s, w, p = _calib_loads(x_ptr, sent_ptr, w_ptr, snap_ptr, idx, m, acc_ty)
             ma = tl.load(ma_ptr + idx, mask=m, other=0.0).to(acc_ty)
             y = x + ((w - p) - c * (x - s))
             tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=m)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from .._partials import Reduce
 from ._common import acc_dtype, config, tile_table
+from ._streams import tile_and_row
 from .segmented import seg_reduce
 
 
@@ -18,10 +19,7 @@ def _nnz_partial_kernel(
     x_ptr, part_ptr, ts_ptr, te_ptr, stride_x, K, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """part[t, k] = number of non-zero elements of row k in tile t (as float64, exact)."""
-    t = tl.program_id(0)
-    k = tl.program_id(1)
-    s = tl.load(ts_ptr + t)
-    e = tl.load(te_ptr + t)
+    t, k, s, e = tile_and_row(ts_ptr, te_ptr)
     row = x_ptr + k.to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for b in range(s, e, BLOCK):
