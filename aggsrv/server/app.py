@@ -68,7 +68,7 @@ class Server:
         """Bind, start serving and return the port (the chosen one when the config says 0)."""
         cfg = self.config
         fed = self.federation
-        fed._loop = asyncio.get_running_loop()
+        fed.fail_stop.loop = asyncio.get_running_loop()
         self.authenticator = self._make_authenticator()
         await self._open_state()
         if cfg.shards > 1:
@@ -131,18 +131,20 @@ class Server:
             )
             self.dashboard_port = self._dashboard.port
         if fed.shards is None:
-            fed.on_failure = lambda reason: self.request_stop(1.0)
+            fed.fail_stop.on_failure = lambda reason: self.request_stop(1.0)
         else:
             # The surviving shards stay up, refusing writes (UNAVAILABLE, with the reason) and
             # answering reads, until an operator restarts the federation.
-            fed.on_failure = self._shard_failed
+            fed.fail_stop.on_failure = self._shard_failed
         await self._grpc.start()
         serving = health_pb2.HealthCheckResponse.SERVING
         await self._health.set("", serving)
         await self._health.set(SERVICE_NAME, serving)
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
         if fed.shards is not None and fed.shards.is_coordinator:
-            self._keep_alive = asyncio.get_running_loop().create_task(fed.keep_alive())
+            self._keep_alive = asyncio.get_running_loop().create_task(
+                fed.replication.keep_alive(fed.call)
+            )
         log.info(
             "aggsrv listening on %s:%d (%s, auth %s, durability %s, strategy %s, device %s, %s)",
             cfg.host, self.port, "TLS" if credentials else "plaintext", self.authenticator.mode,
@@ -179,14 +181,16 @@ class Server:
             ", ".join(shards.addresses),
         )  # fmt: skip
         if fed.follower:
-            fed.on_coordinator_stop = lambda: self.request_stop(1.0)
-            self._follower = threading.Thread(target=fed.follow, name="aggregation", daemon=True)
+            fed.shard_follower.on_coordinator_stop = lambda: self.request_stop(1.0)
+            self._follower = threading.Thread(
+                target=fed.shard_follower.follow, name="aggregation", daemon=True
+            )
             self._follower.start()
 
     def _shard_failed(self, reason: str) -> None:
         """(any thread: the aggregation thread notices a lost shard first)"""
         fed = self.federation
-        loop = fed._loop
+        loop = fed.fail_stop.loop
         assert loop is not None
 
         def on_loop() -> None:
@@ -277,7 +281,7 @@ class Server:
         fed.store = store
         # A long replay counts toward the next checkpoint: take it now if it is due, so that a
         # server killed again and again before each threshold does not replay more each time.
-        fed.checkpoint_if_due()
+        fed.checkpoints.checkpoint_if_due()
 
     def _watch_metrics(self) -> None:
         fed = self.federation
@@ -298,9 +302,9 @@ class Server:
                 "(FedDGIC's dropout detection; 0 for strategies without one)",
                 lambda: len(fed.strategy_events.dropped))  # fmt: skip
         m.gauge("buffer_updates", "Updates waiting in a buffered strategy's buffer (0 for others)",
-                lambda: fed.buffer_now()[0])  # fmt: skip
+                lambda: fed.publication.buffer_now()[0])  # fmt: skip
         m.gauge("buffer_size", "The buffer's size: a step when it is full (0: not buffered)",
-                lambda: fed.buffer_now()[1])  # fmt: skip
+                lambda: fed.publication.buffer_now()[1])  # fmt: skip
 
         def privacy(key: str, off: float) -> Callable[[], float]:
             return lambda: float((fed.privacy_now() or {key: off})[key])
@@ -327,14 +331,14 @@ class Server:
             await asyncio.sleep(0.5 if self._evaluator else 1.0)
             if self._evaluator is not None:
                 self._evaluator.poll()
-            last = fed.last_checkpoint
+            last = fed.checkpoints.last_checkpoint
             if (
                 cfg.checkpoint_every_seconds
                 and last is not None
-                and fed.updates_since_checkpoint > 0
+                and fed.call_log.updates_since_checkpoint > 0
                 and fed.clock() - last[1] >= cfg.checkpoint_every_seconds
             ):
-                fed.checkpoint_soon()
+                fed.checkpoints.checkpoint_soon()
 
     def request_stop(self, grace: float = 5.0) -> None:
         """Ask :func:`serve` to stop (an operator's Shutdown call, or a failed log write)."""
@@ -353,7 +357,7 @@ class Server:
         """Refuse new calls, let in-flight ones finish within `grace` seconds, write a final
         checkpoint, then stop."""
         fed = self.federation
-        fed.notify()
+        fed.publication.notify()
         await self._health.enter_graceful_shutdown()
         if self._grpc is not None:
             # In-flight uploads still finish (and are logged) while new calls are refused.

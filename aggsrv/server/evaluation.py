@@ -50,12 +50,12 @@ class Evaluator:
             return
         if self._running is not None and not self._running.done():
             return
-        snap = fed.latest()
+        snap = fed.versions.latest()
         if snap.version < self._next:
             return
         self._next = (snap.version // self.every + 1) * self.every
         loop = asyncio.get_running_loop()
-        lease = fed.lease_snapshot(snap)  # held while the evaluation reads the weights
+        lease = fed.versions.lease_snapshot(snap)  # held while the evaluation reads the weights
         self._running = loop.run_in_executor(self._pool, self._evaluate, snap)
         self._running.add_done_callback(lambda _: lease.release())
         self._running.add_done_callback(lambda f: self._done(snap.version, f))

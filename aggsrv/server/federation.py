@@ -2,11 +2,15 @@
 staging slots, counters, and the calls the handlers make (register, next job, apply an update),
 each logged and replayable (:meth:`Federation.replay`).
 
-The federation's other jobs are mixins in modules of their own, each named for what it holds:
-aggsrv.server.aggregation_loop (the one thread every strategy call runs on, the write-ahead log,
-publication, fail-stop), aggsrv.server.versions (the published snapshots and their host copies),
-aggsrv.server.checkpoints (checkpoints and recovery), aggsrv.server.replication (rank 0 of a
-sharded server) and aggsrv.server.shard_follower (the other shards).
+The federation is the hub of its parts, each an object of its own module that is handed what it
+needs: the aggregation thread (aggsrv.server.aggregation_loop), the stop when a call fails
+(aggsrv.server.fail_stop), the log of calls (aggsrv.server.call_log), the versions waiting for
+their record (aggsrv.server.publication) and those readers see (aggsrv.server.versions), the
+strategy's timer (aggsrv.server.deadline_timer), checkpoints (aggsrv.server.checkpoints), rank 0
+of a sharded server (aggsrv.server.replication) and the other shards
+(aggsrv.server.shard_follower). The steps of a call are sequenced here: announce it to the
+shards, make it, log it, capture the version it made; once its record is durable, publish, then
+checkpoint if due.
 """
 
 from __future__ import annotations
@@ -16,36 +20,33 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 import types
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
 from aggsrv.server import shards as S
-from aggsrv.server.aggregation_loop import (
-    AggregationFailed,
-    AggregationLoop,
-    DurabilityError,
-    _Settled,
-)
+from aggsrv.server.aggregation_loop import AggregationLoop
+from aggsrv.server.call_log import CallLog
 from aggsrv.server.checkpoints import MIN_CHECKPOINT_EVERY_BYTES, Checkpoints
 from aggsrv.server.client_activity import ClientActivity
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.dashboard.events import PublishRate, StrategyEvents
+from aggsrv.server.deadline_timer import DeadlineTimer
 from aggsrv.server.disclosure import public_refusals
 from aggsrv.server.durability import WalRecord
+from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
-from aggsrv.server.persistence import RecoveryError, restore
+from aggsrv.server.persistence import RecoveryError, StateStore, restore
+from aggsrv.server.publication import Publication
 from aggsrv.server.replication import Replication, _staleness, update_meta
-from aggsrv.server.shard_follower import ShardFollower, _Reply
+from aggsrv.server.shard_follower import ShardFollower
 from aggsrv.server.trace import TraceWriter
 from aggsrv.server.update_health import RecentChange, RobustOutliers, UpdateNorms
 from aggsrv.server.versions import (
@@ -78,6 +79,8 @@ __all__ = [
     "staging_slot", "to_host", "update_record",
 ]  # fmt: skip
 
+T = TypeVar("T")
+
 # How often a released staging slot asks whether the device copies out of it are done.
 SLOT_POLL_SECONDS = 0.001
 
@@ -105,7 +108,7 @@ class EventLog:
         log.info("event %s at v%s", record.get("event"), record.get("version"))
 
 
-class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, ShardFollower):
+class Federation:
     """The server's state; all strategy access goes through :meth:`call`."""
 
     def __init__(
@@ -127,7 +130,6 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.layout: ModelLayout | None = None
         self.strategy: Strategy | None = None
         self.clients: dict[str, ClientRecord] = {}
-        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
         self.counters: Counter[str] = Counter()
         self.rejected_by_code: Counter[str] = Counter()
         self.rejected_by_reason: Counter[tuple[str, str]] = Counter()  # (code, reason)
@@ -148,45 +150,144 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.update_cosines = RobustOutliers()  # their cosines to the model's recent change
         self.direction = RecentChange()
         self.strategy_events = StrategyEvents()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
         self._slots: asyncio.Queue[StagingSlot] | None = None
-        self._changed = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None
         self.closing = False
-        # Set by the server when a state directory is configured (aggsrv.server.persistence).
-        self.store: Any = None
-        self.failure: str | None = None  # why the server stopped taking writes
-        self.on_failure: Callable[[str], None] | None = None
-        self._failure_lock = threading.Lock()
-        self._settled: _Settled | None = None  # the strategy after the last call
-        # A buffered strategy's fill and version after the last call, and since when it fills.
-        self._buffer_fill, self._buffer_version = 0, -1
-        self._buffer_since: float | None = None
-        self._version = 0  # the latest published version
-        self._announced: tuple[str, dict[str, Any]] | None = None  # rank 0: the call being made
-        self._reply: _Reply | None = None  # a shard of rank >= 1: the slice being followed
-        # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
-        self._whole_slots = asyncio.Semaphore(config.max_concurrent_uploads)
-        self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wal-sync")
-        # Accepted updates logged since the newest checkpoint (replayed ones included): counted
-        # and reset on the aggregation thread, where the log is cut.
-        self.updates_since_checkpoint = 0
-        # Versions made on the aggregation thread, waiting for their log record to be fsynced
-        # before readers see them: (snapshot, LSN of the record; None without a log).
-        self._unpublished: deque[tuple[Snapshot, int | None]] = deque()
-        self._captured = -1  # the last version queued there
-        # The LSN of the newest record whose call issued a job (any kind of call may), and the
-        # number of jobs issued by then: a job handed out again is durable once that LSN is.
-        self._issue_lsn: int | None = None
-        self._jobs_logged = 0
-        self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
-        self.last_eval: tuple[int, dict[str, float]] | None = None
-        self._checkpoint_lock = asyncio.Lock()
-        self._checkpoint_task: asyncio.Task | None = None
         # Set by the server of a sharded federation (aggsrv.server.shards).
         self.shards: S.ShardGroup | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.on_coordinator_stop: Callable[[], None] | None = None
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
+        self._whole_slots = asyncio.Semaphore(config.max_concurrent_uploads)
+
+        # The parts, each handed what it needs; the federation's state they follow as it
+        # changes (the strategy, the shards, closing) is read when they need it.
+        def strategy() -> Strategy | None:
+            return self.strategy
+
+        def shards() -> S.ShardGroup | None:
+            return self.shards
+
+        def closing() -> bool:
+            return self.closing
+
+        self.fail_stop = FailStop(on_stop=self._stopped)
+        self.replication = Replication(shards, strategy, self.fail_stop, closing)
+        self.call_log = CallLog(self.fail_stop, self.metrics)
+        self.versions = RetainedVersions(config.retained_versions, clock, strategy)
+        self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
+        self.publication = Publication(
+            self.versions, self.call_log, self.timer, lambda: self.direction, self.metrics,
+            self.publish_rate, clock,
+        )  # fmt: skip
+        self.aggregation = AggregationLoop(
+            self.fail_stop, self.replication, self.publication.settle, self.publication.publish
+        )
+        self.checkpoints = Checkpoints(
+            config, clock, self.metrics, self.fail_stop, self.call_log, self.aggregation.call,
+            self, strategy, lambda: self.layout, closing,
+        )  # fmt: skip
+        self.shard_follower = ShardFollower(
+            shards, strategy, self.fail_stop, self.aggregation.submit, self.replication,
+            self.publication, self.replay, self._adopt_slice, self.count_outcome,
+        )  # fmt: skip
+
+    @property
+    def store(self) -> StateStore | None:
+        """The state directory (aggsrv.server.persistence), set by the server when one is
+        configured: the log of calls writes to it, and the checkpoints."""
+        return self.call_log.store
+
+    @store.setter
+    def store(self, store: StateStore | None) -> None:
+        self.call_log.store = store
+        self.checkpoints.store = store
+
+    @property
+    def failure(self) -> str | None:
+        """Why the server stopped taking writes (None while it takes them)."""
+        return self.fail_stop.failure
+
+    @property
+    def version(self) -> int:
+        """The newest version readers see (durable, in the durable mode); the strategy may be a
+        few calls ahead while their records are being fsynced."""
+        return self.versions.published_version if self.strategy is not None else 0
+
+    @property
+    def published_version(self) -> int:
+        """The latest published version, one GetModel serves now (0 before the model)."""
+        return self.versions.published_version
+
+    @property
+    def snapshots(self) -> Mapping[int, Snapshot]:
+        """The retained versions by number, oldest first (read by many handlers)."""
+        return self.versions.snapshots
+
+    async def call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        refusals: tuple[type[Exception], ...] = (),
+        after_failure: bool = False,
+    ) -> T:
+        """:meth:`AggregationLoop.call`: ``fn(*args)`` on the aggregation thread (the many
+        callers that change or snapshot the strategy call it through the federation)."""
+        return await self.aggregation.call(
+            fn, *args, refusals=refusals, after_failure=after_failure
+        )
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`AggregationLoop.read`: a read of strategy state between two calls."""
+        return await self.aggregation.read(fn, *args)
+
+    async def checkpoint(self) -> Any:
+        """:meth:`Checkpoints.checkpoint`: checkpoint now (an operator, the final one, tests)."""
+        return await self.checkpoints.checkpoint()
+
+    async def logged(self, lsn: int | None) -> None:
+        """After a logged call (event loop): wait until its record is durable, publish what that
+        made durable, and checkpoint if the log has grown enough."""
+        await self.call_log.make_durable(lsn)
+        self.publication.publish()
+        self.checkpoints.checkpoint_if_due()
+
+    def _log(
+        self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+    ) -> int | None:
+        """(aggregation thread) Log a call that changed the strategy's state; its LSN. A
+        version the call made is published once the record is durable."""
+        strategy = self.strategy
+        assert strategy is not None
+        lsn = self.call_log.append(kind, meta, tensors, strategy.jobs_issued)
+        self.publication.capture(lsn)
+        return lsn
+
+    def _stopped(self, failure: str) -> None:
+        """The federation stopped taking writes (any thread): the slices waiting for rank 0 are
+        refused, and nothing new starts."""
+        if self.shards is not None:
+            self.shards.staged.fail_all(AggregationFailed(failure))
+        self.closing = True
+
+    def _runs_no_timers(self) -> bool:
+        return self.closing or self.follower  # rank 0 orders the timers
+
+    async def _fire_timer(self) -> None:
+        if self.strategy is None or self.closing:
+            return
+        strategy = self.strategy
+
+        def run() -> int | None:
+            now = self.clock()
+            self.replication.announce("timer", {"now": now})
+            strategy.on_timer(now)
+            return self._log("timer", {"now": now})
+
+        try:
+            lsn = await self.call(run)
+            await self.logged(lsn)  # a version the timer made reaches readers once durable
+        except DurabilityError:
+            return  # the federation stopped taking writes; fail() said why
+        self.publication.notify()
 
     @property
     def follower(self) -> bool:
@@ -201,6 +302,13 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.counters["accepted"] += 1
         if outcome.status is Status.APPLIED:
             self.counters["applied"] += 1
+
+    def count_outcome(self, outcome: Outcome) -> None:
+        """Count what an update came to: a duplicate of one acknowledged before, or not."""
+        if outcome.original is not None:
+            self.counters["duplicate"] += 1
+        else:
+            self.count_accepted(outcome)
 
     # ------------------------------------------------------------------ replaying the log
 
@@ -263,6 +371,58 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         record.labels = dict(labels)
         return record
 
+    def recover(self, store: StateStore) -> int:
+        """Load the newest checkpoint of ``store`` and replay the log after it; the number of
+        records replayed. The next records go to a new segment. Run it on the aggregation thread
+        (before the server serves): replay makes the calls the live server made there."""
+        number, path, payload = store.load_latest()
+        restore(self, payload)
+        version, created_at = int(payload["state"]["version"]), float(payload["created_at"])
+        strategy = self.strategy
+        assert strategy is not None
+        # Its events were written already: the replay only refreshes what the page shows.
+        sink = strategy.event_sink
+        strategy.event_sink = getattr(sink, "quietly", None)
+        replayed = updates = 0
+        t0 = time.perf_counter()
+        privacy = strategy.privacy
+        if privacy is not None:  # republished versions carry fresh noise: charged again
+            privacy.begin_recovery()
+        try:
+            for segment, record in store.records(number):
+                try:
+                    self.replay(record)
+                except Exception as exc:
+                    raise RecoveryError(
+                        f"replaying segment {segment} record {replayed} ({record.kind}) diverged "
+                        f"from the log: {exc}"
+                    ) from exc
+                replayed += 1
+                updates += record.kind == "update"
+        finally:
+            strategy.event_sink = sink
+            if privacy is not None:
+                privacy.end_recovery()
+        self.publish_recovered()
+        store.reopen(number)
+        # Counted from the checkpoint, not from this start (the next checkpoint is due as if
+        # the server had never stopped).
+        self.checkpoints.resumed(version, created_at, updates)
+        log.info(
+            "resumed from checkpoint %d (%s): version %d after replaying %d logged records in "
+            "%.2f s", number, path.name, self.version, replayed, time.perf_counter() - t0,
+        )  # fmt: skip
+        return replayed
+
+    def publish_recovered(self) -> None:
+        """After recovery replayed the log (all of it durable): publish the state reached."""
+        strategy = self.strategy
+        assert strategy is not None
+        self.publication.restart(strategy)
+        self.call_log.restart(strategy.jobs_issued)  # replayed: on disk
+        if strategy.version != self.published_version:
+            self.versions.retain(self.versions.snapshot_of(strategy))
+
     async def register(self, client_id: str, labels: dict[str, str]) -> tuple[bool, ClientRecord]:
         """Register (or re-register) a client; (known before, its record)."""
         strategy = self.strategy
@@ -272,7 +432,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             now = self.clock()
             known = client_id in self.clients
             meta = {"client": client_id, "now": now, "labels": labels}
-            self._replicate("register", meta)
+            self.replication.announce("register", meta)
             strategy.on_register(client_id, now)
             record = self.record_registration(client_id, labels, now)
             lsn = self._log("register", meta)
@@ -298,7 +458,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         def run() -> tuple[Job | None, PendingReason, int | None, Lease]:
             now = self.clock()
             meta = {"client": client_id, "now": now}
-            self._replicate("job", meta)
+            self.replication.announce("job", meta)
             before = strategy.change_count
             strategy.pending_reason = PendingReason.UNSPECIFIED
             job = strategy.job_for(client_id, now)
@@ -309,7 +469,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 # Unchanged: a job handed out again was logged when it was made, perhaps by a
                 # call whose fsync is still running (no wait, and no fsync, once that record is
                 # durable).
-                lsn = self._issue_lsn if job is not None else None
+                lsn = self.call_log.issue_lsn if job is not None else None
             # Here, while the job holds its tensors: once this call returns, another may
             # supersede the job before its stream starts.
             lease = handoff.take(strategy, *job.tensors.values()) if job is not None else NO_LEASE
@@ -336,8 +496,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
             now = self.clock()
             s = strategy.version - update.base_version  # V_apply - v_base, at apply time
             t0 = time.perf_counter()
-            self._replicate("update", update_meta(update, now))
-            self._vote(update)
+            self.replication.announce("update", update_meta(update, now))
+            self.replication.vote(update)
             try:
                 outcome = strategy.on_update(update, now)
             except PrivacyBudgetSpent:
@@ -345,12 +505,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 raise
             s = _staleness(outcome, s)
             took = time.perf_counter() - t0
+            self.count_outcome(outcome)
             if outcome.original is not None:
-                self.counters["duplicate"] += 1
                 # The original's record may still be on its way to disk: ack after it.
-                wal = self._wal()
-                return s, outcome, (wal.written_lsn if wal is not None else None), took
-            self.count_accepted(outcome)
+                return s, outcome, self.call_log.written_lsn(), took
             lsn = self._log("update", update_record(update, now, outcome), wire)
             return s, outcome, lsn, took
 
@@ -383,12 +541,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         # reaches no shard.
         local, strategy = self._build(layout, weights, buffers)
         if self.shards is not None:
-            self._replicate("adopt", {"layout": layout.to_dict()})
-            self._collective(self.shards.share_model, weights, layout.numel)
+            self.replication.announce("adopt", {"layout": layout.to_dict()})
+            self.fail_stop.collective(self.shards.share_model, weights, layout.numel)
         self.install(local, strategy)
         if self.store is not None:
-            info = self.store.begin(self)
-            self.last_checkpoint = (info.version, self.clock())
+            self.checkpoints.begin()
         log.info(
             "model adopted: %d parameters in %d tensors, layout %s, strategy %s",
             layout.numel, len(layout.names), layout.hash[:12], strategy.name,
@@ -419,6 +576,10 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         )
         return layout, strategy
 
+    def _adopt_slice(self, whole: ModelLayout, weights: torch.Tensor) -> None:
+        """A shard of rank >= 1: serve its slice of the whole model rank 0 shared."""
+        self.install(*self._build(whole, weights, None))
+
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
         cfg = self.config
@@ -433,11 +594,11 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         for _ in range(cfg.max_concurrent_uploads):
             slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
         self._slots = slots
-        self._drop_snapshots()
-        self._drop_unpublished()
-        self._captured = strategy.version
-        self._jobs_logged, self._issue_lsn = strategy.jobs_issued, None  # on disk already
-        self._retain(self._snapshot_of(strategy))
+        versions = self.versions
+        versions.drop_all()
+        self.publication.restart(strategy)
+        self.call_log.restart(strategy.jobs_issued)  # on disk already
+        versions.retain(versions.snapshot_of(strategy))
         self.direction = RecentChange()  # from this model on
         self.direction.refresh(strategy.global_model(), self.clock())
         self.strategy = strategy
@@ -468,11 +629,6 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         strategy = self.strategy
         privacy = strategy.privacy if strategy is not None else None
         return privacy.snapshot() if privacy is not None else None
-
-    def buffer_now(self) -> tuple[int, int]:
-        """(waiting, size) of a buffered strategy after the last call; (0, 0) otherwise."""
-        settled = self._settled
-        return settled.buffer if settled is not None and settled.buffer is not None else (0, 0)
 
     def clients_now(self) -> ClientsNow:
         """The clients' scrape-time metrics (metrics thread: reads copies)."""
@@ -520,7 +676,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         seen: dict[tuple[str, int], int] = {}
 
         def visit(obj: Any, depth: int = 0) -> None:
-            if depth > 6:
+            if depth > 8:  # a job's tensors: strategy, its job book, a job, the tensors
                 return
             if isinstance(obj, torch.Tensor):
                 storage = obj.untyped_storage()
@@ -535,7 +691,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
                 visit(vars(obj), depth + 1)
 
         visit(self.strategy)
-        for snap in list(self.snapshots.values()):
+        for snap in list(self.versions.snapshots.values()):
             visit(snap.weights)
             visit(snap.buffers)
         return sum(seen.values())
@@ -546,7 +702,7 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         if self.strategy is None:
             return 0
         try:
-            return self._executor.submit(self.cache_bytes).result(timeout)
+            return self.aggregation.submit(self.cache_bytes).result(timeout)
         except RuntimeError:  # the executor shut down: the server is stopping
             return 0
 
@@ -572,11 +728,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
         self.closing = True
         if self.trace is not None:
             self.trace.close()
-        if self._timer is not None:
-            self._timer.cancel()
-        task = self._checkpoint_task
-        if task is not None and not task.done():
-            await asyncio.wait([task])
+        self.timer.cancel()
+        await self.checkpoints.settled()
 
     async def shutdown_executors(self) -> None:
         """Stop the aggregation and log-sync threads (after :meth:`close` and the final
@@ -585,8 +738,8 @@ class Federation(AggregationLoop, RetainedVersions, Checkpoints, Replication, Sh
 
     def shutdown_threads(self) -> None:
         """Blocking form of :meth:`shutdown_executors` (a federation that never served)."""
-        self._executor.shutdown()
-        self._sync_pool.shutdown()
+        self.aggregation.shutdown()
+        self.call_log.shutdown()
 
 
 def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:
@@ -634,7 +787,8 @@ def rebuild(config: ServerConfig, directory: str | os.PathLike, checkpoint: int)
         fed.publish_recovered()
 
     try:
-        fed.on_aggregation_thread(run)  # as live and as recovery: same kernels, same thread
+        # As live and as recovery: same kernels, same thread.
+        fed.aggregation.on_aggregation_thread(run)
     finally:
         fed.shutdown_threads()
     return fed

@@ -1,11 +1,9 @@
 """Sharding (docs/sharding.md), rank 0's side: on a sharded server the log's records are the
-replicated log. Rank 0 announces each call to the other shards (``_replicate``) right before
+replicated log. Rank 0 announces each call to the other shards (``announce``) right before
 making it, on its aggregation thread; the other shards (aggsrv.server.shard_follower) make the
 same calls with the same inputs on their slices, so every shard takes the same decisions at the
-same versions. After each call the shards compare what it did (``_agree``): a shard that differs
+same versions. After each call the shards compare what it did (``agree``): a shard that differs
 has diverged, and the federation stops on every shard.
-
-A mixin of :class:`~aggsrv.server.federation.Federation`.
 """
 
 from __future__ import annotations
@@ -13,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aggsrv.server import shards as S
-from aggsrv.server.aggregation_loop import AggregationFailed, DurabilityError
-from aggsrv.strategies import Outcome, Update
-
-T = TypeVar("T")
+from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
+from aggsrv.strategies import Outcome, Strategy, Update
 
 
 def update_meta(update: Update, now: float) -> dict[str, Any]:
@@ -59,63 +55,81 @@ def _staleness(outcome: Outcome, at_apply: int) -> int:
 
 
 class Replication:
-    """Rank 0's side of a sharded federation: announce each call, vote, compare."""
+    """Rank 0's side of a sharded federation: announce each call, vote, compare. Every shard
+    compares (:meth:`agree`); without shards each step does nothing."""
 
-    def _collective(self, fn: Callable[..., T], *args: Any) -> T:
-        """A collective between the shards (aggregation thread). A lost shard stops the
-        federation taking writes, like a failed log write: the shards must not diverge."""
-        try:
-            return fn(*args)
-        except S.ShardLost as exc:
-            self.fail(str(exc))
-            raise DurabilityError(self.failure) from exc
+    def __init__(
+        self,
+        shards: Callable[[], S.ShardGroup | None],
+        strategy: Callable[[], Strategy | None],
+        fail_stop: FailStop,
+        closing: Callable[[], bool],
+    ) -> None:
+        """``shards``, ``strategy`` and ``closing``: the federation's, as they are now (the
+        server joins the shards and adopts a model after the federation is made)."""
+        self._shards = shards
+        self._strategy = strategy
+        self._fail_stop = fail_stop
+        self._closing = closing
+        # Rank 0, on the aggregation thread: the call being made (compared once it is made).
+        self.announced: tuple[str, dict[str, Any]] | None = None
 
-    def _replicate(self, kind: str, meta: dict[str, Any]) -> None:
+    def announce(self, kind: str, meta: dict[str, Any]) -> None:
         """Rank 0 of a sharded federation: announce the call about to be made."""
-        if self.shards is not None:
-            self._collective(self.shards.announce, kind, meta)
-            self._announced = (kind, meta)
+        shards = self._shards()
+        if shards is not None:
+            self._fail_stop.collective(shards.announce, kind, meta)
+            self.announced = (kind, meta)
 
-    def _agree_on_announced(self, refused: bool) -> None:
+    def forget_announced(self) -> None:
+        """(aggregation thread) Before a call: nothing announced yet."""
+        self.announced = None
+
+    def agree_on_announced(self, refused: bool) -> None:
         """Rank 0, after making the call it announced (aggregation thread)."""
-        announced, self._announced = self._announced, None
+        announced, self.announced = self.announced, None
         if announced is not None:
-            self._agree(*announced, refused)
+            self.agree(*announced, refused)
 
-    def _agree(self, kind: str, meta: dict[str, Any], refused: bool) -> None:
+    def agree(self, kind: str, meta: dict[str, Any], refused: bool) -> None:
         """Every shard, after a call rank 0 ordered (aggregation thread): one small all_reduce
         compares what the call did on each shard (refused or not, the version, jobs issued,
         clients). The shards make the same calls on the same state, so a shard that differs
         has diverged; every shard sees the same comparison, so all stop taking writes."""
-        shards = self.shards
+        shards = self._shards()
         if shards is None or kind not in S.COMPARED_KINDS:
             return
-        assert self.strategy is not None
-        rows = self._collective(shards.compare, S.call_digest(self.strategy, refused))
+        strategy = self._strategy()
+        assert strategy is not None
+        fail_stop = self._fail_stop
+        rows = fail_stop.collective(shards.compare, S.call_digest(strategy, refused))
         if rows is not None:
-            self.fail(f"the shards diverged on {S.describe_call(kind, meta)}: {S.divergence(rows)}")
-            raise AggregationFailed(self.failure)
+            fail_stop.fail(
+                f"the shards diverged on {S.describe_call(kind, meta)}: {S.divergence(rows)}"
+            )
+            raise AggregationFailed(fail_stop.failure)
 
-    def _vote(self, update: Update) -> None:
+    def vote(self, update: Update) -> None:
         """All or none: every shard checks its slice, and one refusal refuses the update
         everywhere (raised as the refusal) before any state changes."""
-        shards = self.shards
+        shards = self._shards()
         if shards is None:
             return
-        verdict, own = S.slice_verdict(self.strategy, update)
-        votes = self._collective(shards.vote, verdict)
+        verdict, own = S.slice_verdict(self._strategy(), update)
+        votes = self._fail_stop.collective(shards.vote, verdict)
         if max(votes):
             raise S.refusal(votes, shards.rank, own, update.update_id, shards.slice_wait)
 
-    async def keep_alive(self) -> None:
-        """Rank 0: announce a no-op when idle, so the other shards' wait for the next call never
-        times out and a lost shard is noticed within a heartbeat."""
-        shards = self.shards
+    async def keep_alive(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Rank 0: announce a no-op when idle (through ``call``, the aggregation loop's), so
+        the other shards' wait for the next call never times out and a lost shard is noticed
+        within a heartbeat."""
+        shards = self._shards()
         assert shards is not None and shards.is_coordinator
-        while not self.closing:
+        while not self._closing():
             await asyncio.sleep(shards.heartbeat / 2)
-            if self.closing:
+            if self._closing():
                 return
             if time.monotonic() - shards.last_announce >= shards.heartbeat:
                 with contextlib.suppress(DurabilityError):
-                    await self.call(self._replicate, "noop", {})
+                    await call(self.announce, "noop", {})

@@ -154,7 +154,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             await self._abort(context, strategy_code(exc), str(exc))
         self._receive_limits[header.client_id] = receive_limit
         fed.touch(header.client_id)
-        fed.notify()
+        fed.publication.notify()
         log.info(
             "client %s registered%s", header.client_id, " (model adopted)" if adopted else "",
             extra={"event": "register", "client_id": header.client_id, "version": fed.version,
@@ -219,7 +219,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             except ValueError as exc:  # e.g. a negative running_var in the initial model
                 await self._abort(context, SC.INVALID_ARGUMENT, f"initial model: {exc}")
             except OSError as exc:
-                fed.fail(f"could not write the first checkpoint: {exc}")
+                fed.fail_stop.fail(f"could not write the first checkpoint: {exc}")
                 await context.abort(SC.UNAVAILABLE, fed.failure or str(exc))
             return True
 
@@ -270,7 +270,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     reason=why.text, model_version=fed.published_version, code=int(why)
                 )
             )
-            await fed.wait_for_change(fed.config.pending_interval_seconds)
+            await fed.publication.wait_for_change(fed.config.pending_interval_seconds)
         if not fed.follower:
             fed.activity.job_issued(job.client_id, job.job_id, job.base_version, fed.clock())
         if fed.trace is not None and not fed.follower:
@@ -301,7 +301,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         if job.deadline is not None:
             header.deadline.CopyFrom(P.timestamp(job.deadline))
             header.time_budget.CopyFrom(P.duration(job.deadline - fed.clock()))
-        tensors = await fed.job_on_host(job)  # a device model: its version's one host copy
+        tensors = await fed.versions.job_on_host(job)  # a device model: its version's one host copy
         yield pb.JobMessage(header=header)
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
         for msg in P.serialized_chunk_stream(tensors, dtype, chunk_bytes, pb.JobMessage):
@@ -359,7 +359,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     f"rank 0 has not issued job {job_id} to this shard within "
                     f"{shards.order_wait:g} s (shard_order_wait_seconds)",
                 )
-            await fed.wait_for_change(min(left, 1.0))
+            await fed.publication.wait_for_change(min(left, 1.0))
 
     # ------------------------------------------------------------------ PushUpdate
 
@@ -512,7 +512,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             waiting = True
             try:
                 if fed.follower:
-                    staleness, outcome = await fed.apply_slice(update)
+                    staleness, outcome = await fed.shard_follower.apply_slice(update)
                 else:
                     staleness, outcome = await fed.apply_update(update, views)
             except StrategyError as exc:
@@ -594,7 +594,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         fed = self.fed
         if request.HasField("version") and fed.follower:
             await self._await_version(request.version)
-        latest = fed.latest()
+        latest = fed.versions.latest()
         if request.HasField("version"):
             if request.version > latest.version:
                 await context.abort(
@@ -621,7 +621,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         chunk_bytes = self._chunk_bytes_for(request.client_id, request.max_receive_message_bytes)
         # Taken with no suspension since the snapshot was found retained (its own lease held),
         # and held until the stream ends: the version's buffer is not reused while it is read.
-        lease = fed.lease_snapshot(snap)
+        lease = fed.versions.lease_snapshot(snap)
         try:
             async for msg in self._model_stream(snap, latest.version, request, dtype, chunk_bytes):
                 yield msg
@@ -633,7 +633,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     ):
         fed = self.fed
         # A device model: the version's one host copy, made off the event loop.
-        tensors = await fed.on_host(snap, request.include_buffers)
+        tensors = await fed.versions.on_host(snap, request.include_buffers)
         yield pb.ModelMessage(
             header=pb.ModelHeader(
                 version=snap.version,
@@ -658,7 +658,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + fed.shards.order_wait
         while fed.published_version < version and fed.failure is None and loop.time() < give_up:
-            await fed.wait_for_change(min(1.0, give_up - loop.time()))
+            await fed.publication.wait_for_change(min(1.0, give_up - loop.time()))
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
 
@@ -722,9 +722,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             auth=self.auth.mode,
             wal_bytes=fed.store.wal_bytes() if fed.store is not None else 0,
         )
-        if fed.last_checkpoint is not None:
-            resp.last_checkpoint_version = fed.last_checkpoint[0]
-            resp.last_checkpoint_time.CopyFrom(P.timestamp(fed.last_checkpoint[1]))
+        last_checkpoint = fed.checkpoints.last_checkpoint
+        if last_checkpoint is not None:
+            resp.last_checkpoint_version = last_checkpoint[0]
+            resp.last_checkpoint_time.CopyFrom(P.timestamp(last_checkpoint[1]))
         if fed.last_eval is not None:
             resp.eval_version = fed.last_eval[0]
             resp.eval_metrics.update(fed.last_eval[1])

@@ -2,8 +2,6 @@
 the calls rank 0 announces, in rank 0's order, and makes each on the aggregation thread with
 :meth:`Federation.replay` (the same records a restarted server replays from its log); an
 update's data is the shard's own slice, held until rank 0 orders it.
-
-A mixin of :class:`~aggsrv.server.federation.Federation`.
 """
 
 from __future__ import annotations
@@ -11,15 +9,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from aggsrv.layout import ModelLayout
 from aggsrv.server import shards as S
-from aggsrv.server.aggregation_loop import AggregationFailed, DurabilityError
 from aggsrv.server.durability import WalRecord
-from aggsrv.server.replication import _header_mismatch, _staleness
-from aggsrv.strategies import InvalidUpdate, Outcome, ShardsDisagree, StrategyError, Update
+from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
+from aggsrv.server.publication import Publication
+from aggsrv.server.replication import Replication, _header_mismatch, _staleness
+from aggsrv.strategies import (
+    InvalidUpdate,
+    Outcome,
+    ShardsDisagree,
+    Strategy,
+    StrategyError,
+    Update,
+)
 
 log = logging.getLogger("aggsrv.server.federation")
 
@@ -36,18 +46,46 @@ class _Reply:
 class ShardFollower:
     """A shard of rank >= 1: make the calls rank 0 announces, in its order."""
 
+    def __init__(
+        self,
+        shards: Callable[[], S.ShardGroup | None],
+        strategy: Callable[[], Strategy | None],
+        fail_stop: FailStop,
+        submit: Callable[..., Future],
+        replication: Replication,
+        publication: Publication,
+        replay: Callable[[WalRecord], None],
+        adopt_slice: Callable[[ModelLayout, torch.Tensor], None],
+        count: Callable[[Outcome], None],
+    ) -> None:
+        """``shards`` and ``strategy``: the federation's, as they are now; ``submit``: queues a
+        call on the aggregation thread; ``replay``: makes a logged call; ``adopt_slice``: serves
+        this shard's slice of the whole model rank 0 shared; ``count``: counts an outcome
+        reached here."""
+        self._shards = shards
+        self._strategy = strategy
+        self._fail_stop = fail_stop
+        self._submit = submit
+        self._replication = replication
+        self._publication = publication
+        self._replay = replay
+        self._adopt_slice = adopt_slice
+        self._count = count
+        self._reply: _Reply | None = None  # the slice being followed (aggregation thread)
+        self.on_coordinator_stop: Callable[[], None] | None = None  # the server's: it stops
+
     def follow(self) -> None:
         """The receiving thread of a shard of rank >= 1: take the calls rank 0 announces, in its
         order, and make each on the aggregation thread (where reads of the strategy queue too),
         until rank 0 announces "stop", a collective fails or the shards diverge."""
-        shards = self.shards
-        loop = self._loop
+        shards = self._shards()
+        loop = self._fail_stop.loop
         assert shards is not None and loop is not None
         while True:
             try:
                 kind, meta = shards.receive()
             except S.ShardLost as exc:
-                self.fail(str(exc))
+                self._fail_stop.fail(str(exc))
                 return
             if kind == "stop":
                 log.info("rank 0 stopped the federation")
@@ -57,7 +95,7 @@ class ShardFollower:
             if kind == "noop":
                 continue
             try:
-                self._executor.submit(self._follow_step, kind, meta).result()
+                self._submit(self._follow_step, kind, meta).result()
             except DurabilityError:  # fail() said why
                 return
             except RuntimeError:  # the server stopped (its aggregation thread with it)
@@ -67,37 +105,41 @@ class ShardFollower:
     def _followed(self) -> None:
         """After a followed call (event loop): publish a new version, wake waiting handlers
         (a slice of a job waits for the job to exist here)."""
-        if self.failure is None:
-            self.publish()
-        self.notify()
+        publication = self._publication
+        if self._fail_stop.failure is None:
+            publication.publish()
+        publication.notify()
 
     def _follow_step(self, kind: str, meta: dict[str, Any]) -> None:
         """(aggregation thread of a shard of rank >= 1) Make one call rank 0 made, compare what
         it did with the other shards, then answer the slice of an update."""
+        fail_stop = self._fail_stop
         self._reply = None
         try:
             refused = self._follow_call(kind, meta)
-            self._agree(kind, meta, refused)
+            self._replication.agree(kind, meta, refused)
         except S.ShardLost as exc:
-            self.fail(str(exc))
-            self._answer_slice(AggregationFailed(self.failure))
-            raise AggregationFailed(self.failure) from exc
+            fail_stop.fail(str(exc))
+            self._answer_slice(AggregationFailed(fail_stop.failure))
+            raise AggregationFailed(fail_stop.failure) from exc
         except DurabilityError as exc:  # a lost shard, shards that diverged: fail() said why
             self._answer_slice(exc)
             raise
         except ShardsDisagree as exc:
-            error = self._stop_on_divergence(exc, (kind, meta))
+            error = fail_stop.stop_on_divergence(exc, (kind, meta))
             self._answer_slice(error)
             raise error from exc
         except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
-            error = self._stop_on_unexpected(exc, f"shard {self.shards.rank} following a {kind}")
+            shards = self._shards()
+            assert shards is not None
+            error = fail_stop.stop_on_unexpected(exc, f"shard {shards.rank} following a {kind}")
             self._answer_slice(error)
             # Rank 0 may be waiting in a collective this shard will never join: leaving the
             # group ends its wait now rather than at shard_timeout_seconds.
-            self.shards.close()
+            shards.close()
             raise error from exc
         self._answer_slice()
-        self._settle()
+        self._publication.settle()
 
     def _answer_slice(self, error: BaseException | None = None) -> None:
         reply, self._reply = self._reply, None
@@ -108,14 +150,16 @@ class ShardFollower:
         """Make the call rank 0 announced; whether it was refused here."""
         if kind == "adopt":
             whole = ModelLayout.from_dict(meta["layout"])
-            weights = self._collective(self.shards.share_model, None, whole.numel)
-            self.install(*self._build(whole, weights, None))
+            shards = self._shards()
+            assert shards is not None
+            weights = self._fail_stop.collective(shards.share_model, None, whole.numel)
+            self._adopt_slice(whole, weights)
             return False
-        assert self.strategy is not None, f"a {kind} call before the model"
+        assert self._strategy() is not None, f"a {kind} call before the model"
         if kind == "update":  # its data is this shard's own slice, and the shards vote
             return self._follow_update(meta, float(meta["now"]))
         try:  # the same records a restarted server replays from its log
-            self.replay(WalRecord(kind, meta))
+            self._replay(WalRecord(kind, meta))
         except StrategyError:
             return True
         return False
@@ -123,8 +167,9 @@ class ShardFollower:
     def _follow_update(self, meta: dict[str, Any], now: float) -> bool:
         """Follow an update on this shard's slice; whether it was refused here. The answer to
         the slice waits in :attr:`_reply` until the shards agree on the outcome."""
-        shards = self.shards
-        strategy = self.strategy
+        shards = self._shards()
+        strategy = self._strategy()
+        assert shards is not None and strategy is not None
         staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
         verdict, own, update = S.SLICE_MISSING, None, None
         if staged is not None:
@@ -139,7 +184,7 @@ class ShardFollower:
                 )
             else:
                 verdict, own = S.slice_verdict(strategy, update)
-        votes = self._collective(shards.vote, verdict)
+        votes = self._fail_stop.collective(shards.vote, verdict)
         if max(votes):
             if self._reply is not None:
                 self._reply.error = S.refusal(
@@ -153,17 +198,14 @@ class ShardFollower:
             self._reply.error = exc
             return True
         s = _staleness(outcome, strategy.version - update.base_version)
-        if outcome.original is None:
-            self.count_accepted(outcome)
-        else:
-            self.counters["duplicate"] += 1
+        self._count(outcome)
         self._reply.result = (s, outcome)
         return False
 
     async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
         """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
         the outcome every shard reached (or the refusal); (staleness, outcome)."""
-        shards = self.shards
+        shards = self._shards()
         assert shards is not None
         loop = asyncio.get_running_loop()
         key = (update.client_id, update.update_id)

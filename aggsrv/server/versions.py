@@ -7,14 +7,14 @@ on it is held. A snapshot holds one from its capture (on the aggregation thread,
 version is the strategy's current one) until it leaves the retained versions; a reader takes
 its own (:meth:`RetainedVersions.lease_snapshot`, on the event loop while the snapshot is
 retained) for as long as it reads, and so does each host copy while it copies.
-
-A mixin of :class:`~aggsrv.server.federation.Federation`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,7 @@ class Snapshot:
     created_at: float
     buffers: torch.Tensor | None = None
     # The host copy of a device version, made once off the event loop and shared by every
-    # reader (Federation.on_host): {"copy": the future of {"weights": ..., "buffers": ...}}.
+    # reader (RetainedVersions.on_host): {"copy": the future of {"weights": ..., "buffers": ...}}.
     host: dict[str, asyncio.Future] = field(default_factory=dict, compare=False, repr=False)
     # The snapshot's own lease on its weights, released when it leaves the retained versions.
     lease: Lease | None = field(default=None, compare=False, repr=False)
@@ -88,40 +88,44 @@ class LeaseHandoff:
 class RetainedVersions:
     """The published versions readers see, and their shared host copies."""
 
-    def _snapshot_of(self, strategy: Strategy) -> Snapshot:
+    def __init__(
+        self, keep: int, clock: Callable[[], float], strategy: Callable[[], Strategy | None]
+    ) -> None:
+        """``keep``: the newest versions retained (retained_versions); ``strategy``: the
+        federation's, whose buffers the leases hold."""
+        self._keep = keep
+        self._clock = clock
+        self._strategy = strategy
+        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self._version = 0  # the latest published version
+
+    def snapshot_of(self, strategy: Strategy) -> Snapshot:
         """(aggregation thread) The strategy's current version as a snapshot holding a lease."""
         weights = strategy.global_model()
         return Snapshot(
-            strategy.version, weights, self.clock(), strategy.global_buffers(),
+            strategy.version, weights, self._clock(), strategy.global_buffers(),
             lease=strategy.lease(weights),
         )  # fmt: skip
 
-    def _retain(self, snap: Snapshot) -> None:
+    def retain(self, snap: Snapshot) -> None:
+        """Publish ``snap``: readers see it from now on; the oldest beyond ``keep`` go."""
         self.snapshots[snap.version] = snap
         self._version = snap.version  # one int: readable from any thread
-        while len(self.snapshots) > self.config.retained_versions:
-            _release(self.snapshots.popitem(last=False)[1])
+        while len(self.snapshots) > self._keep:
+            release(self.snapshots.popitem(last=False)[1])
 
-    def _drop_snapshots(self) -> None:
+    def drop_all(self) -> None:
+        """Forget every retained version (a new model replaces them)."""
         while self.snapshots:
-            _release(self.snapshots.popitem(last=False)[1])
-
-    def _drop_unpublished(self) -> None:
-        while self._unpublished:
-            _release(self._unpublished.popleft()[0])
+            release(self.snapshots.popitem(last=False)[1])
 
     def lease_snapshot(self, snap: Snapshot) -> Lease:
         """A reader's lease on a retained snapshot's weights: take it on the event loop while
         ``snap`` is retained (no await between finding it and leasing it), release it when done
         reading (a stream, an evaluation)."""
-        assert self.strategy is not None
-        return self.strategy.lease(snap.weights)
-
-    @property
-    def version(self) -> int:
-        """The newest version readers see (durable, in the durable mode); the strategy may be a
-        few calls ahead while their records are being fsynced."""
-        return self.published_version if self.strategy is not None else 0
+        strategy = self._strategy()
+        assert strategy is not None
+        return strategy.lease(snap.weights)
 
     @property
     def published_version(self) -> int:
@@ -166,7 +170,7 @@ class RetainedVersions:
         if rest:
             loop = asyncio.get_running_loop()
             # Held until the copy is done, even if the reader goes away meanwhile.
-            lease = self.strategy.lease(*rest.values())
+            lease = self._strategy().lease(*rest.values())
             copy = loop.run_in_executor(None, _all_to_host, rest)
             copy.add_done_callback(lambda _: lease.release())
             out.update(await copy)
@@ -181,7 +185,7 @@ class RetainedVersions:
             if snap.buffers is not None:
                 tensors["buffers"] = snap.buffers
             # Held until the copy is done: the readers waiting for it may all go away.
-            lease = self.strategy.lease(snap.weights)
+            lease = self._strategy().lease(snap.weights)
             future = asyncio.get_running_loop().run_in_executor(None, _all_to_host, tensors)
             future.add_done_callback(lambda _: lease.release())
             snap.host["copy"] = future
@@ -195,6 +199,7 @@ class RetainedVersions:
         return await asyncio.shield(future)
 
 
-def _release(snap: Snapshot) -> None:
+def release(snap: Snapshot) -> None:
+    """Give back a snapshot's own lease (it left the retained or unpublished versions)."""
     if snap.lease is not None:
         snap.lease.release()

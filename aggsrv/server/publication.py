@@ -1,0 +1,153 @@
+"""Publication: a version the strategy made reaches readers (GetModel, GetStatus, jobs) only once
+the log record of the call that made it is fsynced, so a version number always names the model
+a restarted server has under that number. Versions wait here, captured on the aggregation
+thread right after the call that made them, until their record is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aggsrv.server.call_log import CallLog
+from aggsrv.server.dashboard.events import PublishRate
+from aggsrv.server.deadline_timer import DeadlineTimer
+from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.update_health import RecentChange
+from aggsrv.server.versions import RetainedVersions, Snapshot, release
+from aggsrv.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the event loop publishes after a call, read on the aggregation thread when the call
+    is done: the loop never reads the strategy while the next call may be half made."""
+
+    version: int
+    deadline: float | None
+    buffer: tuple[int, int] | None  # (waiting, size) of a buffered strategy
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> Settled:
+        return cls(strategy.version, strategy.next_deadline(), strategy.buffer_fill())
+
+
+class Publication:
+    """The versions made but not yet published, what the last call left, and the wake-up of
+    the handlers waiting for a change."""
+
+    def __init__(
+        self,
+        versions: RetainedVersions,
+        call_log: CallLog,
+        timer: DeadlineTimer,
+        direction: Callable[[], RecentChange],
+        metrics: ServerMetrics,
+        publish_rate: PublishRate,
+        clock: Callable[[], float],
+    ) -> None:
+        """``direction``: the federation's recent change of the model, as it is now (a new
+        model starts a new one)."""
+        self._versions = versions
+        self._call_log = call_log
+        self._timer = timer
+        self._direction = direction
+        self._metrics = metrics
+        self._publish_rate = publish_rate
+        self._clock = clock
+        self._strategy: Strategy | None = None
+        self._settled: Settled | None = None  # the strategy after the last call
+        # Versions made on the aggregation thread, waiting for their log record to be fsynced
+        # before readers see them: (snapshot, LSN of the record; None without a log).
+        self._unpublished: deque[tuple[Snapshot, int | None]] = deque()
+        self._captured = -1  # the last version queued there
+        # A buffered strategy's fill and version after the last call, and since when it fills.
+        self._buffer_fill, self._buffer_version = 0, -1
+        self._buffer_since: float | None = None
+        self._changed = asyncio.Event()
+
+    def restart(self, strategy: Strategy) -> None:
+        """Publish ``strategy``'s versions from its current one on (a new or restored model,
+        or the state recovery reached): nothing made before waits any longer."""
+        while self._unpublished:
+            release(self._unpublished.popleft()[0])
+        self._captured = strategy.version
+        self._strategy = strategy
+
+    def capture(self, lsn: int | None) -> None:
+        """Queue the strategy's version for publication if it is new (aggregation thread, right
+        after the call that made it): its tensors as they are now, published once ``lsn`` is
+        durable."""
+        strategy = self._strategy
+        if strategy is None or strategy.version == self._captured:
+            return
+        self._captured = strategy.version
+        self._unpublished.append((self._versions.snapshot_of(strategy), lsn))
+        self._direction().refresh(strategy.global_model(), self._clock())
+
+    def settle(self) -> None:
+        """(aggregation thread, after a call) What :meth:`publish` will publish. Without a log
+        (a shard following rank 0, a server without durability), a version a call made without
+        a record is captured here: snapshots are made, and leased, on this thread only."""
+        strategy = self._strategy
+        if strategy is not None:
+            if self._call_log.wal is None:
+                self.capture(None)
+            self._settled = Settled.of(strategy)
+            self._watch_buffer(self._settled)
+
+    def publish(self) -> None:
+        """Publish the new versions whose log records are durable, wake waiting job streams,
+        re-arm timers (event loop)."""
+        strategy = self._strategy
+        if strategy is None:
+            return
+        # What the last call left (read on the aggregation thread); the strategy itself only
+        # when no call ran yet (a resumed or restored server, before it serves).
+        state = self._settled or Settled.of(strategy)
+        durable = self._call_log.durable_lsn()
+        published = False
+        while self._unpublished:
+            snap, lsn = self._unpublished[0]
+            if lsn is not None and lsn > durable:
+                break  # not on disk yet: its ack's make_durable publishes it
+            self._unpublished.popleft()
+            self._versions.retain(snap)
+            self._metrics.versions_published.inc()
+            self._publish_rate.published(self._clock())
+            published = True
+        if published:
+            self.notify()
+        self._timer.arm(state.deadline)
+
+    def buffer_now(self) -> tuple[int, int]:
+        """(waiting, size) of a buffered strategy after the last call; (0, 0) otherwise."""
+        settled = self._settled
+        return settled.buffer if settled is not None and settled.buffer is not None else (0, 0)
+
+    def notify(self) -> None:
+        """Wake job streams waiting for a state change (a registration, a round opening)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Return after the next state change or `timeout` seconds."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def _watch_buffer(self, settled: Settled) -> None:
+        """(aggregation thread, after each call, in order) The time from a buffer's first
+        update to the step that empties it: a step is a new version with the fill gone down."""
+        fill = settled.buffer[0] if settled.buffer is not None else 0
+        stepped = settled.version != self._buffer_version and fill < self._buffer_fill
+        now = self._clock()
+        if stepped and self._buffer_since is not None:
+            self._metrics.buffer_fill_seconds.observe(now - self._buffer_since)
+            self._buffer_since = None
+        if fill > 0 and self._buffer_since is None:
+            self._buffer_since = now  # the update that went in first (after a step: this one)
+        self._buffer_fill, self._buffer_version = fill, settled.version
