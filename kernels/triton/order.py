@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._common import acc_dtype, config, next_pow2
+from ._streams import column_block
 
 # Most rows sorted in registers (K_pow2 values per column).
 MAX_SORT_ROWS = 128
@@ -43,9 +44,8 @@ FALLBACK_BYTES = 1 << 28
 def _column_tile(x_ptr, K, D, stride_x, KP: tl.constexpr, BLOCK: tl.constexpr):
     """This program's BLOCK columns and the KP row indices, their masks, and the [BLOCK, KP]
     tile of X they cut out (columns by rows, 0 where masked), in X's dtype."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols, cm = column_block(0, D, BLOCK)
     rows = tl.arange(0, KP)
-    cm = cols < D
     rm = rows < K
     tile = tl.load(
         x_ptr + rows[None, :].to(tl.int64) * stride_x + cols[:, None],

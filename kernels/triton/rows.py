@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ._common import acc_dtype, config
+from ._streams import column_block, entry_span
 
 
 @triton.jit
@@ -17,12 +18,9 @@ def _group_means_kernel(
     ACC_F64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[g, block] = mean of x[r, block] over the rows r of group g (zeros if it is empty)."""
-    pb = tl.program_id(0)
     g = tl.program_id(1)
-    idx = pb * BLOCK + tl.arange(0, BLOCK)
-    m = idx < D
-    r0 = tl.load(gstart_ptr + g)
-    r1 = tl.load(gstart_ptr + g + 1)
+    idx, m = column_block(0, D, BLOCK)
+    r0, r1 = entry_span(gstart_ptr, g)
     if ACC_F64:  # noqa: SIM108 - constexpr branch, the compiled kernel keeps one
         acc = tl.zeros([BLOCK], dtype=tl.float64)
     else:
@@ -42,10 +40,8 @@ def _weighted_sum_kernel(
     READ_OUT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[block] = beta out[block] + alpha sum_k w_k x[k, block], rows in order 0..K-1."""
-    pb = tl.program_id(0)
     acc_ty = w_ptr.dtype.element_ty
-    idx = pb * BLOCK + tl.arange(0, BLOCK)
-    m = idx < D
+    idx, m = column_block(0, D, BLOCK)
     acc = tl.zeros([BLOCK], dtype=acc_ty)
     # A running row pointer keeps the row offset in 64-bit pointer arithmetic.
     x_row = x_ptr

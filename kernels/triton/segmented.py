@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .._partials import Reduce
 from ._common import acc_dtype, config, next_pow2, tile_table
-from ._streams import copy_span, tile_and_row
+from ._streams import column_block, copy_span, entry_span, tile_and_row
 
 
 @triton.jit
@@ -48,11 +48,8 @@ def _seg_reduce_kernel(
 ):  # fmt: skip
     """out[l, w] = sum of part[t, w] over the tiles t of segment l, in tile order."""
     l = tl.program_id(0)
-    wb = tl.program_id(1)
-    cols = wb * BLOCK_W + tl.arange(0, BLOCK_W)
-    m = cols < W
-    t0 = tl.load(seg_tile_ptr + l)
-    t1 = tl.load(seg_tile_ptr + l + 1)
+    cols, m = column_block(1, W, BLOCK_W)
+    t0, t1 = entry_span(seg_tile_ptr, l)
     acc = tl.zeros([BLOCK_W], dtype=out_ptr.dtype.element_ty)
     for t in range(t0, t1):
         acc += tl.load(part_ptr + t * W + cols, mask=m, other=0.0)
