@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,14 +246,12 @@ class _ClientsCollector:
         except Exception:  # a scrape must not fail whole for these
             log.exception("the clients' metrics could not be read")
             return
-        states = GaugeMetricFamily(
+        yield _labelled_gauge(
             "aggsrv_clients", "Registered clients by state: active (holds a job), idle, "
             "straggling (holds a job for over 2 typical turnarounds and 1 s), dropped_out "
-            "(silent for 5 typical turnarounds and 30 s, or lease expired)", labels=["state"],
+            "(silent for 5 typical turnarounds and 30 s, or lease expired)", "state",
+            now.states.items(),
         )  # fmt: skip
-        for state, count in now.states.items():
-            states.add_metric([state], count)
-        yield states
         # Gauge histograms: of the clients now, so their counts go down too.
         yield _gauge_histogram(
             "aggsrv_client_lag", "Per client holding a job now: global version minus the job's "
@@ -270,13 +268,19 @@ class _ClientsCollector:
             SILENCE_BUCKETS,
         )  # fmt: skip
         # No rank label: the value orders them, and a client keeps one series whatever its rank.
-        slowest = GaugeMetricFamily(
+        yield _labelled_gauge(
             "aggsrv_slowest_job_seconds", f"The {SLOWEST} clients holding their job longest: "
-            "its age", labels=["client"],
+            "its age", "client", now.slowest,
         )  # fmt: skip
-        for client, age in now.slowest:
-            slowest.add_metric([client], age)
-        yield slowest
+
+
+def _labelled_gauge(
+    name: str, doc: str, label: str, values: Iterable[tuple[str, float]]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for key, value in values:
+        family.add_metric([key], value)
+    return family
 
 
 def _gauge_histogram(
