@@ -193,21 +193,42 @@ def _sort_tile(tile, steps, n):  # pragma: no cover - compiled
                 rd[i] = max(u, v)
 
 
+# The parallel passes: each task takes TASK_COLUMNS columns and a scratch tile of B columns,
+# which it fills block by block and orders (inlined, so the passes compile as if written out).
+
+
+@_jit
+def _num_tasks(X):  # pragma: no cover - compiled
+    return (X.shape[1] + TASK_COLUMNS - 1) // TASK_COLUMNS
+
+
+@functools.partial(_jit, inline="always")
+def _task_tile(X, task, B):  # pragma: no cover - compiled
+    """(the task's scratch [K, B] tile, its first column, one past its last column)."""
+    tile = np.empty((X.shape[0], B), dtype=X.dtype)
+    return tile, task * TASK_COLUMNS, min(X.shape[1], (task + 1) * TASK_COLUMNS)
+
+
+@functools.partial(_jit, inline="always")
+def _load_block(X, s, end, tile):  # pragma: no cover - compiled
+    """Copies columns s.. of X, as many as the tile holds and none from `end` on, into `tile`;
+    returns their count."""
+    n = min(tile.shape[1], end - s)
+    for k in range(X.shape[0]):
+        tile[k, :n] = X[k, s : s + n]
+    return n
+
+
 @functools.partial(_pjit, fastmath=_FINITE)
 def _network_pass(X, steps, rows, div, B, out):  # pragma: no cover - compiled
     """out[i] = (sum over r in rows of T[r, i]) / div, T = the columns of X ordered by the
     network's `steps` (`paired`)."""
-    K, D = X.shape
-    n_tasks = (D + TASK_COLUMNS - 1) // TASK_COLUMNS
     R = rows.shape[0]
-    for task in nb.prange(n_tasks):
-        tile = np.empty((K, B), dtype=X.dtype)
+    for task in nb.prange(_num_tasks(X)):
+        tile, t_start, t_end = _task_tile(X, task, B)
         acc = np.empty(B, dtype=np.float64)
-        t_end = min(D, (task + 1) * TASK_COLUMNS)
-        for s in range(task * TASK_COLUMNS, t_end, B):
-            n = min(B, t_end - s)
-            for k in range(K):
-                tile[k, :n] = X[k, s : s + n]
+        for s in range(t_start, t_end, B):
+            n = _load_block(X, s, t_end, tile)
             _sort_tile(tile, steps, n)
             first = tile[rows[0]]
             for i in range(n):
@@ -251,16 +272,12 @@ def _select(a, lo, hi, k):  # pragma: no cover - compiled
 @_pjit
 def _select_pass(X, cut, B, out):  # pragma: no cover - compiled
     """out[i] = mean of order statistics cut..K-cut-1 of column i, by quickselect."""
-    K, D = X.shape
-    n_tasks = (D + TASK_COLUMNS - 1) // TASK_COLUMNS
-    for task in nb.prange(n_tasks):
-        tile = np.empty((K, B), dtype=X.dtype)
+    K = X.shape[0]
+    for task in nb.prange(_num_tasks(X)):
+        tile, t_start, t_end = _task_tile(X, task, B)
         buf = np.empty(K, dtype=X.dtype)
-        t_end = min(D, (task + 1) * TASK_COLUMNS)
-        for s in range(task * TASK_COLUMNS, t_end, B):
-            n = min(B, t_end - s)
-            for k in range(K):
-                tile[k, :n] = X[k, s : s + n]
+        for s in range(t_start, t_end, B):
+            n = _load_block(X, s, t_end, tile)
             for i in range(n):
                 for k in range(K):
                     buf[k] = tile[k, i]
@@ -279,16 +296,12 @@ def _window_pass(X, steps, rows, lo, keep, B, out):  # pragma: no cover - compil
     statistics lo.. on `rows` in order, then the greedy walk of kernels/robust.py, in float64
     (the median of two float32 values and every distance to it are exact there, so the walk
     takes the reference's choices)."""
-    K, D = X.shape
+    K = X.shape[0]
     half = K // 2
-    n_tasks = (D + TASK_COLUMNS - 1) // TASK_COLUMNS
-    for task in nb.prange(n_tasks):
-        tile = np.empty((K, B), dtype=X.dtype)
-        t_end = min(D, (task + 1) * TASK_COLUMNS)
-        for s in range(task * TASK_COLUMNS, t_end, B):
-            n = min(B, t_end - s)
-            for k in range(K):
-                tile[k, :n] = X[k, s : s + n]
+    for task in nb.prange(_num_tasks(X)):
+        tile, t_start, t_end = _task_tile(X, task, B)
+        for s in range(t_start, t_end, B):
+            n = _load_block(X, s, t_end, tile)
             _sort_tile(tile, steps, n)
             for i in range(n):
                 if K % 2:
