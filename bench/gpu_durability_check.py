@@ -25,7 +25,7 @@ from server_helpers import RunningServer  # noqa: E402
 from aggsrv.client.client import Client  # noqa: E402
 from aggsrv.layout import ModelLayout  # noqa: E402
 from aggsrv.server import versions as V  # noqa: E402
-from aggsrv.strategies.base import Status, UpdateKind  # noqa: E402
+from aggsrv.values import Status, UpdateKind  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 assert DEVICE == "cpu" or torch.cuda.is_available()

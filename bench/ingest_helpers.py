@@ -46,9 +46,9 @@ from aggsrv import protocol as P
 from aggsrv.layout import ModelLayout
 from aggsrv.server.app import Server
 from aggsrv.server.config import ServerConfig
-from aggsrv.strategies.base import Recipe
 from aggsrv.transport import WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
+from aggsrv.values import Recipe
 
 MIB = 1 << 20
 PUSH_METHOD = "PushUpdate"

@@ -47,7 +47,7 @@ from ingest_helpers import AggsrvServer, interleaved_prepared
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status, UpdateKind
+from aggsrv.values import Status, UpdateKind
 
 MB = 1e6
 D_INGEST = scaled(16 * 2**20)

@@ -55,7 +55,7 @@ from ingest_helpers import (
 
 from aggsrv.client.client import Client, ClientJob
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Recipe, Status, UpdateKind
+from aggsrv.values import Recipe, Status, UpdateKind
 
 MB = 1e6
 D_INGEST = scaled(16 * 2**20)

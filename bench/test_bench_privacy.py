@@ -30,7 +30,7 @@ from conftest import REPS, SCALE, emit, fmt_size, median_ratio, scaled
 from ingest_helpers import AggsrvServer, interleaved_prepared, layered_layout
 
 from aggsrv.client.client import Client, ClientJob
-from aggsrv.strategies.base import Status, UpdateKind
+from aggsrv.values import Status, UpdateKind
 
 MB = 1e6
 D_INGEST = scaled(16 * 2**20)

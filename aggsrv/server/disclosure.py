@@ -22,8 +22,8 @@ Refusals are counted by (gRPC code, reason), the reason a word from a fixed set
 test finds them all in the code); a reason in neither is withheld (fail closed).
 
 Under DP the refusals that read values are mostly gone rather than hidden: a delta holding
-NaN/Inf is clipped to zero and taken (aggsrv.strategies.base ``_private_delta``), so the version
-published is the zero-out neighbour's, and ``max_update_norm`` and the update filters are
+NaN/Inf is clipped to zero and taken (aggsrv.strategies.dp_clipping ``private_delta``), so the
+version published is the zero-out neighbour's, and ``max_update_norm`` and the update filters are
 refused with the dp_ keys. One remains: ``non_finite_result``, a next version (or a sum, or
 FedAdam's moments) that would overflow float32. Every contribution is clipped to C, so it can
 happen only when the published model or FedAdam's moments (functions of earlier releases) come

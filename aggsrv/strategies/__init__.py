@@ -9,31 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from aggsrv.strategies.base import (
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.ca2fl import CA2FL, CA2FLConfig
+from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.errors import (
     InvalidUpdate,
-    Job,
     JobSuperseded,
     NonFiniteResult,
     NonFiniteUpdate,
     NotRegistered,
-    Outcome,
-    PendingReason,
-    ProjectionMode,
-    Recipe,
     ShardsDisagree,
-    Status,
-    Strategy,
-    StrategyConfig,
     StrategyError,
     TooManyClients,
     TooManySamples,
     TooStale,
-    Update,
-    UpdateKind,
-    UpdateLedger,
     UpdateNormTooLarge,
 )
-from aggsrv.strategies.ca2fl import CA2FL, CA2FLConfig
 from aggsrv.strategies.fedasync import FedAsync, FedAsyncConfig
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
 from aggsrv.strategies.fedbuff import FedBuff, FedBuffConfig
@@ -42,8 +33,11 @@ from aggsrv.strategies.feden import FedEN, FedENConfig
 from aggsrv.strategies.fedhist import TWAFL, FedHist, FedHistConfig, TWAFLConfig
 from aggsrv.strategies.fedogd import FedOGD, FedOGDConfig
 from aggsrv.strategies.fedprox import FedProx, FedProxConfig
+from aggsrv.strategies.job import Job
+from aggsrv.strategies.ledger import UpdateLedger
 from aggsrv.strategies.mifa import MIFA, MIFAConfig
 from aggsrv.strategies.orthofl import OrthoFL, OrthoFLConfig
+from aggsrv.values import Outcome, PendingReason, ProjectionMode, Recipe, Status, Update, UpdateKind
 
 __all__ = [
     "CA2FL",

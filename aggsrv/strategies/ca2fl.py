@@ -56,17 +56,12 @@ import torch
 
 from aggsrv.aggregators import RowBuffer
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    Job,
-    Outcome,
-    Status,
-    Strategy,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.fedbuff import BufferedConfig
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
+from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["CA2FL", "CA2FLConfig"]
 
@@ -185,7 +180,7 @@ class CA2FL(Strategy):
         row = self._row.get(update.client_id)
         h = self._cache[row] if row is not None else None
         # Under DP the delta is clipped before it enters the sum and the cache.
-        f = 1.0 if self.privacy is None else self._clip_factor(update, job, delta)
+        f = 1.0 if self.privacy is None else self.privacy.clip_factor_of(update, job, delta)
         releases = self._count + 1 >= k
         charges = None  # under DP, what the flush this update makes charges each client
         if releases and self.privacy is not None:

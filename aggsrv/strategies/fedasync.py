@@ -20,16 +20,11 @@ from typing import ClassVar
 
 import torch
 
-from aggsrv.strategies.base import (
-    Job,
-    Outcome,
-    Status,
-    Strategy,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.update_filters import FilteredConfig
+from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["FedAsync", "FedAsyncConfig", "staleness_weight"]
 
@@ -112,7 +107,7 @@ class FedAsync(Strategy):
         f = 1.0
         if privacy is not None:
             privacy.require_budget(update.client_id, 1.0)
-            f = self._clip_factor(update, job)
+            f = privacy.clip_factor_of(update, job)
         with self._noise_for_release(extra=1) as noise:
             # The next version is another tensor (the current one is a published snapshot),
             # written in as few passes as possible: a clone followed by in-place passes cost

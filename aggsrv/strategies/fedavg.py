@@ -78,16 +78,10 @@ import torch
 
 from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    Job,
-    Outcome,
-    PendingReason,
-    Status,
-    Strategy,
-    StrategyConfig,
-    Update,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.dp_accounting import AMPLIFYING_KINDS
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
@@ -95,6 +89,7 @@ from aggsrv.strategies.robust import (
     check_pending_rows,
     load_kept_rows,
 )
+from aggsrv.values import Outcome, PendingReason, Status, Update
 
 __all__ = ["FedAvg", "FedAvgConfig"]
 
@@ -413,7 +408,7 @@ class FedAvg(Strategy):
         delta = self.client_delta(update, job, out=self._scratch)
         if delta is self._scratch:
             self._require_finite(delta, "the client's delta (its weights minus the job's)")
-        clip = 1.0 if self.privacy is None else self._clip_factor(update, job, delta)
+        clip = 1.0 if self.privacy is None else self.privacy.clip_factor_of(update, job, delta)
         if self._spare is None:
             self._spare = torch.empty_like(self._acc)
         if self._acc_count:
@@ -702,7 +697,7 @@ class FedAvg(Strategy):
         # First: a refusal there must find the round as it was.
         version = self._aggregate() if step is None else self._commit_step(step)
         for job in late:
-            self._retire_job(job)
+            self.jobs.retire(job)
         self._round_open = False
         self._participants = {}
         self._deadline = None

@@ -29,15 +29,9 @@ import torch
 
 from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    Job,
-    Outcome,
-    Status,
-    Strategy,
-    StrategyConfig,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
@@ -45,6 +39,7 @@ from aggsrv.strategies.robust import (
     check_pending_rows,
     load_kept_rows,
 )
+from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["BufferedConfig", "FedBuff", "FedBuffConfig"]
 
@@ -124,7 +119,7 @@ class FedBuff(Strategy):
         base = job.weights if update.kind is UpdateKind.WEIGHTS else None
         privacy = self.privacy
         # Under DP the delta is clipped by scaling its weight: w f (u - base), |.| <= w C.
-        wf = w if privacy is None else w * self._clip_factor(update, job)
+        wf = w if privacy is None else w * privacy.clip_factor_of(update, job)
 
         def summed(s: slice) -> torch.Tensor:
             """The running sum with this update's w (u - base) added, elements ``s`` (float64)."""

@@ -62,20 +62,14 @@ import torch
 
 from aggsrv import kernels
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    Job,
-    JobSuperseded,
-    Outcome,
-    PendingReason,
-    Status,
-    Strategy,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.compensation import GroupCompensation
+from aggsrv.strategies.errors import JobSuperseded
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.row_cache import with_room
 from aggsrv.strategies.update_filters import FilteredConfig
+from aggsrv.values import Outcome, PendingReason, Status, Update, UpdateKind
 
 __all__ = ["FedDGIC", "FedDGICConfig", "FedFG", "FedFGConfig"]
 
@@ -430,7 +424,7 @@ class FedDGIC(Strategy):
         for client, reported in self._participants.items():
             job = self.outstanding_job(client)
             if not reported and job is not None and job.base_version == self.version:
-                self._retire_job(job)
+                self.jobs.retire(job)
         self._add_similarity(reporters)
         new = self._new_model_buffer()
         new.copy_(self._acc / self._acc_weight)  # the mean in float64, rounded once

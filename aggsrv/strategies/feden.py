@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from aggsrv.strategies.base import Recipe, Update
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
+from aggsrv.values import Recipe, Update
 
 __all__ = ["CENTRES", "SOLVERS", "FedEN", "FedENConfig"]
 

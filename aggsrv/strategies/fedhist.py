@@ -70,26 +70,19 @@ import torch
 from aggsrv import kernels
 from aggsrv.aggregators import AGGREGATOR_HELP
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    FLOAT32_SAFE_MAX,
-    InvalidUpdate,
-    Job,
-    NonFiniteResult,
-    Outcome,
-    PendingReason,
-    Status,
-    Strategy,
-    StrategyConfig,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.errors import InvalidUpdate, NonFiniteResult
 from aggsrv.strategies.fedhist_ops import (
     aggregate_round,
     hindsight_utility,
     robust_round,
     utility_ema,
 )
+from aggsrv.strategies.finite_results import FLOAT32_SAFE_MAX
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.robust import RobustCombiner, check_aggregator
+from aggsrv.values import Outcome, PendingReason, Status, Update, UpdateKind
 
 __all__ = ["TWAFL", "FedHist", "FedHistConfig", "TWAFLConfig"]
 

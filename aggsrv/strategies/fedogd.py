@@ -66,21 +66,13 @@ import torch
 
 from aggsrv import kernels
 from aggsrv.config_check import Count
-from aggsrv.strategies.base import (
-    InvalidUpdate,
-    Job,
-    Outcome,
-    PendingReason,
-    ProjectionMode,
-    Recipe,
-    Status,
-    Strategy,
-    StrategyConfig,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.errors import InvalidUpdate
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.row_cache import capacity_after, with_room
 from aggsrv.strategies.update_filters import FilteredConfig
+from aggsrv.values import Outcome, PendingReason, ProjectionMode, Recipe, Status, Update, UpdateKind
 
 __all__ = ["CachedEpochConfig", "CachedEpochs", "FedOGD", "FedOGDConfig"]
 

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from aggsrv.strategies.base import Recipe
 from aggsrv.strategies.fedavg import FedAvg, FedAvgConfig
+from aggsrv.values import Recipe
 
 __all__ = ["FedProx", "FedProxConfig"]
 

@@ -84,18 +84,12 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv import kernels
-from aggsrv.strategies.base import (
-    Job,
-    JobSuperseded,
-    NonFiniteResult,
-    Outcome,
-    Status,
-    Strategy,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.buffers import Lease
+from aggsrv.strategies.errors import JobSuperseded, NonFiniteResult
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.update_filters import FilteredConfig
+from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["SHIFT_SOURCES", "OrthoFL", "OrthoFLConfig"]
 
@@ -396,9 +390,9 @@ class OrthoFL(Strategy):
             xb, self._b_sent[cid], w, snap, self._b_offsets, beta_t,
             calibrate=mask, ma=ma, eps=self.config.eps,
         )  # fmt: skip
-        if calibrate and self._variance_index.numel():
+        if calibrate and self.checks.variance_index.numel():
             # A calibrated variance can come out negative (spec G6: clamp at 0).
-            yb[self._variance_index] = yb[self._variance_index].clamp(min=0.0)
+            yb[self.checks.variance_index] = yb[self.checks.variance_index].clamp(min=0.0)
         self._require_finite(yb, "the client's calibrated float buffers")
         self._require_finite(new_b, "the next float buffers")
         return yb, new_b
@@ -458,7 +452,7 @@ class OrthoFL(Strategy):
         self._hold(("chain",), self._chain)
         # Jobs that started from the same version may carry different client models: the base
         # class restored one tensor per version, so point every job at its client's C_m.
-        for job_id, job in list(self._jobs.items()):
+        for job_id, job in list(self.jobs.open.items()):
             sent = self._sent.get(job.client_id)
             if sent is None:
                 raise ValueError(f"saved job {job_id} has no snapshot for {job.client_id!r}")
@@ -466,7 +460,9 @@ class OrthoFL(Strategy):
             tensors["weights"] = sent
             if self.float_buffers.enabled:
                 tensors["buffers"] = self._b_sent[job.client_id]
-            self._jobs[job_id] = dataclasses.replace(job, tensors=types.MappingProxyType(tensors))
+            self.jobs.open[job_id] = dataclasses.replace(
+                job, tensors=types.MappingProxyType(tensors)
+            )
 
     def _load_buffer_snapshots(self, state: Mapping[str, Any] | None) -> None:
         if not self.float_buffers.enabled:

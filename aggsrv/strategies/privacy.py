@@ -53,20 +53,25 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from aggsrv.layout import ModelLayout
 from aggsrv.strategies.dp_accounting import (
     ACCOUNTANT_KINDS,
     NEIGHBOUR_FACTORS,
     PrivacyAccountant,
     dp_accounting_module,
 )
+from aggsrv.strategies.dp_clipping import clip_norm_of, clipped_per_layer, private_delta
 from aggsrv.strategies.dp_noise import PURPOSE_COUNT, NoiseKey, cipher_module, fill_gaussian
 from aggsrv.strategies.errors import StrategyError
+from aggsrv.strategies.job import Job
+from aggsrv.values import Update
 
 __all__ = [
     "DP_STRATEGIES",
     "GaussianPrivacy",
     "PrivacyBudgetSpent",
     "PrivacyConfig",
+    "privacy_for",
     "refuse_privacy_keys",
 ]
 
@@ -245,9 +250,34 @@ def refuse_privacy_keys(kind: str, keys: list[str]) -> None:
     )
 
 
+def privacy_for(
+    config: object,
+    layout: ModelLayout,
+    device: torch.device,
+    rank: int = 0,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> GaussianPrivacy | None:
+    """The DP component a strategy holds for ``config`` (None unless its ``dp_`` keys turn
+    differential privacy on). ``layout``: the strategy's (a shard's slice on a sharded server)."""
+    if not (isinstance(config, PrivacyConfig) and config.private):
+        return None
+    if layout.buffer_numel:
+        raise ValueError(
+            f"differential privacy covers the model's weights, and this model has "
+            f"{layout.buffer_numel} float buffer values (BatchNorm statistics) that would "
+            "be published without noise: use a model without running statistics "
+            "(GroupNorm or LayerNorm instead of BatchNorm) with the dp_ keys"
+        )
+    whole_offsets = getattr(layout, "whole", layout).offsets
+    return GaussianPrivacy(
+        config, layout.numel, device, rank, reduce,
+        layer_sizes=torch.diff(whole_offsets).tolist(), layer_offsets=layout.offsets.tolist(),
+    )  # fmt: skip
+
+
 class GaussianPrivacy:
-    """A strategy's DP machinery: the clip factor of each update, the noise of each release,
-    the accountant and the budget (``strategy.privacy``; None when DP is off)."""
+    """A strategy's DP machinery: each update's clipped delta and clip factor, the noise of
+    each release, the accountant and the budget (``strategy.privacy``; None when DP is off)."""
 
     def __init__(
         self,
@@ -257,10 +287,12 @@ class GaussianPrivacy:
         rank: int = 0,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         layer_sizes: list[int] | None = None,
+        layer_offsets: list[int] | None = None,
     ) -> None:
         """``rank``/``reduce``: a shard's rank and the strategy's sum over the shards (None on
         one server), so that every shard moves an adaptive C alike. ``layer_sizes``: the whole
-        model's layout tensors' sizes, for per-layer clipping."""
+        model's layout tensors' sizes, ``layer_offsets`` where this strategy's slice of each
+        starts (and the last ends), for per-layer clipping."""
         assert config.dp_clip_norm is not None
         self.rank = rank
         self.reduce = reduce
@@ -275,7 +307,10 @@ class GaussianPrivacy:
                 else c * math.sqrt(n / total)
                 for n in sizes
             ]  # fmt: skip
+        bounds = layer_offsets if layer_offsets is not None else [0, dim]
+        self._segments = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
         self._layer_scratch: torch.Tensor | None = None
+        self._delta_scratch: torch.Tensor | None = None
         self.clip_norm = float(config.dp_clip_norm)
         self.client_side = config.dp_clipping == "client"
         # Adaptive clipping: the quantile C tracks, its rate, the count's noise (None: m / 20),
@@ -394,7 +429,28 @@ class GaussianPrivacy:
             self.clipped += 1
         return self.clip_norm / norm
 
-    def layer_scratch(self) -> torch.Tensor:
+    def clip_factor_of(self, update: Update, job: Job, delta: torch.Tensor | None = None) -> float:
+        """:meth:`clip_factor` of an accepted update (``delta``: its delta, when the caller has
+        built it already)."""
+        return self.clip_factor(clip_norm_of(update, job, delta, self.reduce))
+
+    def private_update(self, update: Update, job: Job) -> Update:
+        """An accepted update as DP folds it in: its delta as a DELTA update (``non_finite``, a
+        zero delta, when it held NaN/Inf), clipped per layer under ``dp_clip_layers``."""
+        update = private_delta(update, job, self._delta_buffer, self.reduce)
+        if self.layer_bounds is None:
+            return update
+        out = self._layer_buffer()
+        return clipped_per_layer(update, job, out, self._segments, self.layer_factors, self.reduce)
+
+    def _delta_buffer(self) -> torch.Tensor:
+        """The [D] float32 buffer a WEIGHTS or NaN/Inf update's delta is written into (made on
+        first use: DELTA uploads need none)."""
+        if self._delta_scratch is None:
+            self._delta_scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
+        return self._delta_scratch
+
+    def _layer_buffer(self) -> torch.Tensor:
         """The [D] float32 buffer per-layer clipping writes an update's clipped delta into."""
         if self._layer_scratch is None:
             self._layer_scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
@@ -455,6 +511,13 @@ class GaussianPrivacy:
             f"{self.accountant.delta:g} after {self.accountant.releases} releases); the server "
             "publishes no more versions and takes no more updates"
         )
+
+    def release_noise(self, extra: int = 0) -> torch.Tensor | None:
+        """:meth:`noise` for the version about to be published, to add to the clipped sum before
+        the strategy scales it (None without noise, z = 0). A release refused after the draw
+        (its model would not be finite) has spent it: the next one is fresh, since the refusal,
+        which everyone sees, depended on that draw."""
+        return None if self.noise_multiplier == 0 else self.noise(extra)
 
     def noise(self, extra: int = 0) -> torch.Tensor:
         """A fresh [D] float64 draw of N(0, (z C)^2) for a release of the pending contributions

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from aggsrv.client import TrainResult, train
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Recipe
+from aggsrv.values import Recipe
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

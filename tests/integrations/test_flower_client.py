@@ -79,7 +79,7 @@ def test_project_gradients_matches_the_float64_projection() -> None:
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     basis = torch.randn(layout.numel, generator=gen)
     from aggsrv.integrations.flower.client import FlowerJob
-    from aggsrv.strategies.base import ProjectionMode, Recipe
+    from aggsrv.values import ProjectionMode, Recipe
 
     job = FlowerJob(1, 0, Recipe(projection=ProjectionMode.LAYERWISE), layout,
                     torch.zeros(layout.numel), {"basis": basis}, {})  # fmt: skip
@@ -111,7 +111,7 @@ def test_elastic_net_gradient_matches_the_formula(centre) -> None:
     g0 = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     from aggsrv.integrations.flower.client import FlowerJob
-    from aggsrv.strategies.base import Recipe
+    from aggsrv.values import Recipe
 
     lam, alpha = 0.03, 0.7
     recipe = Recipe(elastic_lambda=lam, elastic_alpha=alpha, extra={"elastic_centre": centre})

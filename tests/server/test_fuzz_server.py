@@ -398,9 +398,9 @@ def push_strategy_verdict(env: Env, h: pb.UpdateHeader) -> tuple[frozenset, str 
     if h.num_samples > env.strategy.config.max_num_samples:
         return frozenset({IA}), None
     n = job_number(h.job_id)
-    job = env.strategy._jobs.get(n)
+    job = env.strategy.jobs.open.get(n)
     if job is None:
-        issued = 1 <= n < env.strategy._next_job_id
+        issued = 1 <= n < env.strategy.jobs.next_id
         return frozenset({AB if issued else IA}), None
     if job.client_id != h.client_id or job.base_version != h.base_version:
         return frozenset({IA}), None

@@ -15,9 +15,9 @@ from state_helpers import assert_same_state
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.values import Status
 
 ALPHA = 0.6
 

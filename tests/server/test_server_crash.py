@@ -27,7 +27,7 @@ from server_helpers import ServeProcess, free_port
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
-from aggsrv.strategies.base import Status, UpdateKind
+from aggsrv.values import Status, UpdateKind
 
 REPO = Path(__file__).resolve().parents[2]
 ACKED = (Status.APPLIED, Status.BUFFERED)

@@ -26,9 +26,9 @@ from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
 from aggsrv.server import federation as F
 from aggsrv.server import versions as V
-from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.values import Status, UpdateKind
 
 
 def durable(tmp_path: Path, **config) -> RunningServer:
@@ -211,7 +211,7 @@ def test_fedogd_checkpoint_holds_a_basis_shared_by_fifty_jobs_once(tmp_path: Pat
     assert with_jobs - without_jobs < 4 * d, (without_jobs, with_jobs)
     resumed = durable(tmp_path, strategy="fedogd", retained_versions=1, max_clients=64, resume=True)
     try:
-        assert len(resumed.strategy._jobs) == 50
+        assert len(resumed.strategy.jobs.open) == 50
         restored_bytes = resumed.run(resumed.federation.call(resumed.federation.cache_bytes))
         # Equal but for the layout's small index tables, which are made when first used.
         assert abs(restored_bytes - live_bytes) < 1024, (restored_bytes, live_bytes)

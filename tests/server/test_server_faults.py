@@ -40,9 +40,9 @@ from aggsrv.server import durability
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.federation import rebuild
 from aggsrv.strategies import Strategy
-from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.values import Status
 
 REPO = Path(__file__).resolve().parents[2]
 SC = grpc.StatusCode

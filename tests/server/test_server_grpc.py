@@ -15,9 +15,9 @@ from server_helpers import RunningServer, raw_push, tiny_model, update_messages
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Status, UpdateKind
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ from aggsrv.server import durability
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.federation import rebuild
 from aggsrv.strategies import Strategy
-from aggsrv.strategies.base import Status
+from aggsrv.values import Status
 
 N_CLIENTS = 64
 D = 50_000  # 200 kB per update: 64 clients fit two cores

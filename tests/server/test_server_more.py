@@ -32,10 +32,10 @@ from state_helpers import assert_same_state as _assert_same
 from aggsrv import protocol as P
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Status, UpdateKind
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-6

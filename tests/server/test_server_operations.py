@@ -33,7 +33,7 @@ from aggsrv.client.client import Client
 from aggsrv.logs import JsonFormatter
 from aggsrv.server.app import Server
 from aggsrv.server.config import ServerConfig
-from aggsrv.strategies.base import Status
+from aggsrv.values import Status
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 20.0  # every poll below gives up after this long

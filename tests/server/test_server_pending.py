@@ -16,9 +16,9 @@ from server_helpers import RunningServer
 
 from aggsrv.client import Client, Pending, PendingReason
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.values import Status, UpdateKind
 
 LAYOUT = ModelLayout.from_named_shapes([("w", (5,))])
 

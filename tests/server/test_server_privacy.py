@@ -18,8 +18,8 @@ from server_helpers import RunningServer, scrape_metrics
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as D
-from aggsrv.strategies.base import UpdateKind
 from aggsrv.strategies.dp_noise import NoiseKey, draw_values
+from aggsrv.values import UpdateKind
 
 dpa = pytest.importorskip("dp_accounting", reason="the dp extra (pip install 'aggsrv[dp]')")
 

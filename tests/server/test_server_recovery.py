@@ -27,7 +27,7 @@ from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import durability
 from aggsrv.server.federation import rebuild
-from aggsrv.strategies.base import UpdateKind
+from aggsrv.values import UpdateKind
 
 CLIENTS = 5
 RUN_SECONDS = 2.5

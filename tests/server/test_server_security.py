@@ -34,10 +34,10 @@ from aggsrv.client.client import Client
 from aggsrv.server import auth as A
 from aggsrv.server import durability as D
 from aggsrv.server.app import SERVICE_NAME
-from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Status
 
 REPO = Path(__file__).resolve().parents[2]
 CALL_S = 5.0  # every single call (refusals come back at once; this only bounds a hang)

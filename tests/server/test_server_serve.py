@@ -22,9 +22,9 @@ from server_helpers import ServeProcess, free_port, update_messages
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Status
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.values import Status
 
 REPO = Path(__file__).resolve().parents[2]
 # A liveness bound, not a speed target (the time is printed; about 2.5 s on an idle 2-core

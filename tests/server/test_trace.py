@@ -13,7 +13,7 @@ from server_helpers import RunningServer, raw_push, tiny_model, update_messages
 
 from aggsrv import trace_format as F
 from aggsrv.client.client import Client
-from aggsrv.strategies.base import Status
+from aggsrv.values import Status
 
 
 def _server(path: Path, **extra) -> RunningServer:

@@ -11,7 +11,7 @@ from server_helpers import RunningServer, scrape_metrics, tiny_model
 
 from aggsrv.client.client import Client
 from aggsrv.server.update_health import UpdateNorms
-from aggsrv.strategies.base import UpdateKind
+from aggsrv.values import UpdateKind
 
 
 def test_an_update_far_from_the_recent_norms_is_an_outlier() -> None:

@@ -17,7 +17,7 @@ from server_helpers import RunningServer
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import versions as V
-from aggsrv.strategies.base import UpdateKind
+from aggsrv.values import UpdateKind
 
 LAYOUT = ModelLayout.from_named_shapes([("a", (7, 3)), ("b", (5,))])
 RETAINED = 3

@@ -22,7 +22,7 @@ import numba
 from aggsrv.kernels import cpu, _cpu_distance, _cpu_order, _cpu_median_window
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import make_strategy
-from aggsrv.strategies.base import Update, UpdateKind
+from aggsrv.values import Update, UpdateKind
 
 def compiled():
     out = {}

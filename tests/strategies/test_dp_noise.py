@@ -21,7 +21,6 @@ from aggsrv.layout import ModelLayout
 from aggsrv.server import durability as durable
 from aggsrv.server.config import ServerConfig
 from aggsrv.strategies import make_strategy
-from aggsrv.strategies.base import UpdateKind
 from aggsrv.strategies.dp_noise import (
     _FI,
     _KI,
@@ -38,6 +37,7 @@ from aggsrv.strategies.dp_noise import (
     standard_normals,
     tail_normals,
 )
+from aggsrv.values import UpdateKind
 
 P_MIN = 1e-4  # a fresh key per run: a correct sampler fails one of these 1 time in 10,000
 

@@ -10,9 +10,10 @@ import torch
 from state_helpers import assert_same_state as _same
 
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Job, Status, Update, UpdateKind
 from aggsrv.strategies.ca2fl import CA2FL, CA2FLConfig
 from aggsrv.strategies.fedbuff import FedBuff
+from aggsrv.strategies.job import Job
+from aggsrv.values import Status, Update, UpdateKind
 
 F64 = torch.float64
 TINY = ModelLayout.from_named_shapes([("w", (3,))])

@@ -17,9 +17,9 @@ from aggsrv.client import train
 from aggsrv.client.train import ELASTIC_CENTRE, ELASTIC_SOLVER
 from aggsrv.layout import ModelLayout
 from aggsrv.protocol import recipe_from_pb, recipe_to_pb
-from aggsrv.strategies.base import Recipe, Status, Update, UpdateKind
 from aggsrv.strategies.fedavg import FedAvg
 from aggsrv.strategies.feden import CENTRES, SOLVERS, FedEN, FedENConfig
+from aggsrv.values import Recipe, Status, Update, UpdateKind
 
 IN, OUT = 4, 3
 

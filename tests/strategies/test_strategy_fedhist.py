@@ -19,7 +19,7 @@ from state_helpers import assert_same_state
 
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import make_strategy
-from aggsrv.strategies.base import InvalidUpdate, Status, Update, UpdateKind
+from aggsrv.strategies.errors import InvalidUpdate
 from aggsrv.strategies.fedhist import TWAFL, FedHist, FedHistConfig, TWAFLConfig
 from aggsrv.strategies.fedhist_ops import (
     aggregate_round,
@@ -28,6 +28,7 @@ from aggsrv.strategies.fedhist_ops import (
     ina_combine,
     temporal_weight,
 )
+from aggsrv.values import Status, Update, UpdateKind
 
 # D = 4*7 + 4 + 5 = 37, odd, over three tensors.
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("head.b", (5,))])

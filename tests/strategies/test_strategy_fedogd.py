@@ -13,16 +13,10 @@ from torch import nn
 
 from aggsrv.client.train import _FlatSGD, train
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import (
-    InvalidUpdate,
-    ProjectionMode,
-    Recipe,
-    Status,
-    Strategy,
-    Update,
-    UpdateKind,
-)
+from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.errors import InvalidUpdate
 from aggsrv.strategies.fedogd import FedOGD, FedOGDConfig
+from aggsrv.values import ProjectionMode, Recipe, Status, Update, UpdateKind
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (2, 3)), ("fc.bias", (2,)), ("out.w", (3,))])
 D = LAYOUT.numel  # 11

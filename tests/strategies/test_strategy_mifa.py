@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import ProjectionMode, Status, Update, UpdateKind
 from aggsrv.strategies.mifa import MIFA, MIFAConfig
+from aggsrv.values import ProjectionMode, Status, Update, UpdateKind
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (3, 2)), ("fc.bias", (3,))])
 D = LAYOUT.numel  # 9

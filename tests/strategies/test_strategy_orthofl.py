@@ -13,9 +13,10 @@ import torch
 from state_helpers import assert_same_state as _same
 
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Job, Status, Update, UpdateKind
 from aggsrv.strategies.fedasync import FedAsync
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.orthofl import OrthoFL, OrthoFLConfig
+from aggsrv.values import Status, Update, UpdateKind
 
 F64 = torch.float64
 

@@ -21,12 +21,13 @@ from strategy_runs import StrategyRun
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import Strategy, make_strategy
-from aggsrv.strategies.base import NonFiniteResult, Status, Update, UpdateKind
 from aggsrv.strategies.ca2fl import CA2FLConfig
+from aggsrv.strategies.errors import NonFiniteResult
 from aggsrv.strategies.fedavg import FedAvgConfig
 from aggsrv.strategies.fedbuff import FedBuffConfig
 from aggsrv.strategies.fedhist import FedHistConfig
 from aggsrv.strategies.mifa import MIFAConfig
+from aggsrv.values import Status, Update, UpdateKind
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("out", (5,))])
 D = LAYOUT.numel  # 37

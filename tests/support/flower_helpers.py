@@ -31,7 +31,7 @@ from aggsrv.integrations.flower.arrays import flat_to_record, layout_of, record_
 from aggsrv.integrations.flower.async_loop import REFUSED
 from aggsrv.integrations.flower.strategy import BASE_VERSION, JOB_ID, AggsrvStrategy
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import UpdateKind
+from aggsrv.values import UpdateKind
 
 
 def model_state(gen: torch.Generator) -> dict[str, torch.Tensor]:

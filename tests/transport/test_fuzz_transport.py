@@ -33,7 +33,6 @@ from hypothesis import strategies as st
 
 from aggsrv import protocol as P
 from aggsrv.layout import ModelLayout
-from aggsrv.strategies.base import Recipe
 from aggsrv.transport import (
     BadChunk,
     ChecksumMismatch,
@@ -51,6 +50,7 @@ from aggsrv.transport import (
 )
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Recipe
 
 CODES = {"INVALID_ARGUMENT", "DATA_LOSS", "RESOURCE_EXHAUSTED"}
 SENTINEL = 0x5EADBEEF  # a finite float32 bit pattern (about 6.2e18) for untouched memory

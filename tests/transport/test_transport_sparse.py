@@ -13,7 +13,6 @@ from server_helpers import RunningServer, flat, raw_push, tiny_model
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client
-from aggsrv.strategies.base import Status, UpdateKind
 from aggsrv.transport import (
     BadChunk,
     Crc32c,
@@ -29,6 +28,7 @@ from aggsrv.transport import (
 )
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import Status, UpdateKind
 
 
 def _gen() -> torch.Generator:
