@@ -5,7 +5,6 @@ bearer tokens, `pull` downloads the global model, `info` describes this installa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -45,18 +44,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.resume is not None:
         overrides["state_dir"] = args.resume
         overrides["resume"] = True
-    try:
-        config = ServerConfig.load(args.config, overrides)
-        if args.dp_target_epsilon is not None:  # a strategy key, with a flag of its own
-            keys = {**config.strategy_config, "dp_target_epsilon": args.dp_target_epsilon}
-            config = dataclasses.replace(config, strategy_config=keys)
-            config.strategy_settings()
-    except (OSError, ValueError, TypeError) as exc:
-        sys.stderr.write(f"aggsrv serve: {exc}\n")
-        return 2
-    if args.print_config:
-        sys.stdout.write(_printed_config(config, config.strategy_settings()))
-        return 0
+    tables = {}
+    if args.dp_target_epsilon is not None:  # a strategy key, with a flag of its own
+        tables["strategy_config"] = {"dp_target_epsilon": args.dp_target_epsilon}
+    config, rc = _configured("serve", ServerConfig, args, overrides, tables)
+    if config is None:
+        return rc
     from aggsrv.logs import configure
 
     configure("debug" if args.verbose else config.log_level, config.log_format)
@@ -68,11 +61,27 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def _printed_config(config, settings) -> str:
+def _configured(command: str, config_class, args: argparse.Namespace, overrides, tables):
+    """(config, 0): the config built once from --config, the options' ``overrides`` and the
+    ``tables``' keys; (None, exit code) when there is nothing to run: 2 after an error, 0
+    after --print-config printed it."""
+    try:
+        config = config_class.load(args.config, overrides, tables)
+    except (OSError, ValueError, TypeError) as exc:
+        sys.stderr.write(f"aggsrv {command}: {exc}\n")
+        return None, 2
+    if args.print_config:
+        sys.stdout.write(_printed_config(config))
+        return None, 0
+    return config, 0
+
+
+def _printed_config(config) -> str:
     """--print-config: the config's keys, then every key of the strategy with the value it
     runs with and a description, so the output documents the strategy and loads back."""
     from aggsrv.config_file import described_table
 
+    settings = config.strategy_settings
     cls = type(settings)
     presets = ", ".join(sorted(cls.PRESETS)) or "none"
     header = [f"{config.strategy} presets: {presets}"]
@@ -329,39 +338,26 @@ def _simulate(args: argparse.Namespace) -> int:
     from aggsrv.sim.config import SimConfig
 
     overrides = {k: getattr(args, k) for k in _SIM_OPTIONS}
-    nested: dict[str, dict] = {}
+    tables: dict[str, dict] = {}
     for item in args.set or []:
         key, sep, value = item.partition("=")
         if not sep:
             sys.stderr.write(f"aggsrv simulate: --set needs KEY=VALUE, got {item!r}\n")
             return 2
         table, dot, sub = key.partition(".")
+        if dot and table not in ("strategy_config", "model_config", "profile"):
+            sys.stderr.write(
+                f"aggsrv simulate: --set {table}.KEY: only strategy_config, model_config and "
+                "profile are tables\n"
+            )
+            return 2
         if dot:
-            nested.setdefault(table, {})[sub] = _parse_value(value)
+            tables.setdefault(table, {})[sub] = _parse_value(value)
         else:
             overrides[key] = _parse_value(value)
-    try:
-        config = SimConfig.load(args.config, {k: v for k, v in overrides.items() if v is not None})
-        for table, entries in nested.items():
-            if table not in ("strategy_config", "model_config", "profile"):
-                raise ValueError(
-                    f"--set {table}.KEY: only strategy_config, model_config and profile are tables"
-                )
-            current = getattr(config, table)
-            if isinstance(current, str):
-                current = {"name": current}
-            setattr(config, table, {**current, **entries})
-        config = SimConfig.from_mapping(config.to_dict())  # re-validate the merged tables
-    except (OSError, ValueError, TypeError) as exc:
-        sys.stderr.write(f"aggsrv simulate: {exc}\n")
-        return 2
-    if args.print_config:
-        from aggsrv.strategies import strategy_class
-
-        settings_class = strategy_class(config.strategy).config_class
-        settings = settings_class.from_dict(config.effective_strategy_config())
-        sys.stdout.write(_printed_config(config, settings))
-        return 0
+    config, rc = _configured("simulate", SimConfig, args, overrides, tables)
+    if config is None:
+        return rc
     from aggsrv.data import DatasetUnavailable
     from aggsrv.sim import run
     from aggsrv.sim.report import format_table, load_run

@@ -46,8 +46,16 @@ class TomlConfig:
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path | None, overrides: dict[str, Any] | None = None) -> Self:
-        """TOML file (optional) with overrides on top (None values are ignored)."""
+    def load(
+        cls,
+        path: str | Path | None,
+        overrides: Mapping[str, Any] | None = None,
+        tables: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Self:
+        """TOML file (optional) with overrides on top (None values are ignored), then
+        ``tables``' entries merged into those tables (``{"strategy_config": {"seed": 1}}`` sets
+        one key and keeps the file's others), so the whole is built and checked once. A table
+        the file gives as a name (``profile = "tiers"``) becomes ``{"name": "tiers"}`` first."""
         data: dict[str, Any] = {}
         if path is not None:
             with open(path, "rb") as fh:
@@ -55,7 +63,19 @@ class TomlConfig:
         for key, value in (overrides or {}).items():
             if value is not None:
                 data[key] = value
+        for table, entries in (tables or {}).items():
+            current = data[table] if table in data else cls._default(table)
+            if isinstance(current, str):
+                current = {"name": current}
+            data[table] = {**current, **entries}
         return cls.from_mapping(data)
+
+    @classmethod
+    def _default(cls, key: str) -> Any:
+        field = next(f for f in dataclasses.fields(cls) if f.name == key)
+        if field.default_factory is not dataclasses.MISSING:
+            return field.default_factory()
+        return field.default
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

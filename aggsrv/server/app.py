@@ -152,7 +152,7 @@ class Server:
             fed.device,
             f"version {fed.version}" if fed.strategy else "waiting for the first client's model",
         )  # fmt: skip
-        if getattr(cfg.strategy_settings(), "dp_seed", None) is not None:
+        if getattr(cfg.strategy_settings, "dp_seed", None) is not None:
             log.warning(
                 "differential privacy with a fixed dp_seed (dp_insecure_seed): the noise can be "
                 "recomputed from the seed, so the published models carry NO privacy guarantee"

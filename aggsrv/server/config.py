@@ -8,7 +8,7 @@ from typing import Any
 
 from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
-from aggsrv.strategies import StrategyConfig, strategy_class
+from aggsrv.strategies import StrategyConfig, strategy_settings
 
 MIB = 1 << 20
 
@@ -162,8 +162,14 @@ class ServerConfig(TomlConfig):
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level must be debug, info, warning or error: {self.log_level!r}")
         # A bad strategy name or [strategy_config] key fails at startup, not at the first
-        # registration (where it would reach a client as an opaque error).
-        settings = self.strategy_settings()
+        # registration (where it would reach a client as an opaque error). The typed settings
+        # are what the federation and its strategy run with; ``strategy_config`` stays the
+        # table as written (the TOML round trip, checkpoints, the shards' agreement), so a
+        # changed table takes dataclasses.replace, which reads it again.
+        self.strategy_settings: StrategyConfig = strategy_settings(
+            self.strategy, self.strategy_config
+        )
+        settings = self.strategy_settings
         if getattr(settings, "private", False) and self.state_dir and self.durability == "off":
             raise ValueError(
                 "differential privacy with a state_dir needs durability = 'on': with checkpoints "
@@ -259,14 +265,3 @@ class ServerConfig(TomlConfig):
                 f"shard_timeout_seconds ({self.shard_timeout_seconds:g}) must exceed "
                 "shard_slice_wait_seconds and shard_heartbeat_seconds by more than a second"
             )
-
-    def strategy_settings(self) -> StrategyConfig:
-        """The strategy's config object, checked by its class; ValueError naming what is wrong."""
-        try:
-            cls = strategy_class(self.strategy)
-        except NotImplementedError as exc:
-            raise ValueError(str(exc)) from None
-        try:
-            return cls.config_class.from_dict(self.strategy_config)
-        except TypeError as exc:  # e.g. a table where a number belongs
-            raise ValueError(f"[strategy_config] for {cls.name}: {exc}") from None

@@ -122,7 +122,7 @@ class Federation:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         # Differential privacy (the dp_ keys): what depends on updates' values is shown to
         # admins only (aggsrv.server.disclosure); the Prometheus port serves none of it.
-        self.private = bool(getattr(config.strategy_settings(), "private", False))
+        self.private = bool(getattr(config.strategy_settings, "private", False))
         if self.private:
             self.metrics.withhold_data()
         self.started_at = clock()
@@ -569,7 +569,7 @@ class Federation:
             layout=layout,
             initial=weights,
             initial_buffers=buffers,
-            config=cfg.strategy_config,
+            config=cfg.strategy_settings,
             device=self.device,
             max_clients=cfg.max_clients,
             reducer=reducer,

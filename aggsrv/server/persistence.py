@@ -31,7 +31,7 @@ import torch
 
 from aggsrv import protocol as P
 from aggsrv.server import durability as D
-from aggsrv.strategies import make_strategy
+from aggsrv.strategies import make_strategy, strategy_settings
 from aggsrv.v1 import tensor_pb2 as tpb
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ def snapshot(fed: Any) -> dict[str, Any]:
         "created_at": fed.clock(),
         "layout": P.layout_to_pb(fed.layout).SerializeToString().hex(),
         "strategy": strategy.name,
+        # The table as written, not the typed settings: what every state dir already holds.
         "strategy_config": dict(fed.config.strategy_config),
         "state": strategy.state_dict(),
         "clients": [
@@ -198,11 +199,13 @@ def restore(fed: Any, payload: dict[str, Any]) -> None:
             f"the checkpoint is for strategy {payload['strategy']!r} but the server is configured "
             f"for {cfg.strategy!r}: resume with the same strategy"
         )
+    settings = cfg.strategy_settings
     if payload["strategy_config"] != dict(cfg.strategy_config):
         log.warning(
             "resuming with the checkpoint's strategy_config %s (the configured %s is ignored)",
             payload["strategy_config"], dict(cfg.strategy_config),
         )  # fmt: skip
+        settings = strategy_settings(cfg.strategy, payload["strategy_config"])
     layout = P.layout_from_pb(tpb.ModelLayout.FromString(bytes.fromhex(payload["layout"])))
     state = payload["state"]
     # Placeholders of the right shapes: load_state_dict sets the model and the statistics.
@@ -211,7 +214,7 @@ def restore(fed: Any, payload: dict[str, Any]) -> None:
         layout=layout,
         initial=state["model"],
         initial_buffers=torch.ones(layout.buffer_numel) if layout.buffer_numel else None,
-        config=payload["strategy_config"],
+        config=settings,
         device=fed.device,
         max_clients=cfg.max_clients,
     )

@@ -336,7 +336,7 @@ class RequestChecks:
             remembered_update_ids=1024,
             max_clients=cfg.max_clients,
         )
-        settings = strategy.config if strategy is not None else cfg.strategy_settings()
+        settings = strategy.config if strategy is not None else cfg.strategy_settings
         bound = getattr(settings, "max_staleness", None)
         if bound is not None:
             limits.max_staleness = bound

@@ -7,10 +7,13 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
+
+if TYPE_CHECKING:
+    from aggsrv.strategies import StrategyConfig
 
 __all__ = ["Budget", "SimConfig", "parse_budget"]
 
@@ -102,34 +105,35 @@ class SimConfig(TomlConfig):
         self.attack_spec()
         if self.eval_every != "auto":
             parse_budget(self.eval_every)
-        from aggsrv.strategies import strategy_class
+        from aggsrv.strategies import strategy_settings
 
-        try:
-            cls = strategy_class(self.strategy)
-        except NotImplementedError as exc:
-            raise ValueError(str(exc)) from None
-        try:
-            cls.config_class.from_dict(self.strategy_config)
-        except TypeError as exc:
-            raise ValueError(f"[strategy_config] for {cls.name}: {exc}") from None
+        # The settings the run uses, read once: the table as written (checked with its own
+        # keys' messages) with the run's defaults on top. ``strategy_config`` stays the table
+        # as written (config.toml, sweep digests), so a changed table takes
+        # dataclasses.replace, which reads it again.
+        given = strategy_settings(self.strategy, self.strategy_config)
+        self.strategy_settings = dataclasses.replace(given, **self._run_defaults(given))
+
+    def _run_defaults(self, settings: StrategyConfig) -> dict[str, Any]:
+        """The strategy keys the run sets where the table does not: a round-based strategy
+        waits for all the simulated clients before its first round (``min_available =
+        clients``), else the first round would hold only the first client to register. Under
+        differential privacy ``dp_seed`` defaults to the run's seed."""
+        given = self.strategy_config
+        keys: dict[str, Any] = {}
+        if hasattr(settings, "min_available") and "min_available" not in given:
+            keys["min_available"] = self.clients
+        # An experiment's noise repeats with its seed (a server draws it from the OS).
+        if given.get("dp_clip_norm") is not None and given.get("dp_seed") is None:
+            keys["dp_seed"] = self.seed
+        seeded = keys.get("dp_seed", given.get("dp_seed")) is not None
+        if seeded and "dp_insecure_seed" not in given:  # its noise may be recomputed
+            keys["dp_insecure_seed"] = True
+        return keys
 
     def effective_strategy_config(self) -> dict[str, Any]:
-        """The strategy's keys as the run uses them: a round-based strategy waits for all the
-        simulated clients before its first round (``min_available = clients``) unless the
-        config says otherwise; otherwise the first round would hold only the first client to
-        register. Under differential privacy ``dp_seed`` defaults to the run's seed."""
-        from aggsrv.strategies import strategy_class
-
-        settings = dict(self.strategy_config)
-        fields = {f.name for f in dataclasses.fields(strategy_class(self.strategy).config_class)}
-        if "min_available" in fields and "min_available" not in settings:
-            settings["min_available"] = self.clients
-        # An experiment's noise repeats with its seed (a server draws it from the OS).
-        if settings.get("dp_clip_norm") is not None and settings.get("dp_seed") is None:
-            settings["dp_seed"] = self.seed
-        if settings.get("dp_seed") is not None:  # an experiment: its noise may be recomputed
-            settings.setdefault("dp_insecure_seed", True)
-        return settings
+        """The strategy's table as the run uses it (the table given to a server process)."""
+        return {**self.strategy_config, **self._run_defaults(self.strategy_settings)}
 
     def attack_spec(self):
         """The parsed ``attack`` (an AttackSpec, checked against ``clients``), or None."""

@@ -44,7 +44,7 @@ from aggsrv.server.config import ServerConfig
 from aggsrv.sim.inproc import STALL_ARRIVALS, STALL_ROUNDS, Counters, is_round_based
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
-from aggsrv.strategies import Status, UpdateKind, strategy_class
+from aggsrv.strategies import Status, UpdateKind
 
 __all__ = ["GrpcRun"]
 
@@ -86,7 +86,7 @@ class GrpcRun:
         self.stalled = False
         self._refused_in_a_row = 0  # arrivals since the last accepted update, all clients
         self._stall_after = max(STALL_ARRIVALS, STALL_ROUNDS * self.n)
-        settings = strategy_class(cfg.strategy).config_class.from_dict(cfg.strategy_config)
+        settings = cfg.strategy_settings
         self.round_based = is_round_based(settings)
         self._private = getattr(settings, "private", False)  # the dp_ keys
         self._privacy: dict[str, Any] | None = None

@@ -113,7 +113,7 @@ class InprocRun:
             layout=setup.layout,
             initial=setup.initial,
             initial_buffers=setup.initial_buffers,
-            config=cfg.effective_strategy_config(),
+            config=cfg.strategy_settings,
             device="cpu",
             max_clients=max(cfg.clients, 1),
         )

@@ -7,6 +7,7 @@ later issues raise NotImplementedError naming the issue that brings them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aggsrv.strategies.base import Strategy
@@ -92,6 +93,7 @@ __all__ = [
     "UpdateNormTooLarge",
     "make_strategy",
     "strategy_class",
+    "strategy_settings",
 ]
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -117,9 +119,29 @@ STRATEGIES: dict[str, type[Strategy]] = {
 RESERVED: dict[str, str] = {}
 
 
-def make_strategy(name: str, **kwargs: Any) -> Strategy:
-    """Build the strategy called ``name`` with the Strategy constructor's keyword arguments."""
-    return strategy_class(name)(**kwargs)
+def make_strategy(
+    name: str, config: StrategyConfig | Mapping[str, Any] | None = None, **kwargs: Any
+) -> Strategy:
+    """Build the strategy called ``name`` with the Strategy constructor's keyword arguments;
+    ``config`` is its settings, or a mapping of its keys read by :func:`strategy_settings`."""
+    if not isinstance(config, StrategyConfig):
+        config = strategy_settings(name, config)
+    return strategy_class(name)(config=config, **kwargs)
+
+
+def strategy_settings(name: str, keys: Mapping[str, Any] | None = None) -> StrategyConfig:
+    """The settings of the strategy called ``name`` from its keys (a [strategy_config] table):
+    the one place a name and a table become a typed config, whichever way they came (the
+    command line, a TOML file, a sweep, a checkpoint, the Flower adapter). ValueError naming
+    what is wrong."""
+    try:
+        cls = strategy_class(name)
+    except NotImplementedError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        return cls.config_class.from_dict(keys)
+    except TypeError as exc:  # e.g. a table where a number belongs
+        raise ValueError(f"[strategy_config] for {cls.name}: {exc}") from None
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -4,6 +4,7 @@ MAX_RUN_CLIENTS clients) of each."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,8 @@ def test_experiment_config_runs(path: Path, tmp_path: Path) -> None:
     work = dict(cfg.strategy_config)
     if work.get("local_epochs"):
         work["local_epochs"] = work["local_epochs"] / 10
-    cfg.strategy_config = work
-    cfg.clients = min(cfg.clients, MAX_RUN_CLIENTS)
+    # replace, not assignment: the config reads its strategy table once, when it is built.
+    cfg = dataclasses.replace(cfg, strategy_config=work, clients=min(cfg.clients, MAX_RUN_CLIENTS))
     result = run(cfg, progress=False)
     assert result.summary["versions"] >= 2 and result.summary["updates_applied"] >= 2
     assert [m["version"] for m in result.metrics][:3] == [0, 1, 2]
@@ -45,7 +46,6 @@ def test_experiment_config_runs(path: Path, tmp_path: Path) -> None:
 def test_comparisons_are_valid_configs() -> None:
     """Every strategy a setting is compared with accepts the keys bench/experiments/compare.py
     gives it (the setting's recipe plus its own), so a comparison cannot fail half way."""
-    import dataclasses
     import importlib.util
 
     path = EXPERIMENTS[0].parent / "compare.py"

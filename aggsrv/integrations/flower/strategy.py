@@ -50,6 +50,7 @@ from aggsrv.strategies import (
     Update,
     UpdateKind,
     make_strategy,
+    strategy_settings,
 )
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,8 @@ class AggsrvStrategy(FlowerStrategy):
         self._outside: dict[str, Any] = {}
         self._jobs: dict[int, Job] = {}
         self.outcomes: list[tuple[int, str, int]] = []  # (node, status, version) per reply
-        # Fail now, not at the first round, on a bad name or config key.
-        from aggsrv.strategies import strategy_class
-
-        strategy_class(name).config_class.from_dict(self.config)
+        # Read once: a bad name or config key fails now, not at the first round.
+        self.settings = strategy_settings(name, self.config)
 
     # ------------------------------------------------------------------ the aggsrv strategy
 
@@ -129,7 +128,7 @@ class AggsrvStrategy(FlowerStrategy):
             self.name,
             layout=layout,
             initial=initial,
-            config=self.config,
+            config=self.settings,
             device=self.device,
             max_clients=self.max_clients,
             initial_buffers=initial_buffers,
