@@ -152,8 +152,6 @@ class Federation:
         self.strategy_events = StrategyEvents()
         self._slots: asyncio.Queue[StagingSlot] | None = None
         self.closing = False
-        # Set by the server of a sharded federation (aggsrv.server.shards).
-        self.shards: S.ShardGroup | None = None
         self.last_eval: tuple[int, dict[str, float]] | None = None
         # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
         self._whole_slots = asyncio.Semaphore(config.max_concurrent_uploads)
@@ -163,20 +161,16 @@ class Federation:
         def strategy() -> Strategy | None:
             return self.strategy
 
-        def shards() -> S.ShardGroup | None:
-            return self.shards
-
         def closing() -> bool:
             return self.closing
 
         self.fail_stop = FailStop(on_stop=self._stopped)
-        self.replication = Replication(shards, strategy, self.fail_stop, closing)
+        self.replication = Replication(strategy, self.fail_stop, closing)
         self.call_log = CallLog(self.fail_stop, self.metrics)
         self.versions = RetainedVersions(config.retained_versions, clock, strategy)
         self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
         self.publication = Publication(
-            self.versions, self.call_log, self.timer, lambda: self.direction, self.metrics,
-            self.publish_rate, clock,
+            self.versions, self.call_log, self.timer, self.metrics, self.publish_rate, clock,
         )  # fmt: skip
         self.aggregation = AggregationLoop(
             self.fail_stop, self.replication, self.publication.settle, self.publication.publish
@@ -186,9 +180,20 @@ class Federation:
             self, strategy, lambda: self.layout, closing,
         )  # fmt: skip
         self.shard_follower = ShardFollower(
-            shards, strategy, self.fail_stop, self.aggregation.submit, self.replication,
+            strategy, self.fail_stop, self.aggregation.submit, self.replication,
             self.publication, self.replay, self._adopt_slice, self.count_outcome,
         )  # fmt: skip
+
+    @property
+    def shards(self) -> S.ShardGroup | None:
+        """The shards of a sharded federation (aggsrv.server.shards), set by its server before
+        it serves; None when not sharded."""
+        return self.replication.shards
+
+    @shards.setter
+    def shards(self, shards: S.ShardGroup | None) -> None:
+        self.replication.shards = shards
+        self.shard_follower.shards = shards
 
     @property
     def store(self) -> StateStore | None:
@@ -283,7 +288,7 @@ class Federation:
             return self._log("timer", {"now": now})
 
         try:
-            lsn = await self.call(run)
+            lsn = await self.aggregation.call(run)
             await self.logged(lsn)  # a version the timer made reaches readers once durable
         except DurabilityError:
             return  # the federation stopped taking writes; fail() said why
@@ -418,7 +423,7 @@ class Federation:
         """After recovery replayed the log (all of it durable): publish the state reached."""
         strategy = self.strategy
         assert strategy is not None
-        self.publication.restart(strategy)
+        self.publication.restart(strategy, self.direction)
         self.call_log.restart(strategy.jobs_issued)  # replayed: on disk
         if strategy.version != self.published_version:
             self.versions.retain(self.versions.snapshot_of(strategy))
@@ -438,7 +443,7 @@ class Federation:
             lsn = self._log("register", meta)
             return known, record, lsn
 
-        known, record, lsn = await self.call(run)
+        known, record, lsn = await self.aggregation.call(run)
         await self.logged(lsn)
         return known, record
 
@@ -476,7 +481,7 @@ class Federation:
             return job, why, lsn, lease
 
         try:
-            job, why, lsn, lease = await self.call(run)
+            job, why, lsn, lease = await self.aggregation.call(run)
             await self.logged(lsn)
         except BaseException:  # cancelled, or the log failed: no stream will read the job
             handoff.abandon()
@@ -513,7 +518,7 @@ class Federation:
             return s, outcome, lsn, took
 
         try:
-            staleness, outcome, lsn, took = await self.call(run)
+            staleness, outcome, lsn, took = await self.aggregation.call(run)
         except PrivacyBudgetSpent:
             await self.logged(self._budget_lsn)  # the record that says so is durable first
             raise
@@ -596,10 +601,11 @@ class Federation:
         self._slots = slots
         versions = self.versions
         versions.drop_all()
-        self.publication.restart(strategy)
+        direction = RecentChange()  # from this model on
+        self.publication.restart(strategy, direction)
         self.call_log.restart(strategy.jobs_issued)  # on disk already
         versions.retain(versions.snapshot_of(strategy))
-        self.direction = RecentChange()  # from this model on
+        self.direction = direction
         self.direction.refresh(strategy.global_model(), self.clock())
         self.strategy = strategy
 

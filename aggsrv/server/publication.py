@@ -44,17 +44,14 @@ class Publication:
         versions: RetainedVersions,
         call_log: CallLog,
         timer: DeadlineTimer,
-        direction: Callable[[], RecentChange],
         metrics: ServerMetrics,
         publish_rate: PublishRate,
         clock: Callable[[], float],
     ) -> None:
-        """``direction``: the federation's recent change of the model, as it is now (a new
-        model starts a new one)."""
         self._versions = versions
         self._call_log = call_log
         self._timer = timer
-        self._direction = direction
+        self._direction = RecentChange()
         self._metrics = metrics
         self._publish_rate = publish_rate
         self._clock = clock
@@ -69,13 +66,15 @@ class Publication:
         self._buffer_since: float | None = None
         self._changed = asyncio.Event()
 
-    def restart(self, strategy: Strategy) -> None:
+    def restart(self, strategy: Strategy, direction: RecentChange) -> None:
         """Publish ``strategy``'s versions from its current one on (a new or restored model,
-        or the state recovery reached): nothing made before waits any longer."""
+        or the state recovery reached): nothing made before waits any longer. Each new version
+        refreshes ``direction``, the model's recent change."""
         while self._unpublished:
             release(self._unpublished.popleft()[0])
         self._captured = strategy.version
         self._strategy = strategy
+        self._direction = direction
 
     def capture(self, lsn: int | None) -> None:
         """Queue the strategy's version for publication if it is new (aggregation thread, right
@@ -86,7 +85,7 @@ class Publication:
             return
         self._captured = strategy.version
         self._unpublished.append((self._versions.snapshot_of(strategy), lsn))
-        self._direction().refresh(strategy.global_model(), self._clock())
+        self._direction.refresh(strategy.global_model(), self._clock())
 
     def settle(self) -> None:
         """(aggregation thread, after a call) What :meth:`publish` will publish. Without a log

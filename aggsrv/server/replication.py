@@ -60,14 +60,13 @@ class Replication:
 
     def __init__(
         self,
-        shards: Callable[[], S.ShardGroup | None],
         strategy: Callable[[], Strategy | None],
         fail_stop: FailStop,
         closing: Callable[[], bool],
     ) -> None:
-        """``shards``, ``strategy`` and ``closing``: the federation's, as they are now (the
-        server joins the shards and adopts a model after the federation is made)."""
-        self._shards = shards
+        """``strategy`` and ``closing``: the federation's, as they are now (it adopts a model
+        after it is made)."""
+        self.shards: S.ShardGroup | None = None  # set by the server before it serves
         self._strategy = strategy
         self._fail_stop = fail_stop
         self._closing = closing
@@ -76,7 +75,7 @@ class Replication:
 
     def announce(self, kind: str, meta: dict[str, Any]) -> None:
         """Rank 0 of a sharded federation: announce the call about to be made."""
-        shards = self._shards()
+        shards = self.shards
         if shards is not None:
             self._fail_stop.collective(shards.announce, kind, meta)
             self.announced = (kind, meta)
@@ -96,7 +95,7 @@ class Replication:
         compares what the call did on each shard (refused or not, the version, jobs issued,
         clients). The shards make the same calls on the same state, so a shard that differs
         has diverged; every shard sees the same comparison, so all stop taking writes."""
-        shards = self._shards()
+        shards = self.shards
         if shards is None or kind not in S.COMPARED_KINDS:
             return
         strategy = self._strategy()
@@ -112,7 +111,7 @@ class Replication:
     def vote(self, update: Update) -> None:
         """All or none: every shard checks its slice, and one refusal refuses the update
         everywhere (raised as the refusal) before any state changes."""
-        shards = self._shards()
+        shards = self.shards
         if shards is None:
             return
         verdict, own = S.slice_verdict(self._strategy(), update)
@@ -124,7 +123,7 @@ class Replication:
         """Rank 0: announce a no-op when idle (through ``call``, the aggregation loop's), so
         the other shards' wait for the next call never times out and a lost shard is noticed
         within a heartbeat."""
-        shards = self._shards()
+        shards = self.shards
         assert shards is not None and shards.is_coordinator
         while not self._closing():
             await asyncio.sleep(shards.heartbeat / 2)

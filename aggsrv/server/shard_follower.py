@@ -48,7 +48,6 @@ class ShardFollower:
 
     def __init__(
         self,
-        shards: Callable[[], S.ShardGroup | None],
         strategy: Callable[[], Strategy | None],
         fail_stop: FailStop,
         submit: Callable[..., Future],
@@ -58,11 +57,11 @@ class ShardFollower:
         adopt_slice: Callable[[ModelLayout, torch.Tensor], None],
         count: Callable[[Outcome], None],
     ) -> None:
-        """``shards`` and ``strategy``: the federation's, as they are now; ``submit``: queues a
+        """``strategy``: the federation's, as it is now; ``submit``: queues a
         call on the aggregation thread; ``replay``: makes a logged call; ``adopt_slice``: serves
         this shard's slice of the whole model rank 0 shared; ``count``: counts an outcome
         reached here."""
-        self._shards = shards
+        self.shards: S.ShardGroup | None = None  # set by the server before it serves
         self._strategy = strategy
         self._fail_stop = fail_stop
         self._submit = submit
@@ -78,7 +77,7 @@ class ShardFollower:
         """The receiving thread of a shard of rank >= 1: take the calls rank 0 announces, in its
         order, and make each on the aggregation thread (where reads of the strategy queue too),
         until rank 0 announces "stop", a collective fails or the shards diverge."""
-        shards = self._shards()
+        shards = self.shards
         loop = self._fail_stop.loop
         assert shards is not None and loop is not None
         while True:
@@ -130,7 +129,7 @@ class ShardFollower:
             self._answer_slice(error)
             raise error from exc
         except Exception as exc:  # a bug: this shard's state may now differ from rank 0's
-            shards = self._shards()
+            shards = self.shards
             assert shards is not None
             error = fail_stop.stop_on_unexpected(exc, f"shard {shards.rank} following a {kind}")
             self._answer_slice(error)
@@ -150,7 +149,7 @@ class ShardFollower:
         """Make the call rank 0 announced; whether it was refused here."""
         if kind == "adopt":
             whole = ModelLayout.from_dict(meta["layout"])
-            shards = self._shards()
+            shards = self.shards
             assert shards is not None
             weights = self._fail_stop.collective(shards.share_model, None, whole.numel)
             self._adopt_slice(whole, weights)
@@ -167,7 +166,7 @@ class ShardFollower:
     def _follow_update(self, meta: dict[str, Any], now: float) -> bool:
         """Follow an update on this shard's slice; whether it was refused here. The answer to
         the slice waits in :attr:`_reply` until the shards agree on the outcome."""
-        shards = self._shards()
+        shards = self.shards
         strategy = self._strategy()
         assert shards is not None and strategy is not None
         staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
@@ -205,7 +204,7 @@ class ShardFollower:
     async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
         """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
         the outcome every shard reached (or the refusal); (staleness, outcome)."""
-        shards = self._shards()
+        shards = self.shards
         assert shards is not None
         loop = asyncio.get_running_loop()
         key = (update.client_id, update.update_id)
