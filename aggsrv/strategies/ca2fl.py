@@ -60,7 +60,7 @@ from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.fedbuff import BufferedConfig
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
-from aggsrv.strategies.robust import RobustCombiner, check_aggregator, check_pending_rows
+from aggsrv.strategies.robust import RobustCombiner, check_pending_rows
 from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["CA2FL", "CA2FLConfig"]
@@ -103,8 +103,13 @@ class CA2FL(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 accumulator; cache rows come with clients' first reports."""
         super().__init__(*args, **kwargs)
-        spec = check_aggregator(self.config.aggregator)
-        summed = self.dim if spec.is_mean else 0  # a robust rule keeps rows instead
+        # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
+        # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
+        # the spare row, then swapped in), each with its own centre.
+        text = self.config.aggregator
+        self._robust = RobustCombiner.for_config(text, self.name, self.device)
+        self._robust_cache = RobustCombiner.for_config(text, f"{self.name} cache", self.device)
+        summed = self.dim if self._robust is None else 0  # a robust rule keeps rows instead
         self._acc = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
@@ -115,13 +120,6 @@ class CA2FL(Strategy):
         self._arrived: set[str] = set()
         self._first: set[str] = set()
         self._scratch: torch.Tensor | None = None
-        # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
-        # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
-        # the spare row, then swapped in), each with its own centre.
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
-        self._robust_cache = (
-            None if spec.is_mean else RobustCombiner(spec, f"{self.name} cache", self.device)
-        )
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []  # derived from the rows, not saved
         self._hbar: torch.Tensor | None = None  # the buffer's robust h_bar (while _count > 0)

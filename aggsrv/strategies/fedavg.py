@@ -81,7 +81,7 @@ from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.dp_accounting import AMPLIFYING_KINDS
-from aggsrv.strategies.job import Job
+from aggsrv.strategies.job import Job, round_pending
 from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
@@ -89,7 +89,7 @@ from aggsrv.strategies.robust import (
     check_pending_rows,
     load_kept_rows,
 )
-from aggsrv.values import Outcome, PendingReason, Status, Update
+from aggsrv.values import Outcome, Status, Update
 
 __all__ = ["FedAvg", "FedAvgConfig"]
 
@@ -244,8 +244,7 @@ class FedAvg(Strategy):
         """Allocate the running delta sum (and the FedAdam moments on first use)."""
         super().__init__(*args, **kwargs)
         # A robust aggregator (None for the mean) keeps rows instead of the running sum.
-        spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
+        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         summed = self.dim if self._robust is None else 0
         self._acc = torch.zeros(summed, dtype=torch.float32, device=self.device)
         self._spare: torch.Tensor | None = None  # the next running sum, before it is checked
@@ -295,13 +294,9 @@ class FedAvg(Strategy):
         if self.config.mode == "k_async":
             return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
-        if not self._round_open:
-            return self._no_job(PendingReason.NO_ROUND_OPEN)
-        reported = self._participants.get(client_id)
-        if reported is None:
-            return self._no_job(PendingReason.NOT_SELECTED)
-        if reported:
-            return self._no_job(PendingReason.ALREADY_REPORTED)
+        pending = round_pending(self._round_open, self._participants.get(client_id))
+        if pending is not None:
+            return self._no_job(pending)
         return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:

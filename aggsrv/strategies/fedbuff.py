@@ -96,8 +96,7 @@ class FedBuff(Strategy):
         """Allocate the float64 [D] running sum on the strategy's device."""
         super().__init__(*args, **kwargs)
         # A robust aggregator (None for the mean): the rows w_i delta_i replace the sum.
-        spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
+        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         summed = self.dim if self._robust is None else 0
         self._sum = torch.empty(summed, dtype=torch.float64, device=self.device)
         self._weights: list[float] = []  # one per buffered delta, in arrival order

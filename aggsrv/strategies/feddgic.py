@@ -66,10 +66,10 @@ from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.errors import JobSuperseded
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
-from aggsrv.strategies.job import Job
+from aggsrv.strategies.job import Job, round_pending
 from aggsrv.strategies.row_cache import with_room
 from aggsrv.strategies.update_filters import FilteredConfig
-from aggsrv.values import Outcome, PendingReason, Status, Update, UpdateKind
+from aggsrv.values import Outcome, Status, Update, UpdateKind
 
 __all__ = ["FedDGIC", "FedDGICConfig", "FedFG", "FedFGConfig"]
 
@@ -229,13 +229,9 @@ class FedDGIC(Strategy):
         if self.phase == "async":
             return self._issue_job(client_id, deadline=None, now=now)
         self._maybe_open_round(now)
-        if not self._round_open:
-            return self._no_job(PendingReason.NO_ROUND_OPEN)
-        reported = self._participants.get(client_id)
-        if reported is None:
-            return self._no_job(PendingReason.NOT_SELECTED)
-        if reported:
-            return self._no_job(PendingReason.ALREADY_REPORTED)
+        pending = round_pending(self._round_open, self._participants.get(client_id))
+        if pending is not None:
+            return self._no_job(pending)
         return self._issue_job(client_id, deadline=self._deadline, now=now)
 
     def _next_deadline(self) -> float | None:

@@ -211,8 +211,7 @@ class FedHist(Strategy):
         self.fallback_rounds = 0
         self.evaluations = 0
         self._warned_small = False
-        spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
+        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         self._fused: torch.Tensor | None = None  # [K, D] fused rows (robust rules, EGS on)
         self._robust_agg = torch.zeros(0, dtype=torch.float32, device=self.device)
         self._robust_info: Any = None

@@ -18,9 +18,9 @@ import torch
 
 from aggsrv.strategies.buffers import Lease, VersionBuffers
 from aggsrv.strategies.errors import InvalidUpdate, JobSuperseded
-from aggsrv.values import Recipe, Update
+from aggsrv.values import PendingReason, Recipe, Update
 
-__all__ = ["Job", "JobBook"]
+__all__ = ["Job", "JobBook", "round_pending"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,19 @@ class Job:
     def weights(self) -> torch.Tensor:
         """The weights the client starts from."""
         return self.tensors["weights"]
+
+
+def round_pending(round_open: bool, reported: bool | None) -> PendingReason | None:
+    """Why a strategy in synchronous rounds has no job for a client: no round is open, the
+    client was not sampled into it (``reported`` None), or it reported already; None when it
+    gets one."""
+    if not round_open:
+        return PendingReason.NO_ROUND_OPEN
+    if reported is None:
+        return PendingReason.NOT_SELECTED
+    if reported:
+        return PendingReason.ALREADY_REPORTED
+    return None
 
 
 class JobBook:

@@ -66,8 +66,7 @@ class MIFA(CachedEpochs):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The epoch machinery and cache of :class:`CachedEpochs`."""
         super().__init__(*args, **kwargs)
-        spec = check_aggregator(self.config.aggregator)
-        self._robust = None if spec.is_mean else RobustCombiner(spec, self.name, self.device)
+        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         self._aggregate: torch.Tensor | None = None
         self._pending_aggregate: tuple[torch.Tensor, AggregateInfo] | None = None
 

@@ -55,6 +55,15 @@ class RobustCombiner:
         self.fallbacks = 0  # aggregations that fell back to the median (too few rows)
         self.last_info: AggregateInfo | None = None
 
+    @classmethod
+    def for_config(
+        cls, text: Any, name: str, device: torch.device | str | None = None
+    ) -> RobustCombiner | None:
+        """The combiner of a strategy config's ``aggregator`` key, None for the mean (a
+        strategy then keeps a running sum instead of rows)."""
+        spec = check_aggregator(text)
+        return None if spec.is_mean else cls(spec, name, device)
+
     @property
     def uses_center(self) -> bool:
         return self.aggregator.rule == "centered_clipping"
