@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import textwrap
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from browser import headless_chromium, wait_until
 from server_helpers import RunningServer, tiny_model
 
 from aggsrv.client.client import Client
@@ -88,7 +88,9 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
         with pytest.raises(Exception, match="INVALID_ARGUMENT|NaN|finite"):
             c2.push(held, bad)
         # The server counts a refusal just after it answered it: wait for the count.
-        doc = _wait(lambda: (d := _status(port))["refusals"] and d, "the refusal's count", 10.0)
+        doc = wait_until(
+            lambda: (d := _status(port))["refusals"] and d, "the refusal's count", 10.0
+        )
         assert doc["refusals"] == {"INVALID_ARGUMENT": 1} and doc["updates"]["rejected"] == 1
     # The eval hook runs on its own thread: wait for its results to reach the document.
     deadline = time.monotonic() + 20
@@ -102,38 +104,9 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
     assert _get(port, "/etc/passwd")[0] == 404 and _get(port, "/../setup.py")[0] == 404
 
 
-def _browser():
-    """A headless Chromium through Selenium, or skip saying what is missing."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[dev]')")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not chromium or not driver:
-        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install them)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,1100"):  # fmt: skip
-        options.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
-def _wait(predicate, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> None:
     srv = dashboard_server
-    browser = _browser()
+    browser = headless_chromium()
     from selenium.webdriver.common.by import By
 
     def text(element_id: str) -> str:
@@ -148,15 +121,15 @@ def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> 
             for _ in range(3):
                 c1.push(c1.get_job(), torch.randn(D))
             browser.get(f"http://127.0.0.1:{srv.server.dashboard_port}/")
-            _wait(lambda: text("version") == "3", "the page to show version 3")
+            wait_until(lambda: text("version") == "3", "the page to show version 3")
             assert text("strategy-name") == "fedasync" and text("clients-known") == "2"
             assert text("updates-applied") == "3"
             # The numbers move as clients push, without reloading the page.
             for _ in range(4):
                 c1.push(c1.get_job(), torch.randn(D))
-            _wait(lambda: text("version") == "7", "the page to follow to version 7")
+            wait_until(lambda: text("version") == "7", "the page to follow to version 7")
             assert text("updates-applied") == "7"
-            _wait(lambda: text("eval-count") not in ("", "0"), "evaluation results")
+            wait_until(lambda: text("eval-count") not in ("", "0"), "evaluation results")
             bars = browser.find_elements(By.CSS_SELECTOR, "#chart-staleness svg rect")
             assert bars, "the staleness histogram has bars"
             assert browser.find_elements(By.CSS_SELECTOR, "#chart-eval svg path")

@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from browser import wait_until
 from server_helpers import RunningServer, scrape_metrics
-from test_dashboard import _wait
 
 import aggsrv.server
 import aggsrv.strategies
@@ -319,7 +319,7 @@ def _federate(tmp: Path, dp: bool) -> Run:
             assert stale.value.code() == grpc.StatusCode.ABORTED
             rejected = 2 if dp else 4
             # A refusal is counted just after it is answered.
-            _wait(lambda: ops.status().updates_rejected == rejected, "the refusals' counts")
+            wait_until(lambda: ops.status().updates_rejected == rejected, "the refusals' counts")
             client, admin = a.status(), ops.status()
         url = f"http://127.0.0.1:{srv.server.dashboard_port}/api/status"
         with urllib.request.urlopen(url, timeout=10) as resp:

@@ -295,7 +295,7 @@ def test_a_fixed_seed_is_warned_about_in_the_log_the_json_and_the_page(caplog) -
     import json
     import urllib.request
 
-    from test_dashboard import _browser, _wait
+    from browser import headless_chromium, wait_until
 
     keys = {"dp_clip_norm": 1.0, "dp_noise_multiplier": 1.0, "dp_seed": 9,
             "dp_insecure_seed": True}  # fmt: skip
@@ -317,10 +317,10 @@ def test_a_fixed_seed_is_warned_about_in_the_log_the_json_and_the_page(caplog) -
             if seeded:
                 from selenium.webdriver.common.by import By
 
-                browser = _browser()
+                browser = headless_chromium()
                 try:
                     browser.get(f"http://127.0.0.1:{srv.server.dashboard_port}/")
-                    shown = _wait(
+                    shown = wait_until(
                         lambda b=browser: b.find_element(By.ID, "dp-insecure").is_displayed(),
                         "the page's warning",
                     )
