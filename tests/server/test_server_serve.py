@@ -1,6 +1,8 @@
-"""`aggsrv serve` as a real process: ready (health SERVING) in under 5 s, logs where it listens,
-serves a client, stops cleanly on SIGTERM and SIGINT, and at shutdown lets in-flight updates
-finish or refuses them, never half-applies one. Bad configuration exits with code 2."""
+"""`aggsrv serve` as a real process: becomes ready (health SERVING; the time is printed, not
+bounded: how fast is a benchmark's question, and a bound only measures the machine's load), logs
+where it listens, serves a client, stops cleanly on SIGTERM and SIGINT, and at shutdown lets
+in-flight updates finish or refuses them, never half-applies one. Bad configuration exits with
+code 2."""
 
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.values import Status
 
 REPO = Path(__file__).resolve().parents[2]
-# A liveness bound, not a speed target (the time is printed; about 2.5 s on an idle 2-core
-# machine): a full CI run once took 5.1 s, so a tight bound only measured the machine's load.
-READY_LIMIT_S = 15.0
 APPLY_LINE = re.compile(r"fedasync: (\S+) s=(\d+) alpha=\S+ -> v(\d+)")
 
 
@@ -65,11 +64,10 @@ def serve(tmp_path) -> Iterator:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_ready_fast_serves_and_stops_cleanly(serve, tmp_path, sig: int) -> None:
+def test_serve_becomes_ready_serves_and_stops_cleanly(serve, tmp_path, sig: int) -> None:
     srv = serve("--strategy", "fedasync")
     ready = srv.wait_serving()
     print(f"aggsrv serve: health SERVING {ready:.2f} s after process start")
-    assert ready < READY_LIMIT_S, f"ready after {ready:.2f} s (limit {READY_LIMIT_S} s)"
     log = srv.log()
     assert f"listening on 127.0.0.1:{srv.port}" in log, log
     model = tiny_model(1)
