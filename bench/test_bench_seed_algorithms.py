@@ -88,6 +88,7 @@ from conftest import (
 from aggsrv import kernels
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies.fedhist_ops import (
+    RoundInputs,
     aggregate_round,
     hindsight_utility,
     temporal_weight,
@@ -490,10 +491,11 @@ def test_fedhist_round(benchmark) -> None:
 
     def ours(ubar: dict[str, float]) -> tuple[torch.Tensor, Any]:
         g_glob = G[free]
-        res = aggregate_round(
-            local, local_norms, G, G_norms, recency, taus, [ubar.get(c, 0.0) for c in clients],
-            alpha=ALPHA, lam=LAM, out=g_glob,
-        )  # fmt: skip
+        utilities = [ubar.get(c, 0.0) for c in clients]
+        inputs = RoundInputs(
+            local, local_norms, G, G_norms, recency, taus, utilities, alpha=ALPHA, lam=LAM
+        )
+        res = aggregate_round(inputs, out=g_glob)
         torch.add(w, g_glob, alpha=-LR, out=new_w)
         float(torch.linalg.vector_norm(g_glob, dtype=torch.float64))
         first = True

@@ -68,12 +68,13 @@ from typing import Any, ClassVar
 import torch
 
 from aggsrv import kernels
-from aggsrv.aggregators import AGGREGATOR_HELP
+from aggsrv.aggregators import AGGREGATOR_HELP, AggregateInfo
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.errors import InvalidUpdate, NonFiniteResult
 from aggsrv.strategies.fedhist_ops import (
+    RoundInputs,
     aggregate_round,
     hindsight_utility,
     robust_round,
@@ -330,39 +331,35 @@ class FedHist(Strategy):
         utilities = [self.ubar.get(c, 0.0) for c, _ in self._cur_meta]
         if self._scratch.numel() != self.dim:
             self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
-        n = len(taus)  # K, or fewer when fewer clients are registered
-        if self._robust is not None:
-            return self._robust_round_step(taus, utilities)
-        result = aggregate_round(
-            self._cur[:n],
-            self._cur_norms[:n],
-            self._g[: self._g_used] if self._g_order else None,
-            self._g_norms,
-            self._g_order,
-            taus,
-            utilities,
-            alpha=cfg.alpha,
-            lam=cfg.lam,
-            rescale=cfg.rescale,
-            raw_norms=cfg.ina_norms == "raw",
-            out=self._scratch,
-            reduce=self.reduce,
-        )
+        inputs = self._round_inputs(taus, utilities)
+        info = None
+        if self._robust is None:
+            result = aggregate_round(inputs, out=self._scratch)
+        else:
+            result, info = self._robust_round(inputs)
         self._require_finite(self._scratch, "the round's global gradient")
         new = self._new_model_buffer()
         torch.add(self._model, self._scratch, alpha=-cfg.effective_server_lr, out=new)
         self._check_version(new)
+        self._robust_info = info
         return result, self._scratch, new
 
-    def _robust_round_step(
-        self, taus: list[int], utilities: list[float]
-    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """:meth:`_round_step` with the robust rule (module docstring)."""
-        assert self._robust is not None
+    def _round_inputs(self, taus: list[int], utilities: list[float]) -> RoundInputs:
+        """The buffered round's rows (K, or fewer when fewer clients are registered), the
+        history ring and the settings."""
         cfg = self.config
         n = len(taus)
-        history = self._g[: self._g_used] if self._g_order else None
-        if history is not None and cfg.alpha != 0 and self._fused is None:
+        return RoundInputs(
+            self._cur[:n], self._cur_norms[:n], self._g[: self._g_used] if self._g_order else None,
+            self._g_norms, self._g_order, taus, utilities, alpha=cfg.alpha, lam=cfg.lam,
+            rescale=cfg.rescale, raw_norms=cfg.ina_norms == "raw", reduce=self.reduce,
+        )  # fmt: skip
+
+    def _robust_round(self, inputs: RoundInputs) -> tuple[Any, AggregateInfo]:
+        """The round's global gradient into the scratch row with the robust rule (module
+        docstring): (EGS/HAA/INA result, what the rule's aggregation did)."""
+        assert self._robust is not None
+        if inputs.history is not None and self.config.alpha != 0 and self._fused is None:
             self._fused = torch.empty_like(self._cur)
         if self._robust_agg.numel() != self.dim:
             self._robust_agg = torch.empty(self.dim, dtype=torch.float32, device=self.device)
@@ -373,18 +370,14 @@ class FedHist(Strategy):
             infos.append(self._robust.combine(rows, weights, reduce=self.reduce, out=into))
 
         result = robust_round(
-            self._cur[:n], self._cur_norms[:n], history, self._g_norms, self._g_order, taus,
-            utilities, alpha=cfg.alpha, lam=cfg.lam, rescale=cfg.rescale,
-            raw_norms=cfg.ina_norms == "raw", combine=combine, fused=self._fused,
-            aggregate=self._robust_agg, out=self._scratch, reduce=self.reduce,
-        )  # fmt: skip
+            inputs,
+            combine=combine,
+            fused=self._fused,
+            aggregate=self._robust_agg,
+            out=self._scratch,
+        )
         self._require_finite(self._robust_agg, f"the round's {self._robust.aggregator.rule} rows")
-        self._require_finite(self._scratch, "the round's global gradient")
-        new = self._new_model_buffer()
-        torch.add(self._model, self._scratch, alpha=-cfg.effective_server_lr, out=new)
-        self._check_version(new)
-        self._robust_info = infos[0]
-        return result, self._scratch, new
+        return result, infos[0]
 
     def _aggregate(self, result: Any, gradient: torch.Tensor, new: torch.Tensor) -> int:
         """Commit a round computed by :meth:`_round_step`: history, buffers, hindsight, publish."""

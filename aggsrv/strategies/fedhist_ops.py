@@ -38,6 +38,7 @@ import torch
 from aggsrv import kernels
 
 __all__ = [
+    "RoundInputs",
     "RoundResult",
     "aggregate_round",
     "egs_fuse",
@@ -167,41 +168,45 @@ class RoundResult:
     fallback: bool  # every weight clamped: staleness-only weights used
 
 
-def aggregate_round(
-    local: torch.Tensor,
-    local_norms: torch.Tensor,
-    history: torch.Tensor | None,
-    history_norms: torch.Tensor | None,
-    recency: Sequence[int],
-    taus: Sequence[int],
-    utilities: Sequence[float],
-    *,
-    alpha: float,
-    lam: float,
-    rescale: bool = True,
-    raw_norms: bool = False,
-    out: torch.Tensor,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> RoundResult:
-    """FedHist's EGS, HAA and INA for one round: ``out`` [D] <- the global gradient.
+@dataclass(frozen=True)
+class RoundInputs:
+    """What one FedHist round aggregates: :func:`aggregate_round` and :func:`robust_round` take it.
 
     ``local`` [K, D] are the raw local gradients and ``local_norms`` their float64 L2 norms.
     ``history`` [H, D] holds cached global gradients in any row order; ``recency`` lists the
     valid rows oldest first (the others are never read into the result), ``history_norms``
-    [H] their float64 norms. ``raw_norms``: INA takes the mean norm of the raw rows instead of
-    the fused ones (the spec's flag). ``out`` must not alias ``local`` or ``history``.
+    [H] their float64 norms. ``taus`` and ``utilities`` are the K clients' staleness and
+    utility EMA; ``alpha`` and ``lam`` weigh EGS's fusion and HAA's utility term. ``raw_norms``:
+    INA takes the norms of the raw rows instead of the fused ones (the spec's flag).
     ``reduce`` sums partial results over shards (docs/sharding.md): ``local``, ``history`` and
-    ``out`` are then one shard's slices, the norms the whole vectors'.
+    the output are then one shard's slices, the norms the whole vectors'.
     """
-    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(
-        local, local_norms, history, history_norms, recency, taus, utilities,
-        alpha=alpha, lam=lam, reduce=reduce,
-    )  # fmt: skip
-    kernels.weighted_sum(local, weights.tolist(), out=out)
+
+    local: torch.Tensor
+    local_norms: torch.Tensor
+    history: torch.Tensor | None
+    history_norms: torch.Tensor | None
+    recency: Sequence[int]
+    taus: Sequence[int]
+    utilities: Sequence[float]
+    alpha: float
+    lam: float
+    rescale: bool = True
+    raw_norms: bool = False
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def aggregate_round(inputs: RoundInputs, *, out: torch.Tensor) -> RoundResult:
+    """FedHist's EGS, HAA and INA for one round: ``out`` [D] <- the global gradient (``out``
+    must not alias ``local`` or ``history``)."""
+    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(inputs)
+    kernels.weighted_sum(inputs.local, weights.tolist(), out=out)
+    history = inputs.history
     for j, c in sorted(coeff.items()):
         kernels.weighted_sum(history[j : j + 1], [c], out=out, beta=1.0)  # type: ignore[index]
-    target = float((norms if raw_norms else fused_norms).mean()) if rescale else 0.0
-    scale = _ina(out, target, rescale, reduce)
+    rescale = inputs.rescale
+    target = float((norms if inputs.raw_norms else fused_norms).mean()) if rescale else 0.0
+    scale = _ina(out, target, rescale, inputs.reduce)
     return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)
 
 
@@ -225,33 +230,25 @@ def _ina(
 
 
 def _egs_haa(
-    local: torch.Tensor,
-    local_norms: torch.Tensor,
-    history: torch.Tensor | None,
-    history_norms: torch.Tensor | None,
-    recency: Sequence[int],
-    taus: Sequence[int],
-    utilities: Sequence[float],
-    *,
-    alpha: float,
-    lam: float,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    inputs: RoundInputs,
 ) -> tuple[torch.Tensor, int, bool, torch.Tensor | None, torch.Tensor, torch.Tensor,
            dict[int, float]]:  # fmt: skip
     """HAA weights and EGS choices of a round: (weights, clamped, fallback, chosen, raw norms,
     fused norms, history row -> summed ``alpha p_i`` of the clients that chose it)."""
+    local, history, history_norms = inputs.local, inputs.history, inputs.history_norms
+    taus, utilities, alpha = inputs.taus, inputs.utilities, inputs.alpha
     k = local.shape[0]
     if local.dim() != 2 or k == 0 or len(taus) != k or len(utilities) != k:
         raise ValueError("need K >= 1 local rows with one tau and one utility each")
-    weights, clamped, fallback = _haa(list(taus), list(utilities), lam)
-    norms = local_norms.to(torch.float64)
+    weights, clamped, fallback = _haa(list(taus), list(utilities), inputs.lam)
+    norms = inputs.local_norms.to(torch.float64)
     fused_norms = norms
     chosen = None
     coeff: dict[int, float] = {}
-    if alpha != 0 and history is not None and len(recency) > 0:
+    if alpha != 0 and history is not None and len(inputs.recency) > 0:
         assert history_norms is not None
-        order = torch.as_tensor(list(recency), dtype=torch.int64)
-        cos = kernels.cosine_matrix(local, other=history, reduce=reduce)
+        order = torch.as_tensor(list(inputs.recency), dtype=torch.int64)
+        cos = kernels.cosine_matrix(local, other=history, reduce=inputs.reduce)
         # [K, H] cosines on the host, where the indices, norms and weights live (on a GPU the
         # kernel's result is on the device).
         cos = cos.to("cpu", torch.float64)[:, order]
@@ -269,23 +266,12 @@ def _egs_haa(
 
 
 def robust_round(
-    local: torch.Tensor,
-    local_norms: torch.Tensor,
-    history: torch.Tensor | None,
-    history_norms: torch.Tensor | None,
-    recency: Sequence[int],
-    taus: Sequence[int],
-    utilities: Sequence[float],
+    inputs: RoundInputs,
     *,
-    alpha: float,
-    lam: float,
-    rescale: bool = True,
-    raw_norms: bool = False,
     combine: Callable[[torch.Tensor, list[float], torch.Tensor], None],
     fused: torch.Tensor | None,
     aggregate: torch.Tensor,
     out: torch.Tensor,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RoundResult:
     """:func:`aggregate_round` with a robust rule: ``combine(rows, p, into)`` writes the rule's
     aggregate of the fused rows ``g~_i`` with the HAA weights ``p`` into ``aggregate`` [D];
@@ -293,10 +279,8 @@ def robust_round(
     mean would let one row of huge norm set the step's length). The fused rows are built in
     ``fused`` [>= K, D] when some row is fused (the local rows themselves otherwise; ``fused``
     may then be None)."""
-    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(
-        local, local_norms, history, history_norms, recency, taus, utilities,
-        alpha=alpha, lam=lam, reduce=reduce,
-    )  # fmt: skip
+    weights, clamped, fallback, chosen, norms, fused_norms, coeff = _egs_haa(inputs)
+    local, history = inputs.local, inputs.history
     rows = local
     if coeff:
         assert fused is not None and history is not None and chosen is not None
@@ -304,11 +288,12 @@ def robust_round(
         rows.copy_(local)
         for i, j in enumerate(chosen.tolist()):
             if j >= 0:
-                rows[i].add_(history[j], alpha=alpha)
+                rows[i].add_(history[j], alpha=inputs.alpha)
     combine(rows, weights.tolist(), aggregate)
     torch.mul(aggregate, float(weights.sum()), out=out)
     # INA's target is the median of the norms, not their mean: one huge row would otherwise
     # set the step's length whatever direction the rule chose.
-    target = float(np.median((norms if raw_norms else fused_norms).numpy())) if rescale else 0.0
-    scale = _ina(out, target, rescale, reduce)
+    rescale = inputs.rescale
+    target = np.median((norms if inputs.raw_norms else fused_norms).numpy()) if rescale else 0.0
+    scale = _ina(out, float(target), rescale, inputs.reduce)
     return RoundResult(weights, chosen, fused_norms, scale, clamped, fallback)

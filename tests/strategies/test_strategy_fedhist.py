@@ -22,6 +22,7 @@ from aggsrv.strategies import make_strategy
 from aggsrv.strategies.errors import InvalidUpdate
 from aggsrv.strategies.fedhist import TWAFL, FedHist, FedHistConfig, TWAFLConfig
 from aggsrv.strategies.fedhist_ops import (
+    RoundInputs,
     aggregate_round,
     egs_fuse,
     haa_weights,
@@ -451,7 +452,7 @@ def _reference_round(local, history, recency, taus, utils, alpha, lam, raw_norms
 
 def _aggregate(local, history, recency, taus, utils, alpha, lam, raw_norms=False):
     out = torch.empty(local.shape[1])
-    res = aggregate_round(
+    inputs = RoundInputs(
         local,
         local.double().norm(dim=1),
         history,
@@ -462,8 +463,8 @@ def _aggregate(local, history, recency, taus, utils, alpha, lam, raw_norms=False
         alpha=alpha,
         lam=lam,
         raw_norms=raw_norms,
-        out=out,
     )
+    res = aggregate_round(inputs, out=out)
     return out, res
 
 
