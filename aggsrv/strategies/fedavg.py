@@ -81,7 +81,7 @@ from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.dp_accounting import AMPLIFYING_KINDS
-from aggsrv.strategies.job import Job, round_pending
+from aggsrv.strategies.job import Job, round_job
 from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
     RobustCombiner,
@@ -293,11 +293,7 @@ class FedAvg(Strategy):
         self._require_privacy_budget()  # every client hears it, sampled or not
         if self.config.mode == "k_async":
             return self._issue_job(client_id, deadline=None, now=now)
-        self._maybe_open_round(now)
-        pending = round_pending(self._round_open, self._participants.get(client_id))
-        if pending is not None:
-            return self._no_job(pending)
-        return self._issue_job(client_id, deadline=self._deadline, now=now)
+        return round_job(self, client_id, now)
 
     def _next_deadline(self) -> float | None:
         """The open round's deadline (sync mode; none once the privacy budget is spent)."""

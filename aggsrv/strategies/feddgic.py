@@ -66,7 +66,7 @@ from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.errors import JobSuperseded
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
-from aggsrv.strategies.job import Job, round_pending
+from aggsrv.strategies.job import Job, round_job
 from aggsrv.strategies.row_cache import with_room
 from aggsrv.strategies.update_filters import FilteredConfig
 from aggsrv.values import Outcome, Status, Update, UpdateKind
@@ -228,11 +228,7 @@ class FedDGIC(Strategy):
         self._require_registered(client_id)
         if self.phase == "async":
             return self._issue_job(client_id, deadline=None, now=now)
-        self._maybe_open_round(now)
-        pending = round_pending(self._round_open, self._participants.get(client_id))
-        if pending is not None:
-            return self._no_job(pending)
-        return self._issue_job(client_id, deadline=self._deadline, now=now)
+        return round_job(self, client_id, now)
 
     def _next_deadline(self) -> float | None:
         """The open grouping round's deadline."""

@@ -1,4 +1,5 @@
-"""A unit of client work, and the book of the jobs a strategy handed out and has not closed.
+"""A unit of client work, the book of the jobs a strategy handed out and has not closed, and who
+gets one in a synchronous round.
 
 A client has at most one outstanding job. Each open job holds a lease on the version tensors it
 carries (:mod:`aggsrv.strategies.buffers`), so their buffers are not reused while a client may
@@ -13,6 +14,7 @@ import logging
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -20,7 +22,7 @@ from aggsrv.strategies.buffers import Lease, VersionBuffers
 from aggsrv.strategies.errors import InvalidUpdate, JobSuperseded
 from aggsrv.values import PendingReason, Recipe, Update
 
-__all__ = ["Job", "JobBook", "round_pending"]
+__all__ = ["Job", "JobBook", "RoundStrategy", "round_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +49,35 @@ class Job:
         return self.tensors["weights"]
 
 
-def round_pending(round_open: bool, reported: bool | None) -> PendingReason | None:
-    """Why a strategy in synchronous rounds has no job for a client: no round is open, the
-    client was not sampled into it (``reported`` None), or it reported already; None when it
-    gets one."""
-    if not round_open:
-        return PendingReason.NO_ROUND_OPEN
+class RoundStrategy(Protocol):
+    """What :func:`round_job` uses of a strategy in synchronous rounds."""
+
+    _round_open: bool
+    _participants: dict[str, bool]  # the clients sampled into the round -> reported yet
+    _deadline: float | None  # the round's
+
+    def _maybe_open_round(self, now: float) -> None: ...
+
+    def _no_job(self, reason: PendingReason) -> None: ...
+
+    def _issue_job(
+        self, client_id: str, deadline: float | None, now: float | None = None
+    ) -> Job: ...
+
+
+def round_job(strategy: RoundStrategy, client_id: str, now: float) -> Job | None:
+    """A client's job from a strategy in synchronous rounds (FedAvg's sync mode, FedDGIC's
+    grouping phase): the round opens if it is due; a client sampled into the open round that
+    has not reported gets a job with the round's deadline, any other none, saying why."""
+    strategy._maybe_open_round(now)
+    if not strategy._round_open:
+        return strategy._no_job(PendingReason.NO_ROUND_OPEN)
+    reported = strategy._participants.get(client_id)
     if reported is None:
-        return PendingReason.NOT_SELECTED
+        return strategy._no_job(PendingReason.NOT_SELECTED)
     if reported:
-        return PendingReason.ALREADY_REPORTED
-    return None
+        return strategy._no_job(PendingReason.ALREADY_REPORTED)
+    return strategy._issue_job(client_id, deadline=strategy._deadline, now=now)
 
 
 class JobBook:
