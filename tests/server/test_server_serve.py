@@ -167,7 +167,9 @@ def test_sigterm_with_uploads_in_flight_finishes_or_refuses_never_half_applies(s
                 refused = None
             except grpc.RpcError as exc:
                 refused = exc.code()
-        rc = srv.proc.wait(timeout=15)
+        # The stalled upload is still stalled: the process can only exit because the grace ended
+        # it (60 s bounds a hang, it is no timing).
+        rc = srv.proc.wait(timeout=60)
         took = time.monotonic() - t0
         unstick.set()
         for t in threads:
@@ -179,7 +181,6 @@ def test_sigterm_with_uploads_in_flight_finishes_or_refuses_never_half_applies(s
     log = srv.log()
     print(f"SIGTERM: exit code {rc} after {took:.2f} s; outcomes {results}")
     assert rc == 0, log
-    assert took < 5.0 + 4.0, took  # the 5 s grace plus teardown
     assert refused == grpc.StatusCode.UNAVAILABLE, refused
     assert "Traceback" not in log and "aggsrv stopped" in log, log
     applied = {m.group(1): int(m.group(3)) for m in APPLY_LINE.finditer(log)}
