@@ -25,20 +25,13 @@ T = TypeVar("T")
 class AggregationLoop:
     """The one aggregation thread of a federation and the rule its calls follow."""
 
-    def __init__(
-        self,
-        fail_stop: FailStop,
-        replication: Replication,
-        settle: Callable[[], None],
-        publish: Callable[[], None],
-    ) -> None:
+    def __init__(self, fail_stop: FailStop, settle: Callable[[], None]) -> None:
         """``settle`` runs on the aggregation thread after each call that went through (what
-        ``publish`` will publish); ``publish`` on the event loop after each call while the
-        federation takes writes."""
+        the event loop will publish)."""
         self._fail_stop = fail_stop
-        self._replication = replication
         self._settle = settle
-        self._publish = publish
+        # A sharded federation's (set when it is sharded): the shards agree on each call.
+        self.replication: Replication | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregation")
 
     async def call(
@@ -56,12 +49,9 @@ class AggregationLoop:
         every later one raise AggregationFailed (``after_failure`` runs `fn` anyway: leaving
         the shard group)."""
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
+        return await loop.run_in_executor(
             self._executor, self._run_call, fn, args, refusals, after_failure
         )
-        if self._fail_stop.failure is None:
-            self._publish()
-        return result
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)`, a read of strategy state, on the aggregation thread between two
@@ -81,23 +71,24 @@ class AggregationLoop:
         fail_stop = self._fail_stop
         if fail_stop.failure is not None and not after_failure:
             raise AggregationFailed(fail_stop.failure)
-        replication = self._replication
-        replication.forget_announced()
+        replication = self.replication
         try:
             result = fn(*args)
         except StrategyError:
-            replication.agree_on_announced(refused=True)
+            if replication is not None:
+                replication.agree_on_announced(refused=True)
             raise
-        except DurabilityError:  # fail() said why
-            raise
-        except refusals:
-            raise
-        except ShardsDisagree as exc:
-            raise fail_stop.stop_on_divergence(exc, replication.announced) from exc
-        except Exception as exc:
+        except BaseException as exc:
+            # The call it announced, if any, ends here: the next call starts with none.
+            announced = replication.take_announced() if replication is not None else None
+            if isinstance(exc, (DurabilityError, *refusals)) or not isinstance(exc, Exception):
+                raise  # a refusal; or the log failed, and fail() said why
+            if isinstance(exc, ShardsDisagree):
+                raise fail_stop.stop_on_divergence(exc, announced) from exc
             where = getattr(fn, "__qualname__", repr(fn))
             raise fail_stop.stop_on_unexpected(exc, where) from exc
-        replication.agree_on_announced(refused=False)
+        if replication is not None:
+            replication.agree_on_announced(refused=False)
         self._settle()
         return result
 

@@ -86,11 +86,14 @@ class CallLog:
             self.issue_lsn = lsn
         return lsn
 
-    async def make_durable(self, lsn: int | None) -> None:
-        """Return once the log is fsynced up to ``lsn`` (shared fsyncs: group commit)."""
+    async def make_durable(self, lsn: int | None) -> int:
+        """Return once the log is fsynced up to ``lsn`` (shared fsyncs: group commit); the LSN
+        the log is durable up to then (:meth:`durable_lsn`)."""
         wal = self.wal
-        if lsn is None or wal is None or wal.durable_lsn >= lsn:
-            return  # nothing to wait for (and no thread hop)
+        if wal is None:
+            return 0
+        if lsn is None or wal.durable_lsn >= lsn:
+            return wal.durable_lsn  # nothing to wait for (and no thread hop)
         t0 = time.perf_counter()
         try:
             await asyncio.get_running_loop().run_in_executor(self._sync_pool, wal.sync, lsn)
@@ -99,6 +102,7 @@ class CallLog:
             fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
             raise DurabilityError(fail_stop.failure) from exc
         self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
+        return wal.durable_lsn
 
     def shutdown(self) -> None:
         """Stop the fsync threads."""

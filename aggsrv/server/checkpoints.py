@@ -15,7 +15,6 @@ from aggsrv.server.call_log import CallLog
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.fail_stop import DurabilityError, FailStop
 from aggsrv.server.metrics import ServerMetrics
-from aggsrv.strategies import Strategy
 
 log = logging.getLogger("aggsrv.server.federation")
 
@@ -38,13 +37,11 @@ class Checkpoints:
         call_log: CallLog,
         call: Callable[..., Awaitable[Any]],
         state: Any,
-        strategy: Callable[[], Strategy | None],
-        layout: Callable[[], ModelLayout | None],
         closing: Callable[[], bool],
     ) -> None:
-        """``call``: the aggregation loop's, where the state is cut; ``state``: what a
-        checkpoint holds (the federation, as aggsrv.server.persistence reads it);
-        ``strategy``, ``layout``, ``closing``: the federation's, as they are now."""
+        """``call``: runs a call on the aggregation thread, where the state is cut; ``state``:
+        what a checkpoint holds (the federation, as aggsrv.server.persistence reads it);
+        ``closing``: the federation's, as it is now."""
         self._config = config
         self._clock = clock
         self._metrics = metrics
@@ -52,13 +49,18 @@ class Checkpoints:
         self._call_log = call_log
         self._call = call
         self._state = state
-        self._strategy = strategy
-        self._layout = layout
         self._closing = closing
+        # 4 bytes a value of the whole model served, None before it has one (:meth:`serve`).
+        self._model_bytes: int | None = None
         self.store: Any = None  # the state directory (aggsrv.server.persistence), once set
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+
+    def serve(self, layout: ModelLayout) -> None:
+        """The federation serves a model laid out as ``layout`` (a shard's: its slice of it)."""
+        whole = layout.whole
+        self._model_bytes = 4 * (whole.numel + whole.buffer_numel)
 
     def begin(self) -> None:
         """The first checkpoint of a fresh federation (its model just adopted), then the log."""
@@ -77,7 +79,7 @@ class Checkpoints:
         store = self.store
         if store is None:
             raise RuntimeError("no state_dir is configured: there is nowhere to checkpoint to")
-        if self._strategy() is None:
+        if self._model_bytes is None:
             raise RuntimeError("the server has no model yet")
         async with self._lock:
             t0 = time.perf_counter()
@@ -106,7 +108,7 @@ class Checkpoints:
         """Start a checkpoint when enough updates or log bytes piled up since the last one
         (both counted from the last checkpoint, across restarts)."""
         store = self.store
-        if store is None or self._strategy() is None:
+        if store is None or self._model_bytes is None:
             return
         every = self._config.checkpoint_every_updates
         limit = self.checkpoint_bytes_limit()
@@ -122,15 +124,13 @@ class Checkpoints:
         every = self._config.checkpoint_every_bytes
         if every is not None:
             return every
-        layout = self._layout()
-        whole = layout.whole if layout is not None else None
-        model_bytes = 4 * (whole.numel + whole.buffer_numel) if whole is not None else 0
+        model_bytes = self._model_bytes or 0
         newest = self.store.checkpoint_bytes if self.store is not None else 0
         return max(4 * model_bytes, 2 * newest, MIN_CHECKPOINT_EVERY_BYTES)
 
     def checkpoint_soon(self) -> None:
         """Start a checkpoint in the background unless one is running."""
-        if self.store is None or self._strategy() is None or self._closing():
+        if self.store is None or self._model_bytes is None or self._closing():
             return
         task = self._task
         if task is not None and not task.done():

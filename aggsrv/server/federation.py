@@ -45,7 +45,7 @@ from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
 from aggsrv.server.persistence import RecoveryError, StateStore, restore
 from aggsrv.server.publication import Publication
-from aggsrv.server.replication import Replication, _staleness, update_meta
+from aggsrv.server.replication import Replication
 from aggsrv.server.shard_follower import ShardFollower
 from aggsrv.server.trace import TraceWriter
 from aggsrv.server.update_health import RecentChange, RobustOutliers, UpdateNorms
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "MIN_CHECKPOINT_EVERY_BYTES", "AggregationFailed", "ClientRecord", "DurabilityError",
     "EventLog", "Federation", "Snapshot", "needs_host_copy", "payload_sizes", "rebuild",
-    "staging_slot", "to_host", "update_record",
+    "staging_slot", "to_host", "update_meta",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -170,18 +170,16 @@ class Federation:
         self.versions = RetainedVersions(config.retained_versions, clock, strategy)
         self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
         self.publication = Publication(
-            self.versions, self.call_log, self.timer, self.metrics, self.publish_rate, clock,
-        )  # fmt: skip
-        self.aggregation = AggregationLoop(
-            self.fail_stop, self.replication, self.publication.settle, self.publication.publish
+            self.versions, self.timer, self.metrics, self.publish_rate, clock
         )
+        self.aggregation = AggregationLoop(self.fail_stop, self.publication.settle)
         self.checkpoints = Checkpoints(
-            config, clock, self.metrics, self.fail_stop, self.call_log, self.aggregation.call,
-            self, strategy, lambda: self.layout, closing,
-        )  # fmt: skip
+            config, clock, self.metrics, self.fail_stop, self.call_log, self.call, self, closing
+        )
         self.shard_follower = ShardFollower(
             strategy, self.fail_stop, self.aggregation.submit, self.replication,
-            self.publication, self.replay, self._adopt_slice, self.count_outcome,
+            self.publication, self.call_log.durable_lsn, self.replay, self._adopt_slice,
+            self.count_outcome,
         )  # fmt: skip
 
     @property
@@ -194,6 +192,8 @@ class Federation:
     def shards(self, shards: S.ShardGroup | None) -> None:
         self.replication.shards = shards
         self.shard_follower.shards = shards
+        # Only the shards of a sharded federation agree on each call.
+        self.aggregation.replication = self.replication if shards is not None else None
 
     @property
     def store(self) -> StateStore | None:
@@ -227,18 +227,14 @@ class Federation:
         """The retained versions by number, oldest first (read by many handlers)."""
         return self.versions.snapshots
 
-    async def call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        refusals: tuple[type[Exception], ...] = (),
-        after_failure: bool = False,
-    ) -> T:
-        """:meth:`AggregationLoop.call`: ``fn(*args)`` on the aggregation thread (the many
-        callers that change or snapshot the strategy call it through the federation)."""
-        return await self.aggregation.call(
-            fn, *args, refusals=refusals, after_failure=after_failure
-        )
+    async def call(self, fn: Callable[..., T], *args: Any, **rule: Any) -> T:
+        """``fn(*args)`` on the aggregation thread (:meth:`AggregationLoop.call`, whose ``rule``
+        it follows), then, while the federation takes writes, what is durable is published and
+        the timer re-armed (the many callers that change or snapshot the strategy call it)."""
+        result = await self.aggregation.call(fn, *args, **rule)
+        if self.fail_stop.failure is None:
+            self.publication.publish(self.call_log.durable_lsn())
+        return result
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """:meth:`AggregationLoop.read`: a read of strategy state between two calls."""
@@ -249,21 +245,28 @@ class Federation:
         return await self.checkpoints.checkpoint()
 
     async def logged(self, lsn: int | None) -> None:
-        """After a logged call (event loop): wait until its record is durable, publish what that
-        made durable, and checkpoint if the log has grown enough."""
-        await self.call_log.make_durable(lsn)
-        self.publication.publish()
+        """After a call that went through (event loop): while the federation takes writes,
+        publish what is durable already and re-arm the timer; once the call's record (``lsn``)
+        is durable, publish what that made durable, then checkpoint if the log has grown
+        enough."""
+        call_log, publication = self.call_log, self.publication
+        if self.fail_stop.failure is None:
+            publication.publish(call_log.durable_lsn())
+        publication.publish(await call_log.make_durable(lsn))
         self.checkpoints.checkpoint_if_due()
 
     def _log(
-        self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        jobs_issued: int,
+        tensors: dict[str, torch.Tensor] | None = None,
     ) -> int | None:
-        """(aggregation thread) Log a call that changed the strategy's state; its LSN. A
-        version the call made is published once the record is durable."""
-        strategy = self.strategy
-        assert strategy is not None
-        lsn = self.call_log.append(kind, meta, tensors, strategy.jobs_issued)
-        self.publication.capture(lsn)
+        """(aggregation thread) Log a call that changed the strategy's state, after which the
+        strategy has issued ``jobs_issued`` jobs; its LSN. A version the call made is published
+        once the record is durable."""
+        lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
+        self.publication.record_at(lsn)
         return lsn
 
     def _stopped(self, failure: str) -> None:
@@ -285,7 +288,7 @@ class Federation:
             now = self.clock()
             self.replication.announce("timer", {"now": now})
             strategy.on_timer(now)
-            return self._log("timer", {"now": now})
+            return self._log("timer", {"now": now}, strategy.jobs_issued)
 
         try:
             lsn = await self.aggregation.call(run)
@@ -439,8 +442,9 @@ class Federation:
             meta = {"client": client_id, "now": now, "labels": labels}
             self.replication.announce("register", meta)
             strategy.on_register(client_id, now)
+            jobs_issued = strategy.jobs_issued
             record = self.record_registration(client_id, labels, now)
-            lsn = self._log("register", meta)
+            lsn = self._log("register", meta, jobs_issued)
             return known, record, lsn
 
         known, record, lsn = await self.aggregation.call(run)
@@ -469,7 +473,7 @@ class Federation:
             job = strategy.job_for(client_id, now)
             why = PendingReason.UNSPECIFIED if job is not None else strategy.pending_reason
             if strategy.change_count != before:
-                lsn = self._log("job", meta)
+                lsn = self._log("job", meta, strategy.jobs_issued)
             else:
                 # Unchanged: a job handed out again was logged when it was made, perhaps by a
                 # call whose fsync is still running (no wait, and no fsync, once that record is
@@ -501,26 +505,33 @@ class Federation:
             now = self.clock()
             s = strategy.version - update.base_version  # V_apply - v_base, at apply time
             t0 = time.perf_counter()
-            self.replication.announce("update", update_meta(update, now))
+            meta = update_meta(update, now)
+            self.replication.announce("update", meta)
             self.replication.vote(update)
             try:
                 outcome = strategy.on_update(update, now)
             except PrivacyBudgetSpent:
                 self._log_budget_spent(now)
                 raise
-            s = _staleness(outcome, s)
             took = time.perf_counter() - t0
+            jobs_issued = strategy.jobs_issued
+            # The staleness the strategy recorded when it accepted the update (a DUPLICATE:
+            # the original's), else the version difference at apply time.
+            if outcome.staleness is not None:
+                s = outcome.staleness
+            record = {**meta, "outcome": list(outcome.to_tuple())}
             self.count_outcome(outcome)
             if outcome.original is not None:
                 # The original's record may still be on its way to disk: ack after it.
                 return s, outcome, self.call_log.written_lsn(), took
-            lsn = self._log("update", update_record(update, now, outcome), wire)
-            return s, outcome, lsn, took
+            return s, outcome, self._log("update", record, jobs_issued, wire), took
 
         try:
             staleness, outcome, lsn, took = await self.aggregation.call(run)
         except PrivacyBudgetSpent:
-            await self.logged(self._budget_lsn)  # the record that says so is durable first
+            # The record that says so is durable first (the refused call published nothing).
+            self.publication.publish(await self.call_log.make_durable(self._budget_lsn))
+            self.checkpoints.checkpoint_if_due()
             raise
         self.metrics.aggregation_seconds.observe(took)
         await self.logged(lsn)
@@ -533,7 +544,9 @@ class Federation:
         if self._budget_logged:
             return
         self._budget_logged = True
-        self._budget_lsn = self._log("budget_spent", {"now": now})
+        strategy = self.strategy
+        assert strategy is not None
+        self._budget_lsn = self._log("budget_spent", {"now": now}, strategy.jobs_issued)
 
     # ------------------------------------------------------------------ the model
 
@@ -607,6 +620,7 @@ class Federation:
         versions.retain(versions.snapshot_of(strategy))
         self.direction = direction
         self.direction.refresh(strategy.global_model(), self.clock())
+        self.checkpoints.serve(layout)
         self.strategy = strategy
 
     # ------------------------------------------------------------------ clients and slots
@@ -748,9 +762,20 @@ class Federation:
         self.call_log.shutdown()
 
 
-def update_record(update: Update, now: float, outcome: Outcome) -> dict[str, Any]:
-    """The log's description of an accepted update: everything replay needs but the tensors."""
-    return {**update_meta(update, now), "outcome": list(outcome.to_tuple())}
+def update_meta(update: Update, now: float) -> dict[str, Any]:
+    """An update's call without its tensors or outcome (what rank 0 announces to the shards);
+    with the outcome, the log's record of it: everything replay needs but the tensors."""
+    return {
+        "client": update.client_id,
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "update_id": update.update_id,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+        "now": now,
+        "norm": update.norm,  # a replay clips with the norm the live call used
+    }
 
 
 def payload_sizes(layout: ModelLayout, main: str) -> dict[str, int]:

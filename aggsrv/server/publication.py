@@ -1,7 +1,7 @@
 """Publication: a version the strategy made reaches readers (GetModel, GetStatus, jobs) only once
 the log record of the call that made it is fsynced, so a version number always names the model
 a restarted server has under that number. Versions wait here, captured on the aggregation
-thread right after the call that made them, until their record is durable.
+thread right after the call that made them, until the federation says their record is durable.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aggsrv.server.call_log import CallLog
 from aggsrv.server.dashboard.events import PublishRate
 from aggsrv.server.deadline_timer import DeadlineTimer
 from aggsrv.server.metrics import ServerMetrics
@@ -42,14 +41,12 @@ class Publication:
     def __init__(
         self,
         versions: RetainedVersions,
-        call_log: CallLog,
         timer: DeadlineTimer,
         metrics: ServerMetrics,
         publish_rate: PublishRate,
         clock: Callable[[], float],
     ) -> None:
         self._versions = versions
-        self._call_log = call_log
         self._timer = timer
         self._direction = RecentChange()
         self._metrics = metrics
@@ -61,6 +58,8 @@ class Publication:
         # before readers see them: (snapshot, LSN of the record; None without a log).
         self._unpublished: deque[tuple[Snapshot, int | None]] = deque()
         self._captured = -1  # the last version queued there
+        # (version, LSN) of the record of the call being made, once it is logged.
+        self._record: tuple[int, int | None] | None = None
         # A buffered strategy's fill and version after the last call, and since when it fills.
         self._buffer_fill, self._buffer_version = 0, -1
         self._buffer_since: float | None = None
@@ -73,53 +72,71 @@ class Publication:
         while self._unpublished:
             release(self._unpublished.popleft()[0])
         self._captured = strategy.version
+        self._record = None
         self._strategy = strategy
         self._direction = direction
 
-    def capture(self, lsn: int | None) -> None:
-        """Queue the strategy's version for publication if it is new (aggregation thread, right
-        after the call that made it): its tensors as they are now, published once ``lsn`` is
-        durable."""
-        strategy = self._strategy
-        if strategy is None or strategy.version == self._captured:
-            return
-        self._captured = strategy.version
-        self._unpublished.append((self._versions.snapshot_of(strategy), lsn))
-        self._direction.refresh(strategy.global_model(), self._clock())
-
-    def settle(self) -> None:
-        """(aggregation thread, after a call) What :meth:`publish` will publish. Without a log
-        (a shard following rank 0, a server without durability), a version a call made without
-        a record is captured here: snapshots are made, and leased, on this thread only."""
+    def record_at(self, lsn: int | None) -> None:
+        """(aggregation thread) The call being made is logged at ``lsn`` (None without a log):
+        the version it made is published once that is durable."""
         strategy = self._strategy
         if strategy is not None:
-            if self._call_log.wal is None:
-                self.capture(None)
-            self._settled = Settled.of(strategy)
-            self._watch_buffer(self._settled)
+            self._record = (strategy.version, lsn)
 
-    def publish(self) -> None:
-        """Publish the new versions whose log records are durable, wake waiting job streams,
-        re-arm timers (event loop)."""
+    def settle(self) -> None:
+        """(aggregation thread, after a call) What :meth:`publish` will publish: a new version
+        the call made (its tensors as they are now, leased: snapshots are made on this thread
+        only), waiting for its record (none for a call that was not logged: a shard following
+        rank 0), and the strategy's deadline and buffer after it."""
+        strategy = self._strategy
+        if strategy is None:
+            return
+        snap = None
+        version = strategy.version
+        if version != self._captured:
+            record = self._record
+            lsn = record[1] if record is not None and record[0] == version else None
+            self._captured = version
+            snap = self._versions.snapshot_of(strategy)
+            self._unpublished.append((snap, lsn))
+        settled = Settled(version, strategy.next_deadline(), strategy.buffer_fill())
+        self._settled = settled
+        now = self._clock()
+        if snap is not None:
+            self._direction.refresh(snap.weights, now)
+        # The time from a buffer's first update to the step that empties it: a step is a new
+        # version with the fill gone down (after each call, in order).
+        fill = settled.buffer[0] if settled.buffer is not None else 0
+        stepped = version != self._buffer_version and fill < self._buffer_fill
+        if stepped and self._buffer_since is not None:
+            self._metrics.buffer_fill_seconds.observe(now - self._buffer_since)
+            self._buffer_since = None
+        if fill > 0 and self._buffer_since is None:
+            self._buffer_since = now  # the update that went in first (after a step: this one)
+        self._buffer_fill, self._buffer_version = fill, version
+
+    def publish(self, durable_lsn: int) -> None:
+        """Publish the new versions whose log records are durable (up to ``durable_lsn``), wake
+        waiting job streams, re-arm the timer (event loop)."""
         strategy = self._strategy
         if strategy is None:
             return
         # What the last call left (read on the aggregation thread); the strategy itself only
         # when no call ran yet (a resumed or restored server, before it serves).
         state = self._settled or Settled.of(strategy)
-        durable = self._call_log.durable_lsn()
         published = False
         while self._unpublished:
             snap, lsn = self._unpublished[0]
-            if lsn is not None and lsn > durable:
+            if lsn is not None and lsn > durable_lsn:
                 break  # not on disk yet: its ack's make_durable publishes it
             self._unpublished.popleft()
             self._versions.retain(snap)
             self._metrics.versions_published.inc()
             self._publish_rate.published(self._clock())
             published = True
-        if published:
-            self.notify()
+        if published:  # wake the job streams waiting for a change
+            self._changed.set()
+            self._changed = asyncio.Event()
         self._timer.arm(state.deadline)
 
     def buffer_now(self) -> tuple[int, int]:
@@ -137,16 +154,3 @@ class Publication:
         event = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
-
-    def _watch_buffer(self, settled: Settled) -> None:
-        """(aggregation thread, after each call, in order) The time from a buffer's first
-        update to the step that empties it: a step is a new version with the fill gone down."""
-        fill = settled.buffer[0] if settled.buffer is not None else 0
-        stepped = settled.version != self._buffer_version and fill < self._buffer_fill
-        now = self._clock()
-        if stepped and self._buffer_since is not None:
-            self._metrics.buffer_fill_seconds.observe(now - self._buffer_since)
-            self._buffer_since = None
-        if fill > 0 and self._buffer_since is None:
-            self._buffer_since = now  # the update that went in first (after a step: this one)
-        self._buffer_fill, self._buffer_version = fill, settled.version

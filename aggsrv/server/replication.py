@@ -16,42 +16,7 @@ from typing import Any
 
 from aggsrv.server import shards as S
 from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
-from aggsrv.strategies import Outcome, Strategy, Update
-
-
-def update_meta(update: Update, now: float) -> dict[str, Any]:
-    """An update's call without its tensors or outcome (what rank 0 announces to the shards)."""
-    return {
-        "client": update.client_id,
-        "job_id": update.job_id,
-        "base_version": update.base_version,
-        "update_id": update.update_id,
-        "num_samples": update.num_samples,
-        "work_done": update.work_done,
-        "kind": update.kind.name,
-        "now": now,
-        "norm": update.norm,  # a replay clips with the norm the live call used
-    }
-
-
-def _header_mismatch(update: Update, meta: dict[str, Any]) -> str:
-    """How a shard's copy of an update's header differs from rank 0's ("" when it does not)."""
-    ours = {
-        "job_id": update.job_id,
-        "base_version": update.base_version,
-        "num_samples": update.num_samples,
-        "work_done": update.work_done,
-        "kind": update.kind.name,
-    }
-    theirs = {k: meta[k] for k in ours}
-    return ", ".join(f"{k}: {ours[k]!r} here, {theirs[k]!r} there" for k in ours
-                     if ours[k] != theirs[k])  # fmt: skip
-
-
-def _staleness(outcome: Outcome, at_apply: int) -> int:
-    """The staleness to answer: the one the strategy recorded when it accepted the update (for
-    a DUPLICATE, the original's), else the version difference at apply time."""
-    return outcome.staleness if outcome.staleness is not None else at_apply
+from aggsrv.strategies import Strategy, Update
 
 
 class Replication:
@@ -80,9 +45,11 @@ class Replication:
             self._fail_stop.collective(shards.announce, kind, meta)
             self.announced = (kind, meta)
 
-    def forget_announced(self) -> None:
-        """(aggregation thread) Before a call: nothing announced yet."""
-        self.announced = None
+    def take_announced(self) -> tuple[str, dict[str, Any]] | None:
+        """(aggregation thread) The call announced, if any, once it failed: the next call
+        starts with none."""
+        announced, self.announced = self.announced, None
+        return announced
 
     def agree_on_announced(self, refused: bool) -> None:
         """Rank 0, after making the call it announced (aggregation thread)."""

@@ -21,7 +21,7 @@ from aggsrv.server import shards as S
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.publication import Publication
-from aggsrv.server.replication import Replication, _header_mismatch, _staleness
+from aggsrv.server.replication import Replication
 from aggsrv.strategies import (
     InvalidUpdate,
     Outcome,
@@ -32,6 +32,20 @@ from aggsrv.strategies import (
 )
 
 log = logging.getLogger("aggsrv.server.federation")
+
+
+def _header_mismatch(update: Update, meta: dict[str, Any]) -> str:
+    """How a shard's copy of an update's header differs from rank 0's ("" when it does not)."""
+    ours = {
+        "job_id": update.job_id,
+        "base_version": update.base_version,
+        "num_samples": update.num_samples,
+        "work_done": update.work_done,
+        "kind": update.kind.name,
+    }
+    theirs = {k: meta[k] for k in ours}
+    return ", ".join(f"{k}: {ours[k]!r} here, {theirs[k]!r} there" for k in ours
+                     if ours[k] != theirs[k])  # fmt: skip
 
 
 @dataclass
@@ -53,12 +67,14 @@ class ShardFollower:
         submit: Callable[..., Future],
         replication: Replication,
         publication: Publication,
+        durable_lsn: Callable[[], int],
         replay: Callable[[WalRecord], None],
         adopt_slice: Callable[[ModelLayout, torch.Tensor], None],
         count: Callable[[Outcome], None],
     ) -> None:
         """``strategy``: the federation's, as it is now; ``submit``: queues a
-        call on the aggregation thread; ``replay``: makes a logged call; ``adopt_slice``: serves
+        call on the aggregation thread; ``durable_lsn``: how far the log is durable (what
+        ``publication`` may publish); ``replay``: makes a logged call; ``adopt_slice``: serves
         this shard's slice of the whole model rank 0 shared; ``count``: counts an outcome
         reached here."""
         self.shards: S.ShardGroup | None = None  # set by the server before it serves
@@ -67,6 +83,7 @@ class ShardFollower:
         self._submit = submit
         self._replication = replication
         self._publication = publication
+        self._durable_lsn = durable_lsn
         self._replay = replay
         self._adopt_slice = adopt_slice
         self._count = count
@@ -106,7 +123,7 @@ class ShardFollower:
         (a slice of a job waits for the job to exist here)."""
         publication = self._publication
         if self._fail_stop.failure is None:
-            publication.publish()
+            publication.publish(self._durable_lsn())
         publication.notify()
 
     def _follow_step(self, kind: str, meta: dict[str, Any]) -> None:
@@ -196,7 +213,10 @@ class ShardFollower:
         except StrategyError as exc:
             self._reply.error = exc
             return True
-        s = _staleness(outcome, strategy.version - update.base_version)
+        # Answered as rank 0 answers: the staleness the strategy recorded, else the version gap.
+        s = outcome.staleness
+        if s is None:
+            s = strategy.version - update.base_version
         self._count(outcome)
         self._reply.result = (s, outcome)
         return False
