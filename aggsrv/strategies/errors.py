@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "InvalidUpdate",
@@ -21,63 +21,54 @@ __all__ = [
 
 class StrategyError(Exception):
     """An update or request the strategy refuses; ``code`` is the gRPC status name to answer
-    and ``reason`` a short machine-readable name of the refusal (logs, metrics)."""
+    and ``reason`` a short machine-readable name of the refusal (logs, metrics). A subclass
+    names them as class keywords, ``class TooStale(StrategyError, code="ABORTED",
+    reason="too_stale")``, and inherits what it leaves out."""
 
     code: ClassVar[str] = "FAILED_PRECONDITION"
     reason: ClassVar[str] = "refused"
 
+    def __init_subclass__(
+        cls, *, code: str | None = None, reason: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if reason is not None:
+            cls.reason = reason
 
-class TooStale(StrategyError):
+
+class TooStale(StrategyError, code="ABORTED", reason="too_stale"):
     """The update's staleness exceeds ``max_staleness``."""
 
-    code = "ABORTED"
-    reason = "too_stale"
 
-
-class JobSuperseded(StrategyError):
+class JobSuperseded(StrategyError, code="ABORTED", reason="job_superseded"):
     """The update's job is no longer outstanding (done, replaced by a newer job, round closed)."""
 
-    code = "ABORTED"
-    reason = "job_superseded"
 
-
-class NotRegistered(StrategyError):
+class NotRegistered(StrategyError, code="NOT_FOUND", reason="not_registered"):
     """The client never registered with this strategy."""
 
-    code = "NOT_FOUND"
-    reason = "not_registered"
 
-
-class InvalidUpdate(StrategyError):
+class InvalidUpdate(StrategyError, code="INVALID_ARGUMENT", reason="invalid_update"):
     """The update's header does not match its job (unknown job, other client, base version)."""
 
-    code = "INVALID_ARGUMENT"
-    reason = "invalid_update"
 
-
-class NonFiniteUpdate(InvalidUpdate):
+class NonFiniteUpdate(InvalidUpdate, reason="non_finite_update"):
     """The update (or its float buffers) holds NaN or Inf."""
 
-    reason = "non_finite_update"
 
-
-class NonFiniteResult(InvalidUpdate):
+class NonFiniteResult(InvalidUpdate, reason="non_finite_result"):
     """Folding the update in would make the model or the strategy's state non-finite (a float32
     overflow of finite values): refused, so that no version is ever published with NaN/Inf."""
 
-    reason = "non_finite_result"
 
-
-class UpdateNormTooLarge(InvalidUpdate):
+class UpdateNormTooLarge(InvalidUpdate, reason="update_norm"):
     """The client's delta has an L2 norm above ``max_update_norm``."""
 
-    reason = "update_norm"
 
-
-class TooManySamples(InvalidUpdate):
+class TooManySamples(InvalidUpdate, reason="num_samples"):
     """``num_samples`` is above ``max_num_samples``."""
-
-    reason = "num_samples"
 
 
 class ShardsDisagree(RuntimeError):
@@ -85,8 +76,5 @@ class ShardsDisagree(RuntimeError):
     call but a broken federation (the server stops taking writes)."""
 
 
-class TooManyClients(StrategyError):
+class TooManyClients(StrategyError, code="RESOURCE_EXHAUSTED", reason="too_many_clients"):
     """Registering one more client would exceed ``max_clients``."""
-
-    code = "RESOURCE_EXHAUSTED"
-    reason = "too_many_clients"

@@ -85,12 +85,9 @@ LAYER_SPLITS = ("whole", "equal", "size")
 CLIENT_CLIP_SLACK = 1e-3
 
 
-class PrivacyBudgetSpent(StrategyError):
+class PrivacyBudgetSpent(StrategyError, code="FAILED_PRECONDITION", reason="privacy_budget_spent"):
     """Publishing the next version would take the privacy loss past ``dp_target_epsilon``: the
     strategy publishes no more versions (updates already acknowledged stay in its state)."""
-
-    code = "FAILED_PRECONDITION"
-    reason = "privacy_budget_spent"
 
 
 @dataclass
