@@ -7,15 +7,10 @@ argument (seconds on the server's or the simulator's clock) and never imports gR
 
 Conventions every strategy here follows (the server is written against them):
 
-* **Versions and snapshots.** ``version`` starts at 0 and grows by one whenever the global model
-  changes. :meth:`Strategy.global_model` returns the [D] tensor of the current version; a strategy
-  never writes into a tensor once it was published as a version (it builds the next version in a
-  fresh tensor and swaps the reference), so the server may stream a snapshot to readers without
-  copying or locking. A version may share its tensor with the previous one when nothing changed.
-* **Jobs.** A client has at most one outstanding job. :meth:`Strategy.job_for` hands the same job
-  again while the version it started from is still current (a reconnecting client gets the same
-  job id), and otherwise issues a fresh job that supersedes the old one: an update for a
-  superseded job is refused with :class:`JobSuperseded` (:mod:`aggsrv.strategies.job`).
+* **Versions and jobs** as docs/design.md "Strategies" says: a published version's tensor
+  (:meth:`Strategy.global_model`) is never written again, though the next version may share it
+  when nothing changed; :meth:`Strategy.job_for` hands a reconnecting client its job again, and
+  an update for a superseded job is refused with :class:`JobSuperseded`.
 * **Leases.** A retired version's buffer is reused (:mod:`aggsrv.strategies.buffers`) once no
   lease on it is held: whatever reads a version tensor after the call that handed it out returns
   (a job, a stream, a host copy, a retained snapshot) holds :meth:`Strategy.lease` on it.
@@ -46,7 +41,7 @@ import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 import torch
 
@@ -67,6 +62,7 @@ from aggsrv.strategies.job import Job, JobBook
 from aggsrv.strategies.ledger import UpdateLedger
 from aggsrv.strategies.norms import delta_norm, whole_norm
 from aggsrv.strategies.privacy import privacy_for
+from aggsrv.strategies.robust import RobustCombiner
 from aggsrv.strategies.saved_state import load_state, save_state
 from aggsrv.strategies.state_copy import restore_tensor
 from aggsrv.strategies.update_filters import Screening, UpdateFilters
@@ -77,15 +73,18 @@ __all__ = ["Strategy"]
 
 logger = logging.getLogger(__name__)
 
+Config = TypeVar("Config", bound=StrategyConfig)
 
-class Strategy(ABC):
+
+class Strategy(ABC, Generic[Config]):
     """Base class of every aggregation strategy: the protocol and the order of its steps, whose
     work its components do: ``jobs`` (JobBook), ``checks`` (UpdateChecks), ``privacy``
     (GaussianPrivacy, None without DP), ``update_filters``, ``float_buffers``, ``ledger``;
     :mod:`aggsrv.strategies.saved_state` saves and loads them.
 
-    Subclasses set ``name`` and ``config_class`` and implement :meth:`_apply` (fold one accepted
-    update in); they may override :meth:`job_for`, :meth:`_check` (extra refusals, no state
+    A subclass names its config class and itself in its class line, ``class
+    FedBuff(Strategy[FedBuffConfig], name="fedbuff")``, and implements :meth:`_apply` (fold one
+    accepted update in); it may override :meth:`job_for`, :meth:`_check` (extra refusals, no state
     change), :meth:`on_register`, :meth:`next_deadline`, :meth:`on_timer` and the
     ``_extra_state``/``_load_extra_state`` pair.
     """
@@ -95,6 +94,18 @@ class Strategy(ABC):
     # How clients' float buffers (BatchNorm statistics) fold into the global ones: see
     # aggsrv/strategies/float_buffers.py. "mean" strategies call self.float_buffers.add().
     buffer_rule: ClassVar[str] = "mean"
+    config: Config
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        """``name`` from the class keyword, ``config_class`` from a ``Strategy[Config]`` base
+        (the bound of a type variable, for a strategy generic over its config)."""
+        super().__init_subclass__(**kwargs)
+        cls.name = name or cls.name
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            origin = get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, Strategy):
+                (config,) = get_args(base)
+                cls.config_class = config.__bound__ if isinstance(config, TypeVar) else config
 
     def __init__(
         self,
@@ -112,14 +123,7 @@ class Strategy(ABC):
         On a shard of a sharded server (docs/sharding.md) ``layout`` is the shard's
         :class:`~aggsrv.sharding.ShardLayout`, ``initial`` its slice, and ``reducer`` sums
         partial results over the shards, so every shard takes the same decisions."""
-        if isinstance(config, StrategyConfig):
-            if not isinstance(config, self.config_class):
-                raise TypeError(
-                    f"{self.name} needs a {self.config_class.__name__}, got {type(config).__name__}"
-                )
-            self.config = config
-        else:
-            self.config = self.config_class.from_dict(config)
+        self.config = self.config_class.typed(config, self.name)
         if initial.dim() != 1 or initial.numel() != layout.numel:
             raise ValueError(
                 f"initial must be a flat [{layout.numel}] tensor for this layout, "
@@ -164,6 +168,9 @@ class Strategy(ABC):
             layout, self.dim, self.device, self.config, layout.buffer_numel,
             private=self.privacy is not None,
         )  # fmt: skip
+        # The config's robust aggregator (None for the mean and for configs without the key).
+        aggregator = getattr(self.config, "aggregator", "mean")
+        self._robust = RobustCombiner.for_config(aggregator, self.name, self.device)
 
     # --------------------------------------------------------------------------- public API
 
@@ -328,7 +335,6 @@ class Strategy(ABC):
 
     def _on_timer(self, now: float) -> None:
         """The strategy's own deadlines that passed by ``now`` (default: nothing)."""
-        return None
 
     def staleness(self, job: Job) -> int:
         """``s = version - job.base_version`` if the job's update arrived now."""
@@ -378,6 +384,10 @@ class Strategy(ABC):
         if update.kind is UpdateKind.WEIGHTS:
             return update.tensor if out is None else out.copy_(update.tensor)
         return torch.add(job.weights, update.tensor, out=out)
+
+    def _running_sum(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed [D] sum of contributions (empty with a robust rule, which keeps rows)."""
+        return torch.zeros(self.dim if self._robust is None else 0, dtype=dtype, device=self.device)
 
     def _new_model_buffer(self) -> torch.Tensor:
         """An uninitialised [D] float32 tensor for the next version: a retired version's memory
@@ -445,23 +455,15 @@ class Strategy(ABC):
             self.privacy.require_open()
 
     def model_absmax(self) -> float:
-        """max |x| over the current version (cached per version), for strategies that bound
-        what a step can reach instead of computing it; on a sharded server the sum of the
-        shards' maxima (a bound every shard computes alike)."""
-        cached = self._absmax
-        if cached is not None and cached[0] == self.version:
-            return cached[1]
-        value = finite_results.absmax(self._model, self.reduce)
-        self._absmax = (self.version, value)
-        return value
+        """max |x| over the current version (:func:`.finite_results.absmax`, cached per version),
+        for strategies that bound what a step can reach instead of computing it."""
+        if self._absmax is None or self._absmax[0] != self.version:
+            self._absmax = (self.version, finite_results.absmax(self._model, self.reduce))
+        return self._absmax[1]
 
     def _checked_absmax(self, t: torch.Tensor, what: str) -> float:
         """max |t| as :meth:`model_absmax` measures it (NonFiniteResult if NaN/Inf)."""
         return finite_results.checked_absmax(t, what, self.reduce)
-
-    def _require_reach(self, reach: float, what: str) -> None:
-        """Refuse (NonFiniteResult) a step that could reach past float32's range."""
-        finite_results.require_reach(reach, what)
 
     def _check_version(self, model: torch.Tensor) -> None:
         """Refuse (NonFiniteResult) a candidate next version that is not finite, handing its
@@ -541,7 +543,6 @@ class Strategy(ABC):
 
     def _check(self, update: Update, job: Job, staleness: int, now: float) -> None:
         """Strategy-specific refusals; must not change state (default: none)."""
-        return None
 
     @abstractmethod
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
@@ -569,7 +570,6 @@ class Strategy(ABC):
 
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`_extra_state` returned; copy tensors with :meth:`_restore`."""
-        return None
 
     def _restore(
         self, t: torch.Tensor | None, dtype: torch.dtype = torch.float32, shared: bool = True

@@ -58,6 +58,7 @@ from aggsrv.aggregators import RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.fedbuff import BufferedConfig
+from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import RobustCombiner, check_pending_rows
@@ -93,24 +94,18 @@ class CA2FLConfig(BufferedConfig, PrivacyConfig):
             )
 
 
-class CA2FL(Strategy):
+class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
     """CA2FL: buffered asynchronous aggregation calibrated with a cache of latest updates."""
-
-    name = "ca2fl"
-    config_class = CA2FLConfig
-    config: CA2FLConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 accumulator; cache rows come with clients' first reports."""
         super().__init__(*args, **kwargs)
-        # A robust aggregator (None for the mean): the buffer's calibrated rows (`_robust`) and
-        # the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first arrival into
-        # the spare row, then swapped in), each with its own centre.
+        # A robust aggregator combines the buffer's calibrated rows (`_robust`) and, with its
+        # own centre, the cache's estimate h_bar (`_robust_cache`, taken at a buffer's first
+        # arrival into the spare row, then swapped in).
         text = self.config.aggregator
-        self._robust = RobustCombiner.for_config(text, self.name, self.device)
         self._robust_cache = RobustCombiner.for_config(text, f"{self.name} cache", self.device)
-        summed = self.dim if self._robust is None else 0  # a robust rule keeps rows instead
-        self._acc = torch.empty(summed, dtype=torch.float64, device=self.device)
+        self._acc = self._running_sum(torch.float64)  # a robust rule keeps rows instead
         self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer
@@ -284,7 +279,7 @@ class CA2FL(Strategy):
             # The bound every rule meets (aggsrv/strategies/robust.py), for both estimates.
             bound = self._robust_cache.bound(hbar_absmax)
             bound += self._robust.bound(max([absmax, *self._row_absmax]))
-            self._require_reach(
+            require_reach(
                 self.model_absmax() + lr * bound, "the model the buffer's flush would publish"
             )
         else:

@@ -119,6 +119,16 @@ class StrategyConfig:
         return cls(**data)
 
     @classmethod
+    def typed(cls, config: StrategyConfig | Mapping[str, Any] | None, strategy: str) -> Self:
+        """``config`` as this class: a config object as it is (TypeError naming ``strategy``
+        unless it is one of this class), keys as :meth:`from_dict` reads them."""
+        if not isinstance(config, StrategyConfig):
+            return cls.from_dict(config)
+        if not isinstance(config, cls):
+            raise TypeError(f"{strategy} needs a {cls.__name__}, got {type(config).__name__}")
+        return config
+
+    @classmethod
     def field_help(cls) -> dict[str, str]:
         """The one-line description of each key (empty where none is written)."""
         merged: dict[str, str] = {}

@@ -85,12 +85,9 @@ class FedAsyncConfig(FilteredConfig, PrivacyConfig):
             )
 
 
-class FedAsync(Strategy):
+class FedAsync(Strategy[FedAsyncConfig], name="fedasync"):
     """FedAsync: every update is mixed in on arrival with a staleness-decayed weight."""
 
-    name = "fedasync"
-    config_class = FedAsyncConfig
-    config: FedAsyncConfig
     buffer_rule = "own"  # the same moving average as the weights
 
     def mixing_weight(self, staleness: int) -> float:

@@ -72,7 +72,7 @@ import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -81,10 +81,10 @@ from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.dp_accounting import AMPLIFYING_KINDS
+from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job, round_job
 from aggsrv.strategies.privacy import PrivacyBudgetSpent, PrivacyConfig
 from aggsrv.strategies.robust import (
-    RobustCombiner,
     check_aggregator,
     check_pending_rows,
     load_kept_rows,
@@ -233,20 +233,17 @@ class FedAvgConfig(StrategyConfig, PrivacyConfig):
         return 1.0 if self.server_opt == "sgd" else 0.01
 
 
-class FedAvg(Strategy):
-    """FedAvg / FedAdam: sample-weighted mean of client deltas, in sync rounds or every k."""
+# FedAvg's config, or the config of a strategy that extends it (FedEN, FedProx).
+AvgConfig = TypeVar("AvgConfig", bound=FedAvgConfig)
 
-    name = "fedavg"
-    config_class = FedAvgConfig
-    config: FedAvgConfig
+
+class FedAvg(Strategy[AvgConfig], name="fedavg"):
+    """FedAvg / FedAdam: sample-weighted mean of client deltas, in sync rounds or every k."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the running delta sum (and the FedAdam moments on first use)."""
         super().__init__(*args, **kwargs)
-        # A robust aggregator (None for the mean) keeps rows instead of the running sum.
-        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
-        summed = self.dim if self._robust is None else 0
-        self._acc = torch.zeros(summed, dtype=torch.float32, device=self.device)
+        self._acc = self._running_sum(torch.float32)  # a robust rule keeps rows instead
         self._spare: torch.Tensor | None = None  # the next running sum, before it is checked
         # The delta of a WEIGHTS update (mean), or the robust aggregate.
         self._scratch = torch.empty(self.dim, dtype=torch.float32, device=self.device)
@@ -468,11 +465,11 @@ class FedAvg(Strategy):
         lr = cfg.effective_server_lr
         what = "the model the round would publish"
         if cfg.server_opt == "sgd":
-            self._require_reach(self.model_absmax() + lr * bound, what)
+            require_reach(self.model_absmax() + lr * bound, what)
             return
         m, v = self._moments_absmax()
-        self._require_reach(max(v, bound * bound), "FedAdam's second moment")
-        self._require_reach(self.model_absmax() + lr * max(m, bound) / cfg.tau, what)
+        require_reach(max(v, bound * bound), "FedAdam's second moment")
+        require_reach(self.model_absmax() + lr * max(m, bound) / cfg.tau, what)
 
     def _robust_step(
         self, staged: float | None = None

@@ -31,10 +31,10 @@ from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
 from aggsrv.strategies.robust import (
-    RobustCombiner,
     check_aggregator,
     check_pending_rows,
     load_kept_rows,
@@ -85,20 +85,13 @@ class FedBuffConfig(BufferedConfig, PrivacyConfig):
         self.check_privacy(self.aggregator)
 
 
-class FedBuff(Strategy):
+class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
     """FedBuff: asynchronous arrivals, synchronous-looking server steps every M deltas."""
-
-    name = "fedbuff"
-    config_class = FedBuffConfig
-    config: FedBuffConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the float64 [D] running sum on the strategy's device."""
         super().__init__(*args, **kwargs)
-        # A robust aggregator (None for the mean): the rows w_i delta_i replace the sum.
-        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
-        summed = self.dim if self._robust is None else 0
-        self._sum = torch.empty(summed, dtype=torch.float64, device=self.device)
+        self._sum = self._running_sum(torch.float64)  # a robust rule keeps rows w_i delta_i
         self._weights: list[float] = []  # one per buffered delta, in arrival order
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []  # derived from the rows, not saved
@@ -176,7 +169,7 @@ class FedBuff(Strategy):
         if len(self._weights) + 1 < self.config.buffer_size:
             # The bound every rule meets (aggsrv/strategies/robust.py): |rule(rows)| <= B.
             bound = self._robust.bound(max([absmax, *self._row_absmax]))
-            self._require_reach(
+            require_reach(
                 self.model_absmax() + lr * bound, "the model the buffer's flush would publish"
             )
             self._rows.commit(w)

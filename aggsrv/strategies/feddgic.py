@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.errors import JobSuperseded
+from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
 from aggsrv.strategies.job import Job, round_job
 from aggsrv.strategies.row_cache import with_room
@@ -156,12 +157,13 @@ class FedDGICConfig(FilteredConfig):
             )
 
 
-class FedDGIC(Strategy):
+# FedDGIC's config, or the config of a strategy that extends it (FedFG).
+DGICConfig = TypeVar("DGICConfig", bound=FedDGICConfig)
+
+
+class FedDGIC(Strategy[DGICConfig], name="feddgic"):
     """FedDGIC: n_cal synchronous similarity rounds, a grouping, then Algorithm 2."""
 
-    name = "feddgic"
-    config_class = FedDGICConfig
-    config: FedDGICConfig
     buffer_rule = "own"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -298,9 +300,7 @@ class FedDGIC(Strategy):
         absmax = self._checked_absmax(self._scratch, "the client's similarity row")
         # The cosines between rows sum products in float32: |sum x_i y_i| <= D max|x| max|y|,
         # so a row with larger values could make the similarity matrix NaN.
-        self._require_reach(
-            absmax * absmax * self.layout.whole.numel, "a dot product of similarity rows"
-        )
+        require_reach(absmax * absmax * self.layout.whole.numel, "a dot product of similarity rows")
         return self._scratch
 
     def _store_row(self, i: int, row: torch.Tensor) -> None:
@@ -645,9 +645,5 @@ class FedFGConfig(FedDGICConfig):
             )
 
 
-class FedFG(FedDGIC):
+class FedFG(FedDGIC[FedFGConfig], name="fedfg"):
     """FedFG: FedDGIC's pipeline with ``fixed_groups`` groups and ``alpha_comp = alpha_global``."""
-
-    name = "fedfg"
-    config_class = FedFGConfig
-    config: FedFGConfig

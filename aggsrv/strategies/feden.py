@@ -122,12 +122,8 @@ class FedENConfig(FedAvgConfig):
         )
 
 
-class FedEN(FedAvg):
+class FedEN(FedAvg[FedENConfig], name="feden"):
     """FedAvg that includes partial work, averages uniformly and sends the elastic-net recipe."""
-
-    name = "feden"
-    config_class = FedENConfig
-    config: FedENConfig
 
     def make_recipe(self) -> Recipe:
         """FedAvg's recipe plus lam, alpha, the centre and the solver (the elastic-net terms)."""

@@ -63,7 +63,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -82,7 +82,7 @@ from aggsrv.strategies.fedhist_ops import (
 )
 from aggsrv.strategies.finite_results import FLOAT32_SAFE_MAX
 from aggsrv.strategies.job import Job
-from aggsrv.strategies.robust import RobustCombiner, check_aggregator
+from aggsrv.strategies.robust import check_aggregator
 from aggsrv.values import Outcome, PendingReason, Status, Update, UpdateKind
 
 __all__ = ["TWAFL", "FedHist", "FedHistConfig", "TWAFLConfig"]
@@ -181,12 +181,12 @@ class _Round:
         return self.buffer[: len(self.clients)]
 
 
-class FedHist(Strategy):
-    """FedHist: K-async rounds of EGS, HAA, INA, a global step and hindsight utilities."""
+# FedHist's config, or the config of a strategy that extends it (TWAFL).
+HistConfig = TypeVar("HistConfig", bound=FedHistConfig)
 
-    name = "fedhist"
-    config_class = FedHistConfig
-    config: FedHistConfig
+
+class FedHist(Strategy[HistConfig], name="fedhist"):
+    """FedHist: K-async rounds of EGS, HAA, INA, a global step and hindsight utilities."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the round buffer; the history and L caches come with the first round."""
@@ -212,7 +212,6 @@ class FedHist(Strategy):
         self.fallback_rounds = 0
         self.evaluations = 0
         self._warned_small = False
-        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         self._fused: torch.Tensor | None = None  # [K, D] fused rows (robust rules, EGS on)
         self._robust_agg = torch.zeros(0, dtype=torch.float32, device=self.device)
         self._robust_info: Any = None
@@ -580,10 +579,6 @@ class TWAFLConfig(FedHistConfig):
             )
 
 
-class TWAFL(FedHist):
+class TWAFL(FedHist[TWAFLConfig], name="twafl"):
     """TWAFL (the FedHist paper's baseline [17]): ``w <- w - eta * sum_i p_i g_i`` every K
     arrivals with ``p_i ∝ (e/2)^-tau_i``; no history is kept."""
-
-    name = "twafl"
-    config_class = TWAFLConfig
-    config: TWAFLConfig

@@ -60,7 +60,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -69,6 +69,7 @@ from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.errors import InvalidUpdate
+from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.row_cache import capacity_after, with_room
 from aggsrv.strategies.update_filters import FilteredConfig
@@ -212,14 +213,17 @@ class FedOGDConfig(CachedEpochConfig, FilteredConfig):
         }[self.projection]
 
 
-class CachedEpochs(Strategy):
+# The config of a strategy built on the epoch machinery (MIFA, Fed-OGD).
+EpochConfig = TypeVar("EpochConfig", bound=CachedEpochConfig)
+
+
+class CachedEpochs(Strategy[EpochConfig]):
     """Latest-update cache per client, epochs closed by A-clients or a deadline, two groups.
 
     Subclasses define :meth:`_step` (the new model from the cache at a close). Public so that
     MIFA (``aggsrv.strategies.mifa``) shares the epoch machinery.
     """
 
-    config: CachedEpochConfig
     buffer_rule = "latest"  # the statistics' mean over every client's latest upload, like the cache
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -322,7 +326,7 @@ class CachedEpochs(Strategy):
         self._candidate_absmax = self._prepare(update, job)
         bound = self._bound_with(cid, self._candidate_absmax)
         factor = 2.0 if self._sums_both_bases() else 1.0
-        self._require_reach(
+        require_reach(
             self.model_absmax() + self.config.effective_server_lr * factor * bound,
             "the model an epoch close would publish",
         )
@@ -487,12 +491,8 @@ class CachedEpochs(Strategy):
         self._arrivals = {str(c): bool(v) for c, v in state["arrivals"].items()}
 
 
-class FedOGD(CachedEpochs):
+class FedOGD(CachedEpochs[FedOGDConfig], name="fedogd"):
     """Fed-OGD: group bases of cached pseudo-gradients, cross-group projection on clients."""
-
-    name = "fedogd"
-    config_class = FedOGDConfig
-    config: FedOGDConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Allocate the running group sums in the privacy variant (no cache rows then)."""

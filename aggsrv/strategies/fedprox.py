@@ -32,12 +32,8 @@ class FedProxConfig(FedAvgConfig):
             raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
-class FedProx(FedAvg):
+class FedProx(FedAvg[FedProxConfig], name="fedprox"):
     """FedAvg whose jobs carry the proximal term ``mu``."""
-
-    name = "fedprox"
-    config_class = FedProxConfig
-    config: FedProxConfig
 
     def make_recipe(self) -> Recipe:
         """FedAvg's recipe with ``proximal_mu = mu``."""

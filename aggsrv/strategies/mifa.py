@@ -36,7 +36,7 @@ import torch
 from aggsrv import kernels
 from aggsrv.aggregators import AGGREGATOR_HELP, AggregateInfo
 from aggsrv.strategies.fedogd import CachedEpochConfig, CachedEpochs
-from aggsrv.strategies.robust import RobustCombiner, check_aggregator
+from aggsrv.strategies.robust import check_aggregator
 
 __all__ = ["MIFA", "MIFAConfig"]
 
@@ -56,17 +56,12 @@ class MIFAConfig(CachedEpochConfig):
         check_aggregator(self.aggregator)
 
 
-class MIFA(CachedEpochs):
+class MIFA(CachedEpochs[MIFAConfig], name="mifa"):
     """MIFA: uniform mean of every client's newest cached update, one step per epoch."""
-
-    name = "mifa"
-    config_class = MIFAConfig
-    config: MIFAConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The epoch machinery and cache of :class:`CachedEpochs`."""
         super().__init__(*args, **kwargs)
-        self._robust = RobustCombiner.for_config(self.config.aggregator, self.name, self.device)
         self._aggregate: torch.Tensor | None = None
         self._pending_aggregate: tuple[torch.Tensor, AggregateInfo] | None = None
 

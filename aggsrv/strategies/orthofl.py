@@ -157,12 +157,9 @@ class OrthoFLConfig(FilteredConfig):
             raise ValueError(f"eps must be >= 0, got {self.eps}")
 
 
-class OrthoFL(Strategy):
+class OrthoFL(Strategy[OrthoFLConfig], name="orthofl"):
     """ORTHOFL: per-client calibrated models, a staleness-weighted moving-average global."""
 
-    name = "orthofl"
-    config_class = OrthoFLConfig
-    config: OrthoFLConfig
     buffer_rule = "own"  # the moving average of the weights, see the module docstring
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
