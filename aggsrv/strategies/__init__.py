@@ -124,9 +124,10 @@ def make_strategy(
 ) -> Strategy:
     """Build the strategy called ``name`` with the Strategy constructor's keyword arguments;
     ``config`` is its settings, or a mapping of its keys read by :func:`strategy_settings`."""
+    cls = strategy_class(name)  # a reserved name stays NotImplementedError here
     if not isinstance(config, StrategyConfig):
         config = strategy_settings(name, config)
-    return strategy_class(name)(config=config, **kwargs)
+    return cls(config=config, **kwargs)
 
 
 def strategy_settings(name: str, keys: Mapping[str, Any] | None = None) -> StrategyConfig:
