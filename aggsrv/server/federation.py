@@ -8,9 +8,10 @@ needs: the aggregation thread (aggsrv.server.aggregation_loop), the stop when a 
 their record (aggsrv.server.publication) and those readers see (aggsrv.server.versions), the
 strategy's timer (aggsrv.server.deadline_timer), checkpoints (aggsrv.server.checkpoints), rank 0
 of a sharded server (aggsrv.server.replication) and the other shards
-(aggsrv.server.shard_follower). The steps of a call are sequenced here: announce it to the
-shards, make it, log it, capture the version it made; once its record is durable, publish, then
-checkpoint if due.
+(aggsrv.server.shard_follower). The steps of a call are sequenced here, each part handed what
+the one before returned: announce it to the shards, make it, log it (the version it made is
+captured right after it, at its record's LSN); publish what is durable, wait until its record
+is, publish what that made durable, then checkpoint if due.
 """
 
 from __future__ import annotations
