@@ -2,12 +2,21 @@
 
 Triton reads TRITON_INTERPRET when the module defining the kernels is imported, so it must be set
 here, before any test imports `aggsrv.kernels.triton`. On a CUDA machine the real kernels run.
+
+OpenMP threads (torch's, and numba's parallel kernels') spin for a while after each parallel
+region by default, waiting for the next one. Many tests run several busy processes at once (shard
+ranks, `aggsrv serve`, simulated clients), which inherit this environment: on a 2-core machine the
+spinning threads take the cores from the process that has work, and every gloo collective or RPC
+waits for it (the strategies on 3 gloo shards used twice the CPU time). Passive waiting changes
+no result, only who gets the CPU; OpenMP reads it when its library loads, so before torch.
 """
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402 - after the OpenMP setting, which torch reads when it loads
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
