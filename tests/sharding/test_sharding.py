@@ -89,13 +89,91 @@ def test_local_reducer_is_the_identity() -> None:
 # ------------------------------------------------------------------ real processes (gloo)
 
 
-def _rank_main(rank: int, world: int, init: str, seed: int, queue: mp.Queue) -> None:
-    """One shard: its slice of the same random rows, partial sums, reduced over the group."""
+def _group_main(rank: int, world: int, init: str, tasks: mp.Queue, results: mp.Queue) -> None:
+    """One rank of a GlooGroup: joins the group, then runs each task it is sent (a function of
+    this module called as ``fn(rank, world, init_error, *args, results)``) until it gets None.
+    A failed join is handed to every task, which reports it instead of the parent hanging."""
+    torch.set_num_threads(1)
+    init_error = None
     try:
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    except Exception:
+        init_error = traceback.format_exc()
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        fn(rank, world, init_error, *args, results)
+    if init_error is None:
+        dist.destroy_process_group()
+
+
+class GlooGroup:
+    """``world`` spawned processes in one gloo group, shared by this module's tests of that
+    world size: starting them (a fresh interpreter each, importing torch, and the rendezvous)
+    cost more than most tasks they run. A task gets a fresh TorchReducer and fresh strategies,
+    so a test sees nothing of the one before. After a task that failed or timed out the ranks
+    may be out of step in a collective, so the next task gets new processes."""
+
+    def __init__(self, world: int, tmp: Path) -> None:
+        self.world = world
+        self.tmp = tmp
+        self.procs: list = []
+        self.starts = 0
+        self.broken = True
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        self.starts += 1
+        init = f"file://{self.tmp / f'rendezvous-{self.starts}'}"
+        self.procs = [
+            ctx.Process(target=_group_main, args=(r, self.world, init, q, self.results))
+            for r, q in enumerate(self.tasks)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, replies: int, timeout: float) -> list[tuple]:
+        """``fn(rank, world, init_error, *args, results)`` on every rank; the ``replies``
+        tuples they put on ``results`` (the last item of each: a traceback, or None), up to
+        the first traceback."""
+        if self.broken:
+            self.close()
+            self._start()
+        self.broken = True
+        for q in self.tasks:
+            q.put((fn, args))
+        got: list[tuple] = []
+        while len(got) < replies and not (got and got[-1][-1]):
+            got.append(self.results.get(timeout=timeout))
+        self.broken = bool(got[-1][-1])
+        return got
+
+    def close(self) -> None:
+        for q in self.tasks if self.procs else ():
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=str)
+def gloo(request, tmp_path_factory) -> GlooGroup:
+    group = GlooGroup(request.param, tmp_path_factory.mktemp(f"gloo{request.param}"))
+    yield group
+    group.close()
+
+
+def _rank_main(rank: int, world: int, init_error, seed: int, queue: mp.Queue) -> None:
+    """One shard: its slice of the same random rows, partial sums, reduced over the group."""
+    try:
+        if init_error:
+            raise RuntimeError(init_error)
         reducer = TorchReducer()
         gen = torch.Generator().manual_seed(seed)
         sizes = [int(n) for n in torch.randint(0, 90, (9,), generator=gen)] + [1, 333]
@@ -114,29 +192,14 @@ def _rank_main(rank: int, world: int, init: str, seed: int, queue: mp.Queue) -> 
         # parent can only fetch while this process is still alive.
         values = (dots.numpy(), gram.numpy(), total.numpy())
         queue.put((rank, *values, reducer.world_size, reducer.rank, None))
-        dist.destroy_process_group()
     except Exception:  # the parent reports it instead of hanging on the queue
         queue.put((rank, None, None, None, None, None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_partial_sums_over_gloo_processes_give_the_whole_models(world: int, tmp_path: Path):
+def test_partial_sums_over_gloo_processes_give_the_whole_models(gloo: GlooGroup) -> None:
+    world = gloo.world
     seed = random.randrange(1 << 30)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, init, seed, queue)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=120) for _ in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = gloo.run(_rank_main, seed, replies=world, timeout=120)
     errors = [r[-1] for r in results if r[-1]]
     assert not errors, errors[0]
     gen = torch.Generator().manual_seed(seed)
@@ -288,17 +351,15 @@ def _inputs(seed: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(D, generator=gen), torch.randn(24, CLIENTS, D, generator=gen)
 
 
-def _strategies_main(rank, world, init, seed, names, queue) -> None:
+def _strategies_main(rank, world, init_error, seed, names, queue) -> None:
     """One shard process: every strategy in ``names`` on this shard's slice, with a
     TorchReducer over the gloo group, driven by the same calls as one server."""
     try:
-        import torch.distributed as dist
-
         from aggsrv.sharding import ShardLayout
         from aggsrv.strategies import make_strategy
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        if init_error:
+            raise RuntimeError(init_error)
         whole = _whole_layout()
         initial, rows = _inputs(seed, whole.numel)
         layout = ShardLayout(whole, ShardMap.even(whole.numel, world, align=8), rank)
@@ -309,37 +370,22 @@ def _strategies_main(rank, world, init, seed, names, queue) -> None:
             )  # fmt: skip
             trace = _drive([(strategy, layout.local)], rows, seed)[0]
             queue.put((rank, name, trace, strategy.global_model().numpy().copy(), None))
-        dist.destroy_process_group()
     except Exception:
         queue.put((rank, None, None, None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_strategy_on_gloo_shards_equals_one_server(world: int, tmp_path: Path) -> None:
+def test_every_strategy_on_gloo_shards_equals_one_server(gloo: GlooGroup) -> None:
     from aggsrv.strategies import make_strategy
 
+    world = gloo.world
     seed = random.randrange(1 << 30)
     names = list(GLOO_CASES)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [
-        ctx.Process(target=_strategies_main, args=(r, world, init, seed, names, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
     got: dict[str, dict[int, tuple]] = {}
-    try:
-        for _ in range(world * len(names)):
-            rank, name, trace, model, error = queue.get(timeout=180)
-            assert error is None, error
-            got.setdefault(name, {})[rank] = (trace, torch.from_numpy(model))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    for rank, name, trace, model, error in gloo.run(
+        _strategies_main, seed, names, replies=world * len(names), timeout=180
+    ):
+        assert error is None, error
+        got.setdefault(name, {})[rank] = (trace, torch.from_numpy(model))
     whole = _whole_layout()
     initial, rows = _inputs(seed, whole.numel)
     shard_map = ShardMap.even(whole.numel, world, align=8)
