@@ -7,6 +7,7 @@ import anywhere in the chain (not just in the module itself) fails it.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -38,7 +39,10 @@ HIGHER = {
 }
 
 
+@functools.cache
 def _loaded_after_import(module: str) -> list[str]:
+    """The modules a fresh interpreter holds after importing ``module`` (a fact of the source
+    tree, so each module's interpreter runs once however many tests read its list)."""
     code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
