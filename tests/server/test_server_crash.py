@@ -137,6 +137,23 @@ class Pusher(threading.Thread):
             client.close()
 
 
+def _acked(pushers: list[Pusher]) -> int:
+    return sum(len(p.acked) for p in pushers)
+
+
+LAST_RUN_ACKS = 20
+
+
+def _wait_for_acks(pushers: list[Pusher], count: int, limit: float = 120.0) -> None:
+    """Until the pushers saw ``count`` more updates acknowledged (the bound only ends a hang)."""
+    want = _acked(pushers) + count
+    give_up = time.monotonic() + limit
+    while _acked(pushers) < want:
+        assert time.monotonic() < give_up, f"{_acked(pushers)} of {want} acks after {limit} s"
+        assert any(p.is_alive() for p in pushers), "every pusher ended"
+        time.sleep(0.02)
+
+
 # (strategy, [strategy_config] lines): the plain ones, and the robust forms whose extra state
 # (FedBuff's kept buffer rows under a robust rule; the filters' accepted norms and momentum) must
 # come back from the checkpoint and the log as well.
@@ -180,7 +197,8 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, case: str) -> None
             sup.kill()
             time.sleep(rng.uniform(0.0, 0.5))
             sup.start()
-        time.sleep(1.5)
+        # The last server must take updates after its recovery, not only be killed and resumed.
+        _wait_for_acks(pushers, LAST_RUN_ACKS)
         for p in pushers:
             p.stop.set()
         for p in pushers:
