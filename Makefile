@@ -13,7 +13,10 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS := dev,sim,flower,dp
-PYTEST_ARGS ?=
+# Two workers (pytest-xdist): most tests wait on servers and subprocesses, so two share 2 cores
+# well. `make test PYTEST_ARGS="-q tests/server"` runs a part on one; benchmarks run on one
+# (pytest-benchmark turns itself off under xdist).
+PYTEST_ARGS ?= -n 2
 # The Debian package dataset-fashion-mnist installs this file; the data tests skip without it.
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 STAMP := $(VENV)/.aggsrv-installed

@@ -348,6 +348,9 @@ def test_load_secret_warns_when_readable_by_others(tmp_path, caplog) -> None:
 @pytest.mark.parametrize(
     "content",
     [b"", b"not hex at all\n", b"abcd\n", secrets.token_bytes(64), b"\xff" * 40, b"00" * 15],
+    # Named by kind, not by the random bytes: the test ids stay the same from one collection to
+    # the next (pytest-xdist's workers must collect the same tests).
+    ids=["empty", "not-hex", "short-hex", "random-bytes", "non-ascii", "too-short"],
 )
 def test_load_secret_refuses_garbage(tmp_path, content: bytes) -> None:
     path = tmp_path / "secret"
