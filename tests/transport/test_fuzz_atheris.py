@@ -6,6 +6,7 @@ update. The harness runs for as long as one likes by hand; CI runs a few seconds
 from __future__ import annotations
 
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,14 @@ RUNS = 50_000
 
 
 def test_atheris_transport_finds_nothing(tmp_path: Path) -> None:
+    # libFuzzer's RSS limit reads the process's peak RSS, which Linux carries over from the parent
+    # through fork and exec: a pytest process that has grown past 2 GiB (a long run, a busy
+    # xdist worker) made a fresh harness "run out of memory" at its first input. The limit is
+    # therefore counted from the peak it inherits; one allocation stays capped at 2 GiB.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), f"-runs={RUNS}", "-seed=0", f"-artifact_prefix={tmp_path}/"],
+        [sys.executable, str(HARNESS), f"-runs={RUNS}", "-seed=0", f"-artifact_prefix={tmp_path}/",
+         f"-rss_limit_mb={inherited_mb + 2048}", "-malloc_limit_mb=2048"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
