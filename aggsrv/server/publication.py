@@ -99,7 +99,7 @@ class Publication:
             self._captured = version
             snap = self._versions.snapshot_of(strategy)
             self._unpublished.append((snap, lsn))
-        settled = Settled(version, strategy.next_deadline(), strategy.buffer_fill())
+        settled = Settled.of(strategy)
         self._settled = settled
         now = self._clock()
         if snap is not None:
