@@ -306,18 +306,20 @@ class ShardInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("client_id", "layout_hash", "dtype", "job_id", "max_receive_message_bytes")
+    __slots__ = ("client_id", "layout_hash", "dtype", "job_id", "max_receive_message_bytes", "shard_slice")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SLICE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     layout_hash: str
     dtype: _tensor_pb2.WireDtype
     job_id: str
     max_receive_message_bytes: int
-    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., job_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
+    shard_slice: bool
+    def __init__(self, client_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., job_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ..., shard_slice: _Optional[bool] = ...) -> None: ...
 
 class JobMessage(_message.Message):
     __slots__ = ("pending", "header", "chunk", "trailer")
@@ -428,18 +430,20 @@ class PushUpdateResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., version: _Optional[int] = ..., original_outcome: _Optional[_Union[Outcome, str]] = ..., staleness: _Optional[int] = ..., update_id: _Optional[str] = ..., message: _Optional[str] = ..., filter_reason: _Optional[_Union[FilterReason, str]] = ..., clipped: _Optional[bool] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
-    __slots__ = ("version", "dtype", "include_buffers", "client_id", "max_receive_message_bytes")
+    __slots__ = ("version", "dtype", "include_buffers", "client_id", "max_receive_message_bytes", "shard_slice")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SLICE_FIELD_NUMBER: _ClassVar[int]
     version: int
     dtype: _tensor_pb2.WireDtype
     include_buffers: bool
     client_id: str
     max_receive_message_bytes: int
-    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., include_buffers: _Optional[bool] = ..., client_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
+    shard_slice: bool
+    def __init__(self, version: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.WireDtype, str]] = ..., include_buffers: _Optional[bool] = ..., client_id: _Optional[str] = ..., max_receive_message_bytes: _Optional[int] = ..., shard_slice: _Optional[bool] = ...) -> None: ...
 
 class ModelMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -502,11 +506,13 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., next_heartbeat: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., latest_version: _Optional[int] = ..., job_state: _Optional[_Union[JobState, str]] = ..., job_deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_time_left: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("shard_probe",)
+    SHARD_PROBE_FIELD_NUMBER: _ClassVar[int]
+    shard_probe: bool
+    def __init__(self, shard_probe: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes", "shard_rank", "shard_map", "filtered_by_reason", "updates_clipped", "privacy", "data_withheld")
+    __slots__ = ("has_model", "version", "oldest_retained_version", "strategy", "round", "layout_hash", "numel", "buffer_numel", "clients_known", "clients_active", "updates_accepted", "updates_applied", "updates_rejected", "updates_duplicate", "rejected_by_code", "queue_depth", "uploads_in_progress", "limits", "server_time", "uptime", "durability", "auth", "last_checkpoint_version", "last_checkpoint_time", "wal_bytes", "eval_version", "eval_metrics", "cache_bytes", "shard_rank", "shard_map", "filtered_by_reason", "updates_clipped", "privacy", "data_withheld", "failure", "shards")
     class RejectedByCodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +568,8 @@ class StatusResponse(_message.Message):
     UPDATES_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     DATA_WITHHELD_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     has_model: bool
     version: int
     oldest_retained_version: int
@@ -596,7 +604,41 @@ class StatusResponse(_message.Message):
     updates_clipped: int
     privacy: PrivacyStatus
     data_withheld: bool
-    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ..., shard_rank: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., filtered_by_reason: _Optional[_Mapping[str, int]] = ..., updates_clipped: _Optional[int] = ..., privacy: _Optional[_Union[PrivacyStatus, _Mapping]] = ..., data_withheld: _Optional[bool] = ...) -> None: ...
+    failure: str
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, has_model: _Optional[bool] = ..., version: _Optional[int] = ..., oldest_retained_version: _Optional[int] = ..., strategy: _Optional[str] = ..., round: _Optional[int] = ..., layout_hash: _Optional[str] = ..., numel: _Optional[int] = ..., buffer_numel: _Optional[int] = ..., clients_known: _Optional[int] = ..., clients_active: _Optional[int] = ..., updates_accepted: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_rejected: _Optional[int] = ..., updates_duplicate: _Optional[int] = ..., rejected_by_code: _Optional[_Mapping[str, int]] = ..., queue_depth: _Optional[int] = ..., uploads_in_progress: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., uptime: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., durability: _Optional[str] = ..., auth: _Optional[str] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., wal_bytes: _Optional[int] = ..., eval_version: _Optional[int] = ..., eval_metrics: _Optional[_Mapping[str, float]] = ..., cache_bytes: _Optional[int] = ..., shard_rank: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., filtered_by_reason: _Optional[_Mapping[str, int]] = ..., updates_clipped: _Optional[int] = ..., privacy: _Optional[_Union[PrivacyStatus, _Mapping]] = ..., data_withheld: _Optional[bool] = ..., failure: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("rank", "address", "begin", "end", "reachable", "error", "version", "takes_writes", "failure", "durability", "wal_bytes", "last_checkpoint_version", "last_checkpoint_time", "last_heard")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TAKES_WRITES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    WAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARD_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    begin: int
+    end: int
+    reachable: bool
+    error: str
+    version: int
+    takes_writes: bool
+    failure: str
+    durability: str
+    wal_bytes: int
+    last_checkpoint_version: int
+    last_checkpoint_time: _timestamp_pb2.Timestamp
+    last_heard: _timestamp_pb2.Timestamp
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., version: _Optional[int] = ..., takes_writes: _Optional[bool] = ..., failure: _Optional[str] = ..., durability: _Optional[str] = ..., wal_bytes: _Optional[int] = ..., last_checkpoint_version: _Optional[int] = ..., last_checkpoint_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heard: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class PrivacyStatus(_message.Message):
     __slots__ = ("epsilon", "delta", "clip_norm", "noise_multiplier", "releases", "target_epsilon", "budget_spent", "updates_clipped")
