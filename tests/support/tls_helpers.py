@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,13 +144,14 @@ def _make_leaf(
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
-def make_pki(directory: Path, client_cn: str = "client-1") -> Pki:
+def make_pki(directory: Path, client_cn: str = "client-1", server_ips: Sequence[str] = ()) -> Pki:
     """Create a CA with server and client certificates (plus a rogue CA and client) and write
     them as PEM files into ``directory``.
 
     The server certificate names DNS ``localhost`` and IPs 127.0.0.1 and ::1, so clients verify
-    it by either address without a target-name override; the client certificate's CN is
-    ``client_cn`` (what a server mapping certificates to client ids would read).
+    it by either address without a target-name override, and ``server_ips`` besides (servers on
+    other hosts' addresses); the client certificate's CN is ``client_cn`` (what a server mapping
+    certificates to client ids would read).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -163,6 +165,7 @@ def make_pki(directory: Path, client_cn: str = "client-1") -> Pki:
             x509.DNSName("localhost"),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("::1")),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips),
         ],
     )
     client_cert, client_key = _make_leaf(
