@@ -233,6 +233,8 @@ def format_status(s) -> str:
          if s.HasField("eval_version") else "none"),
         ("uptime", f"{s.uptime.ToTimedelta()}"),
     ]  # fmt: skip
+    if s.failure:
+        rows.insert(1, ("writes", f"REFUSED: {s.failure}"))
     if s.HasField("privacy"):
         p = s.privacy
         budget = f"of {p.target_epsilon:g}" if p.HasField("target_epsilon") else "(no budget)"
@@ -250,7 +252,39 @@ def format_status(s) -> str:
                 + (": budget spent, no more versions" if p.budget_spent else ""),
             ),
         )
-    return "\n".join(f"{k:<11} {v}" for k, v in rows)
+    lines = [f"{k:<11} {v}" for k, v in rows]
+    if s.shards:
+        lines += ["", *format_shards(s)]
+    return "\n".join(lines)
+
+
+def format_shards(s) -> list[str]:
+    """Rank 0's table of the shards (StatusResponse.shards), then why each shard that does
+    not take writes does not."""
+    now = s.server_time.ToNanoseconds() / 1e9
+    table = [("rank", "address", "slice", "version", "writes", "last heard", "log")]
+    why = []
+    for r in s.shards:
+        if r.HasField("last_heard"):
+            ago = max(0.0, now - r.last_heard.ToNanoseconds() / 1e9)
+            heard = "now" if ago < 0.5 else f"{ago:.0f} s ago"
+        else:
+            heard = "never"
+        log = "off" if r.durability != "on" else f"{r.wal_bytes / 1e6:.1f} MB"
+        if r.HasField("last_checkpoint_version"):
+            log += f", ckpt v{r.last_checkpoint_version}"
+        writes = "yes" if r.takes_writes else "NO" if r.reachable else "UNREACHABLE"
+        table.append((str(r.rank), r.address, f"[{r.begin}, {r.end})", str(r.version), writes,
+                      heard, log))  # fmt: skip
+        if not r.reachable:
+            why.append(f"  shard {r.rank}: unreachable: {r.error}")
+        elif r.failure:
+            why.append(f"  shard {r.rank}: stopped taking writes: {r.failure}")
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = [f"shards      {len(s.shards)} (rank 0 answered; slices of [0, {s.numel}))"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in table]  # fmt: skip
+    return lines + why
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

@@ -46,7 +46,7 @@ class Server:
         federations in one); None joins the one ``config.dist_url`` names."""
         self.config = config
         self._shards = shards
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(shard=config.rank if config.shards > 1 else None)
         self.federation = Federation(config, metrics=self.metrics)
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -126,7 +126,7 @@ class Server:
             self._dashboard = DashboardServer(
                 cfg.dashboard_host,
                 cfg.dashboard_port,
-                lambda: status_document(fed),
+                lambda: status_document(fed, service.shard_watch),
                 allowed_hosts=cfg.dashboard_allowed_hosts,
             )
             self.dashboard_port = self._dashboard.port

@@ -5,19 +5,26 @@ counters. Gauges that mirror federation state are read when scraped (callbacks),
 
 The port has no authentication: under differential privacy (:meth:`ServerMetrics.withhold_data`)
 it serves no series that depends on what an update holds (aggsrv.server.disclosure).
+
+A shard of a sharded federation labels every series it serves ``shard="RANK"`` (a Prometheus
+scraping all N shards tells them apart and sums them with ``sum without(shard)``); a single
+server's series carry no such label, as before. The per-client series (``watch_clients``) are
+rank 0's only: it sees every client, and the other shards' copies would multiply them by N.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 
 from aggsrv.server.disclosure import DATA_SERIES, is_public
@@ -52,8 +59,11 @@ EVAL_HISTORY = 500  # --eval results the dashboard keeps
 class ServerMetrics:
     """The server's counters, histograms and gauges under the ``aggsrv_`` prefix."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, shard: int | None = None) -> None:
+        """``shard``: this process's rank in a sharded federation (its series are labelled
+        with it); None for a single server."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.shard = shard
         r = self.registry
         self.updates = Counter(
             "aggsrv_updates", "Updates by outcome: applied, buffered, duplicate, or the gRPC "
@@ -166,8 +176,18 @@ class ServerMetrics:
         self._gauges[name] = g
 
     def watch_clients(self, read: Callable[[], ClientsNow]) -> None:
-        """Scrape-time metrics of the clients (``read`` on the metrics thread)."""
-        self.registry.register(_ClientsCollector(read))
+        """Scrape-time metrics of the clients (``read`` on the metrics thread); none on a shard
+        of rank >= 1 (rank 0 serves them for the whole federation)."""
+        if not self.shard:
+            self.registry.register(_ClientsCollector(read))
+
+    @property
+    def exposed(self) -> CollectorRegistry | ShardLabelled:
+        """What the /metrics endpoint serves: the registry, its series labelled with the shard
+        on a sharded server."""
+        if self.shard is None:
+            return self.registry
+        return ShardLabelled(self.registry, str(self.shard))
 
     def record_update(
         self,
@@ -205,7 +225,7 @@ class ServerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint on its own thread; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server, _thread = start_http_server(port, addr=host, registry=self.exposed)
         self._http = server
         bound = server.server_address[1]
         log.info("Prometheus metrics on http://%s:%d/metrics", host, bound)
@@ -216,6 +236,28 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class ShardLabelled:
+    """A registry's series, each with ``shard="RANK"`` added, for the exposition code
+    (prometheus_client calls ``collect`` and, for ``?name[]=`` scrapes, ``restricted_registry``).
+    A constant label here rather than a label on every family: the families stay the same
+    objects a single server fills, and no call site names the shard."""
+
+    def __init__(self, registry: CollectorRegistry | Any, shard: str) -> None:
+        self.registry = registry
+        self.shard = shard
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            labelled = copy.copy(family)
+            labelled.samples = [
+                s._replace(labels={**s.labels, "shard": self.shard}) for s in family.samples
+            ]
+            yield labelled
+
+    def restricted_registry(self, names: Iterable[str]) -> ShardLabelled:
+        return ShardLabelled(self.registry.restricted_registry(names), self.shard)
 
 
 @dataclass(frozen=True)

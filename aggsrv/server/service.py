@@ -26,6 +26,7 @@ from aggsrv.server.auth import (
     ROLE_ADMIN,
     Authenticator,
     NoAuth,
+    bearer_token,
 )
 from aggsrv.server.federation import DurabilityError, Federation, payload_sizes, staging_slot
 from aggsrv.server.limits import RateLimiter
@@ -43,6 +44,7 @@ from aggsrv.server.requests import (
     strategy_code,
     tolerant_parser,
 )
+from aggsrv.server.shard_status import ShardWatch
 from aggsrv.server.versions import LeaseHandoff, Snapshot
 from aggsrv.strategies import (
     Job,
@@ -93,6 +95,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         self._unparseable_log = OncePerInterval(UNPARSEABLE_LOG_SECONDS)
         # The receive limit each client declared at registration (0: none declared).
         self._receive_limits: dict[str, int] = {}
+        self.shard_watch = ShardWatch(federation, self.auth)  # rank 0's view of the shards
 
     # ------------------------------------------------------------------ auth and limits
 
@@ -721,6 +724,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             durability="on" if fed.store is not None and fed.store.durable else "off",
             auth=self.auth.mode,
             wal_bytes=fed.store.wal_bytes() if fed.store is not None else 0,
+            failure=fed.failure or "",
         )
         last_checkpoint = fed.checkpoints.last_checkpoint
         if last_checkpoint is not None:
@@ -737,7 +741,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             resp.privacy.CopyFrom(pb.PrivacyStatus(**spent))
             if target is not None:
                 resp.privacy.target_epsilon = target
-        if fed.strategy is not None:
+        if fed.strategy is not None and not request.shard_probe:
             resp.cache_bytes = await fed.read(fed.cache_bytes)  # walks the strategy's state
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
@@ -746,6 +750,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             shard_map = self._shard_map()
             if shard_map is not None:
                 resp.shard_map.CopyFrom(shard_map)
+            if not request.shard_probe:  # rank 0 asks the other shards (aggsrv.server.shard_status)
+                token = bearer_token(context.invocation_metadata())
+                resp.shards.extend(await self.shard_watch.rows(token))
         if fed.strategy is not None:  # set last: the layout and the snapshots are ready
             resp.layout_hash = fed.layout.hash
             resp.numel = fed.layout.whole.numel

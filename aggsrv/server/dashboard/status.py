@@ -26,6 +26,13 @@ what a non-admin caller of GetStatus sees (aggsrv.server.disclosure): ``updates.
 ``refusals`` and ``refusal_reasons`` count only refusals for public reasons, ``privacy`` has no
 ``updates_clipped``, and a ``dp_seed`` in the settings reads "withheld". ``privacy.insecure_seed``
 is true when the noise comes from a fixed ``dp_seed`` (no guarantee: the page warns).
+
+``shards``: on rank 0 of a sharded federation, one row per shard, rank 0 first (GetStatus's
+``shards``, aggsrv.server.shard_status): {``rank``, ``address``, ``begin``, ``end``,
+``reachable``, ``error``, ``version``, ``takes_writes``, ``failure``, ``durability``,
+``wal_bytes``, ``last_checkpoint`` ({``version``, ``time``} or null), ``last_heard`` (rank 0's
+clock, Unix seconds, or null)}; null for a single server and on the other shards. The rest of
+the document is rank 0's own, which sees every client: nothing in it grows with the shards.
 """
 
 from __future__ import annotations
@@ -36,8 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Histogram
 
+from aggsrv.server.shard_status import shard_row_json
+
 if TYPE_CHECKING:
     from aggsrv.server.federation import Federation
+    from aggsrv.server.shard_status import ShardWatch
 
 FORMAT = 1
 
@@ -78,8 +88,8 @@ def values_json(values: list[int] | list[float], bounds: tuple[float, ...]) -> d
     return _buckets_json(list(bounds), cumulative, len(values), float(sum(values)))
 
 
-def status_document(fed: Federation) -> dict[str, Any]:
-    """The snapshot (HTTP thread)."""
+def status_document(fed: Federation, shard_watch: ShardWatch | None = None) -> dict[str, Any]:
+    """The snapshot (HTTP thread); ``shard_watch``: rank 0's view of the shards, if sharded."""
     from aggsrv.server.metrics import RATE_BUCKETS, SILENCE_BUCKETS, STALENESS_BUCKETS
 
     now = fed.clock()
@@ -134,7 +144,15 @@ def status_document(fed: Federation) -> dict[str, Any]:
         "groups": events.groups,
         "dropped_flags": sorted(events.dropped),
         "privacy": privacy,
+        "shards": _shards_json(shard_watch),
     }
+
+
+def _shards_json(watch: ShardWatch | None) -> list[dict[str, Any]] | None:
+    """Rank 0's rows of the shards (asking the others takes up to PROBE_TIMEOUT seconds)."""
+    if watch is None or not watch.active:
+        return None
+    return [shard_row_json(row) for row in watch.rows_from_thread()]
 
 
 def _privacy_json(spent: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -126,6 +126,29 @@ function fillRows(id, rows) {
   }
 }
 
+// One row per shard (rank 0's view, s.shards; null for a single server): N rows, N small.
+function renderShards(s) {
+  const panel = $("shards-panel");
+  panel.hidden = !s.shards;
+  if (!s.shards) return;
+  setText("shards-count", s.shards.length);
+  fillRows("shards", s.shards.map((r) => [
+    r.rank, r.address, `[${r.begin}, ${r.end})`, r.version,
+    r.takes_writes ? "yes" : (r.reachable ? "no" : "unreachable"),
+    r.last_heard === null ? "never" : fmtAgo(s.time - r.last_heard),
+    r.durability === "on" ? `${(r.wal_bytes / 1e6).toFixed(1)} MB` +
+      (r.last_checkpoint ? `, checkpoint v${r.last_checkpoint.version}` : "") : "off",
+    r.reachable ? r.failure : r.error,
+  ]));
+  $("shards").querySelectorAll("tr").forEach((tr, i) => {
+    if (!s.shards[i].takes_writes) tr.className = "refusing";
+  });
+}
+
+function fmtAgo(s) {
+  return s < 0.5 ? "now" : `${fmtDuration(s)} ago`;
+}
+
 function render(s) {
   setText("strategy-name", s.strategy.name);
   setText("strategy-name-2", s.strategy.name);
@@ -180,6 +203,7 @@ function render(s) {
     groups.textContent = "none";
   }
   setText("dropped", s.dropped_flags.length ? s.dropped_flags.join(", ") : "none");
+  renderShards(s);
 }
 
 async function poll() {
