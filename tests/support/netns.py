@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,14 +55,25 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _kill_inside(netns: str) -> None:
+    """SIGKILL every process still running in ``netns`` (all of them started by these helpers:
+    nothing else enters their namespaces), so that deleting it frees the namespace itself."""
+    out = _ip("netns", "pids", netns, check=False).stdout
+    for pid in out.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def remove_stale() -> list[str]:
-    """Delete the namespaces of this helper whose making process no longer runs."""
+    """Delete the namespaces of these helpers whose making process no longer runs (a test
+    process killed before its cleanup), with whatever still runs inside them."""
     removed = []
     for name in _namespaces():
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
+            _kill_inside(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     return removed
@@ -79,7 +91,16 @@ def require_netns() -> None:
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         pytest.skip(f"`ip netns add` is refused here: {made.stderr.strip()}")
-    _ip("netns", "del", probe, check=False)
+    try:
+        for link in (
+            ["br0", "type", "bridge"],
+            ["probe0", "type", "veth", "peer", "name", "probe1"],
+        ):
+            made = _ip("-n", probe, "link", "add", *link, check=False)
+            if made.returncode != 0:
+                pytest.skip(f"`ip link add {' '.join(link)}` is refused: {made.stderr.strip()}")
+    finally:
+        _ip("netns", "del", probe, check=False)
 
 
 @dataclass
@@ -176,4 +197,5 @@ class Network:
         mine = set(_namespaces())
         for name in [h.netns for h in self.hosts.values()] + [self.bridge_netns]:
             if name in mine:
+                _kill_inside(name)  # what the processes above started in turn
                 _ip("netns", "del", name, check=False)
