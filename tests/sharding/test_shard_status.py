@@ -139,6 +139,14 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
             assert labels == {str(r)}, (r, labels)
             (version,) = families["aggsrv_global_version"].samples
             assert version.value == pushes
+            # Every shard answers every update for its slice: the federation's counts, N times
+            # over the shards (docs/operations.md: read them on shard="0").
+            applied = [
+                s.value
+                for s in families["aggsrv_updates"].samples
+                if s.name == "aggsrv_updates_total" and s.labels["outcome"] == "applied"
+            ]
+            assert applied == [pushes]
             # The per-client series are rank 0's only (it sees every client).
             assert ("aggsrv_clients" in families) == (r == 0)
             (only,) = _families(port, "?name[]=aggsrv_global_version").values()
