@@ -248,3 +248,41 @@ def test_shards_on_separate_hosts_form_their_group_without_gloo_socket_ifname(
 ) -> None:
     fed = _start_shards(network, tmp_path, gloo_ifname=None)
     _wait_listening(fed, limit=30.0)
+
+
+_PROBE = """
+import errno, json, socket, sys, time
+def connect(address, port, tries):
+    for _ in range(tries):
+        try:
+            with socket.create_connection((address, port), timeout=2) as s:
+                return s.recv(2).decode()
+        except OSError as exc:
+            if exc.errno != errno.ECONNREFUSED or tries == 1:
+                return errno.errorcode.get(exc.errno, str(exc))
+            time.sleep(0.05)
+print(json.dumps([connect(sys.argv[1], 7000, 100), connect("192.0.2.1", 9, 1)]))
+"""
+
+
+def test_hosts_reach_each_other_and_nothing_else(network: Network) -> None:
+    """The helper's promise: a host reaches the other hosts of its network; any other address
+    is unreachable from it (no route), and the machine's own namespace gains no link."""
+
+    def root_links() -> set[str]:
+        out = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True)
+        return {link["ifname"] for link in json.loads(out.stdout)}
+
+    server, client = network["rank0"], network["client"]
+    listener = server.popen(
+        [PYTHON, "-c", "import socket, sys; s = socket.create_server((sys.argv[1], 7000)); "
+         "c, _ = s.accept(); c.sendall(b'ok')", server.address],
+    )  # fmt: skip
+    said = client.run(PYTHON, "-c", _PROBE, server.address).stdout
+    assert json.loads(said) == ["ok", "ENETUNREACH"]
+    assert listener.wait(timeout=10) == 0
+    before = root_links()
+    with Network(["a"]) as other:  # a second network beside the first, its links its own
+        assert other["a"].netns not in {h.netns for h in network.hosts.values()}
+        assert other["a"].address == network["rank0"].address  # on a bridge of its own
+        assert root_links() == before
