@@ -176,6 +176,11 @@ class Server:
         shards.exchange_addresses(address)
         settings = json.dumps([cfg.strategy, cfg.strategy_config, cfg.max_clients], sort_keys=True)
         shards.agree(settings, "strategy settings (strategy, strategy_config, max_clients)")
+        kept = json.dumps([bool(cfg.state_dir), cfg.durability])
+        shards.agree(kept, "state settings (a state_dir or '', durability)")
+        if fed.store is not None:
+            # Every shard at once: they replay rank 0's log in lockstep (docs/sharding.md).
+            fed.aggregation.on_aggregation_thread(fed.recover_shards, fed.store)
         log.info(
             "shard %d of %d at %s; shards: %s", shards.rank, shards.world_size, address,
             ", ".join(shards.addresses),
@@ -213,7 +218,7 @@ class Server:
         def leave() -> None:
             if announce:
                 with contextlib.suppress(ShardLost):
-                    shards.announce("stop", {})
+                    shards.announce("stop", {}, self.federation.replication.durable_seq)
             shards.close()
 
         loop = asyncio.get_running_loop()
@@ -274,14 +279,16 @@ class Server:
                     f"state_dir {cfg.state_dir} holds the checkpoints of an earlier run: pass "
                     "--resume to continue it, or choose an empty state_dir"
                 )
-            # Replayed where live aggregation runs (its thread, its kernels, its speed).
-            await fed.call(fed.recover, store)
+            if cfg.shards == 1:  # the shards recover together, once they have met
+                # Replayed where live aggregation runs (its thread, its kernels, its speed).
+                await fed.call(fed.recover, store)
         elif cfg.resume:
             log.warning("--resume: %s holds no checkpoint yet; starting fresh", cfg.state_dir)
         fed.store = store
         # A long replay counts toward the next checkpoint: take it now if it is due, so that a
         # server killed again and again before each threshold does not replay more each time.
-        fed.checkpoints.checkpoint_if_due()
+        if cfg.shards == 1:
+            fed.checkpoints.checkpoint_if_due()
 
     def _watch_metrics(self) -> None:
         fed = self.federation

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aggsrv.layout import ModelLayout
@@ -56,6 +57,13 @@ class Checkpoints:
         self.last_checkpoint: tuple[int, float] | None = None  # (version, time)
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        # Rank 0 of a sharded federation: orders every shard's cut at the call about to be cut
+        # (called with the checkpoint's number, on the aggregation thread, before the cut).
+        self.order_cut: Callable[[int], None] | None = None
+        # Whether this process decides when to checkpoint (not a shard of rank >= 1).
+        self.decides = True
+        # A shard of rank >= 1 writes the checkpoints rank 0 orders here, one at a time.
+        self._writer: ThreadPoolExecutor | None = None
 
     def serve(self, layout: ModelLayout) -> None:
         """The federation serves a model laid out as ``layout`` (a shard's: its slice of it)."""
@@ -100,15 +108,46 @@ class Checkpoints:
 
     def _cut(self) -> tuple[int, dict[str, Any]]:
         """(Aggregation thread) the state and a fresh log segment; the counts start again."""
-        number, payload = self.store.cut(self._state)
+        number = self.store.segment + 1
+        if self.order_cut is not None:
+            self.order_cut(number)
+        number, payload = self.store.cut(self._state, number)
         self._call_log.count_updates_from(0)
         return number, payload
+
+    def cut_ordered(self, meta: dict[str, Any]) -> None:
+        """(aggregation thread of a shard of rank >= 1) Cut this shard's state at the call rank 0
+        ordered the checkpoint at, and write it in the background."""
+        store = self.store
+        if store is None:
+            return
+        number, payload = store.cut(self._state, int(meta["number"]))
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+
+        def write() -> None:
+            t0 = time.perf_counter()
+            try:
+                info = store.write(number, payload)
+            except Exception:
+                log.exception("checkpoint %d failed (the log still holds its calls)", number)
+                return
+            self.last_checkpoint = (info.version, self._clock())
+            self._metrics.checkpoints.inc()
+            self._metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+
+        self._writer.submit(write)
+
+    def shutdown(self) -> None:
+        """Wait for a checkpoint being written in the background (a shard of rank >= 1)."""
+        if self._writer is not None:
+            self._writer.shutdown()
 
     def checkpoint_if_due(self) -> None:
         """Start a checkpoint when enough updates or log bytes piled up since the last one
         (both counted from the last checkpoint, across restarts)."""
         store = self.store
-        if store is None or self._model_bytes is None:
+        if store is None or self._model_bytes is None or not self.decides:
             return
         every = self._config.checkpoint_every_updates
         limit = self.checkpoint_bytes_limit()

@@ -227,8 +227,7 @@ class ServerConfig(TomlConfig):
         if self.durability == "auto":
             # "--state-dir ''" alone means "write nothing": no log either.
             self.durability = "on" if self.state_dir else "off"
-        # A sharded server has no log (checked in _check_sharding, with what to do instead).
-        if self.durability == "on" and not self.state_dir and self.shards == 1:
+        if self.durability == "on" and not self.state_dir:
             raise ValueError(
                 "durability = 'on' needs a state_dir for the write-ahead log: give state_dir "
                 "(--state-dir DIR), or durability = 'off' (--durability off) to keep nothing"
@@ -247,11 +246,11 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"need 0 <= rank < shards, got {self.rank} of {self.shards}")
         if self.shards == 1:
             return
-        if self.state_dir:
+        if self.state_dir and self.checkpoint_keep < 2:
             raise ValueError(
-                "a sharded server keeps no checkpoints or write-ahead log yet (the shards' logs "
-                "would have to advance together, docs/sharding.md): pass --state-dir '' and, "
-                "with --auth hmac, one --auth-secret-file shared by all shards"
+                "a sharded server keeps at least 2 checkpoints (checkpoint_keep >= 2): a shard "
+                "may have finished a checkpoint the others did not, and recovery then starts "
+                "from the one before, which every shard has"
             )
         if self.eval:
             raise ValueError("--eval needs the whole model in one process: not with --shards")

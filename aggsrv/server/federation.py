@@ -44,7 +44,7 @@ from aggsrv.server.disclosure import public_refusals
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
-from aggsrv.server.persistence import RecoveryError, StateStore, restore
+from aggsrv.server.persistence import RecoveryError, StateStore, check_shard, restore
 from aggsrv.server.publication import Publication
 from aggsrv.server.replication import Replication
 from aggsrv.server.shard_follower import ShardFollower
@@ -166,8 +166,12 @@ class Federation:
             return self.closing
 
         self.fail_stop = FailStop(on_stop=self._stopped)
-        self.replication = Replication(strategy, self.fail_stop, closing)
         self.call_log = CallLog(self.fail_stop, self.metrics)
+        self.replication = Replication(
+            strategy, self.fail_stop, closing, self.call_log.written_lsn,
+            self.call_log.durable_lsn,
+        )  # fmt: skip
+        self._durable_notice: asyncio.Task | None = None
         self.versions = RetainedVersions(config.retained_versions, clock, strategy)
         self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
         self.publication = Publication(
@@ -179,8 +183,8 @@ class Federation:
         )
         self.shard_follower = ShardFollower(
             strategy, self.fail_stop, self.aggregation.submit, self.replication,
-            self.publication, self.call_log.durable_lsn, self.replay, self._adopt_slice,
-            self.count_outcome,
+            self.publication, self.replay, self._adopt_slice, self.count_outcome,
+            self._prepare_slice, self.checkpoints.cut_ordered,
         )  # fmt: skip
 
     @property
@@ -195,6 +199,24 @@ class Federation:
         self.shard_follower.shards = shards
         # Only the shards of a sharded federation agree on each call.
         self.aggregation.replication = self.replication if shards is not None else None
+        # Rank 0 decides when every shard checkpoints, and at which call.
+        coordinator = shards is None or shards.is_coordinator
+        self.checkpoints.decides = coordinator
+        self.checkpoints.order_cut = self._order_cut if shards is not None and coordinator else None
+
+    def _order_cut(self, number: int) -> None:
+        """(aggregation thread of rank 0) Every shard checkpoints at the call about to be
+        announced. Rank 0's log is made durable up to it first: a shard's checkpoint then never
+        holds a call rank 0 could lose in a crash."""
+        wal = self.call_log.wal
+        if wal is not None:
+            try:
+                wal.sync_all()
+            except Exception as exc:
+                fail_stop = self.fail_stop
+                fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
+                raise DurabilityError(fail_stop.failure) from exc
+        self.replication.announce("checkpoint", {"number": number})
 
     @property
     def store(self) -> StateStore | None:
@@ -253,8 +275,24 @@ class Federation:
         call_log, publication = self.call_log, self.publication
         if self.fail_stop.failure is None:
             publication.publish(call_log.durable_lsn())
-        publication.publish(await call_log.make_durable(lsn))
+        durable = await call_log.make_durable(lsn)
+        publication.publish(durable)
+        if self.shards is not None and self.replication.mark_durable(durable):
+            self._tell_shards_durable()
         self.checkpoints.checkpoint_if_due()
+
+    def _tell_shards_durable(self) -> None:
+        """Rank 0: tell the other shards how far its decisions are durable (they answer slices
+        and publish versions only that far), unless a notice is on its way already."""
+        task = self._durable_notice
+        if task is not None and not task.done():
+            return
+
+        async def notice() -> None:
+            with contextlib.suppress(DurabilityError):
+                await self.aggregation.call(self.replication.announce_durable)
+
+        self._durable_notice = asyncio.get_running_loop().create_task(notice())
 
     def _log(
         self,
@@ -268,6 +306,8 @@ class Federation:
         once the record is durable."""
         lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
         self.publication.record_at(lsn)
+        if self.shards is not None:
+            self.replication.logged(lsn)
         return lsn
 
     def _stopped(self, failure: str) -> None:
@@ -275,6 +315,7 @@ class Federation:
         refused, and nothing new starts."""
         if self.shards is not None:
             self.shards.staged.fail_all(AggregationFailed(failure))
+            self.shard_follower.fail_parked(AggregationFailed(failure))
         self.closing = True
 
     def _runs_no_timers(self) -> bool:
@@ -423,6 +464,98 @@ class Federation:
         )  # fmt: skip
         return replayed
 
+    def recover_shards(self, store: StateStore) -> int:
+        """Every shard of a sharded federation at once, on its aggregation thread, the group
+        formed (docs/sharding.md "Recovery"): load the newest checkpoint every shard holds (they
+        are cut at the same call), then replay rank 0's log after it in lockstep, each shard
+        with its own slices of the updates; the number of records replayed. Rank 0's log is the
+        decision: a slice it has no update record for was never acknowledged, and is dropped."""
+        shards = self.shards
+        assert shards is not None
+        numbers = store.checkpoint_numbers() if store.has_state() else []
+        payload = store.load(numbers[-1]) if numbers else None
+        seq = int(payload["shard"]["seq"]) if payload is not None and payload.get("shard") else -1
+        if payload is not None:
+            check_shard(payload.get("shard"), shards.rank, shards.world_size)
+        seqs = shards.gather(seq)
+        if max(seqs) < 0:
+            return 0  # a fresh federation: nothing to recover
+        if min(seqs) < 0:
+            empty = ", ".join(str(r) for r, q in enumerate(seqs) if q < 0)
+            raise RecoveryError(
+                f"shard {empty} has no checkpoint in its state directory while the others "
+                "resume: every shard needs its own state directory of the same run (restore it "
+                "from a backup), or start the whole federation afresh with empty ones"
+            )
+        common = min(seqs)
+        number = numbers[-1]
+        if seq != common:  # a checkpoint the other shards did not finish: the one before
+            older = [n for n in numbers[:-1] if n < number]
+            payload = store.load(older[-1]) if older else None
+            number = older[-1] if older else number
+            if payload is None or int(payload["shard"]["seq"]) != common:
+                raise RecoveryError(
+                    f"shard {shards.rank} holds no checkpoint at call {common}, the newest every "
+                    "shard has: the shards' state directories are not of the same run"
+                )
+        assert payload is not None
+        restore(self, payload)
+        strategy = self.strategy
+        assert strategy is not None
+        own: list[WalRecord] = []
+        slices: dict[int, WalRecord] = {}
+        if self.follower:  # its slices, by the number of the call they were prepared for
+            slices = {int(r.meta["seq"]): r for _, r in store.records(number)
+                      if r.kind == "slice"}  # fmt: skip
+        else:
+            own = [r for _, r in store.records(number)]
+        calls = shards.share_calls([(r.kind, r.meta) for r in own] if own or not self.follower
+                                   else None)  # fmt: skip
+        sink = strategy.event_sink
+        strategy.event_sink = getattr(sink, "quietly", None)
+        last = common
+        try:
+            for i, (kind, meta) in enumerate(calls):
+                record = own[i] if not self.follower else WalRecord(kind, meta)
+                if kind == "update" and self.follower:
+                    prepared = slices.get(int(meta["seq"]))
+                    if prepared is None:
+                        raise RecoveryError(
+                            f"rank 0 applied update {meta['update_id']!r} (call {meta['seq']}) "
+                            f"but shard {shards.rank} has no slice of it in its log"
+                        )
+                    record = WalRecord(kind, meta, prepared.tensors)
+                try:
+                    self.replay(record)
+                except RecoveryError:
+                    raise
+                except Exception as exc:
+                    raise RecoveryError(
+                        f"replaying rank 0's record {i} ({kind}, call {meta.get('seq')}) on "
+                        f"shard {shards.rank} diverged from the log: {exc}"
+                    ) from exc
+                last = max(last, int(meta.get("seq", last)))
+        finally:
+            strategy.event_sink = sink
+        rows = shards.compare(S.call_digest(strategy, False) + [last])
+        if rows is not None:
+            raise RecoveryError(f"the shards disagree after recovery: {S.divergence(rows)}")
+        # Calls are numbered on from the highest number any shard has seen (a slice prepared
+        # for a call rank 0 lost keeps its number to itself).
+        top = max(shards.gather(max([last, *slices])))
+        self.replication.seq = top
+        self.replication.durable_seq = self.replication.durable_sent = top
+        self.shard_follower.applied_seq = self.shard_follower.rank0_durable = top
+        self.publish_recovered()
+        store.reopen(number)
+        version = int(payload["state"]["version"])
+        self.checkpoints.resumed(version, float(payload["created_at"]), len(calls))
+        log.info(
+            "shard %d resumed from checkpoint %d at call %d: version %d after replaying %d of "
+            "rank 0's records", shards.rank, number, common, self.version, len(calls),
+        )  # fmt: skip
+        return len(calls)
+
     def publish_recovered(self) -> None:
         """After recovery replayed the log (all of it durable): publish the state reached."""
         strategy = self.strategy
@@ -547,7 +680,10 @@ class Federation:
         self._budget_logged = True
         strategy = self.strategy
         assert strategy is not None
-        self._budget_lsn = self._log("budget_spent", {"now": now}, strategy.jobs_issued)
+        meta: dict[str, Any] = {"now": now}
+        if self.shards is not None:  # the number of the update it refused
+            meta["seq"] = self.replication.seq
+        self._budget_lsn = self._log("budget_spent", meta, strategy.jobs_issued)
 
     # ------------------------------------------------------------------ the model
 
@@ -575,17 +711,13 @@ class Federation:
     ) -> tuple[ModelLayout | ShardLayout, Strategy]:
         """The layout served and the strategy of a first model; a shard's, on its slice."""
         cfg = self.config
-        reducer = None
-        if self.shards is not None:
-            shard_map = ShardMap.even(layout.numel, self.shards.world_size)
-            self.shards.shard_map = shard_map
-            layout = ShardLayout(layout, shard_map, self.shards.rank)
-            weights = layout.local(weights).clone()
-            buffers = buffers if layout.buffer_numel else None
-            reducer = self.shards.reducer
+        served, reducer = self.served_layout(layout)
+        if isinstance(served, ShardLayout):
+            weights = served.local(weights).clone()
+            buffers = buffers if served.buffer_numel else None
         strategy = make_strategy(
             cfg.strategy,
-            layout=layout,
+            layout=served,
             initial=weights,
             initial_buffers=buffers,
             config=cfg.strategy_settings,
@@ -593,11 +725,52 @@ class Federation:
             max_clients=cfg.max_clients,
             reducer=reducer,
         )
-        return layout, strategy
+        return served, strategy
+
+    def served_layout(self, layout: ModelLayout) -> tuple[ModelLayout, Any]:
+        """The layout this process serves of the whole model ``layout`` (a shard's slice) and
+        the reducer its strategy sums partial results with (None: one server)."""
+        if self.shards is None:
+            return layout, None
+        shard_map = ShardMap.even(layout.numel, self.shards.world_size)
+        self.shards.shard_map = shard_map
+        return ShardLayout(layout, shard_map, self.shards.rank), self.shards.reducer
+
+    def shard_state(self) -> dict[str, Any] | None:
+        """What a checkpoint of a shard says of it: its rank among how many shards, the slices'
+        bounds, and the number of the last call it made in rank 0's order (None: one server)."""
+        shards = self.shards
+        if shards is None or shards.shard_map is None:
+            return None
+        seq = self.replication.seq if not self.follower else self.shard_follower.applied_seq
+        return {
+            "rank": shards.rank, "shards": shards.world_size,
+            "bounds": list(shards.shard_map.bounds), "seq": seq,
+        }  # fmt: skip
 
     def _adopt_slice(self, whole: ModelLayout, weights: torch.Tensor) -> None:
-        """A shard of rank >= 1: serve its slice of the whole model rank 0 shared."""
+        """A shard of rank >= 1: serve its slice of the whole model rank 0 shared (and, with a
+        state directory, checkpoint it, as rank 0 does)."""
         self.install(*self._build(whole, weights, None))
+        if self.store is not None:
+            self.checkpoints.begin()
+
+    def _prepare_slice(self, update: Update, meta: dict[str, Any]) -> None:
+        """(aggregation thread of a shard of rank >= 1) Make this shard's slice of the update
+        rank 0 ordered durable before the shard votes for it: a "slice" record of the call's
+        number (``meta["seq"]``) and the slice. Recovery applies it only if rank 0's log has the
+        update (rank 0's record is the decision)."""
+        wal = self.call_log.wal
+        if wal is None:
+            return
+        record = {"seq": meta["seq"], "client": update.client_id, "update_id": update.update_id}
+        tensors = {"update": update.tensor.detach().cpu()}
+        try:
+            wal.sync(wal.append("slice", record, tensors))
+        except Exception as exc:
+            fail_stop = self.fail_stop
+            fail_stop.fail(f"could not make a slice durable in the write-ahead log: {exc}")
+            raise DurabilityError(fail_stop.failure) from exc
 
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""
@@ -761,6 +934,7 @@ class Federation:
         """Blocking form of :meth:`shutdown_executors` (a federation that never served)."""
         self.aggregation.shutdown()
         self.call_log.shutdown()
+        self.checkpoints.shutdown()
 
 
 def update_meta(update: Update, now: float) -> dict[str, Any]:

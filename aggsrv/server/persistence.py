@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 # ``fed`` below is an aggsrv.server.federation.Federation, typed Any: the federation is above
 # this module (it replays the log), and this module never imports it.
 
-FORMAT = "aggsrv-checkpoint/1"
+# The checkpoint format: /2 adds "shard" (a sharded federation's shard: rank, shard count, the
+# slices' bounds and the number of the last call in rank 0's order); /1 files still load.
+FORMAT = "aggsrv-checkpoint/2"
+FORMATS_READ = ("aggsrv-checkpoint/1", FORMAT)
 # Federation.counters restored from a checkpoint (and kept up by replaying the log).
 DURABLE_COUNTERS = ("accepted", "applied")
 
@@ -105,10 +108,11 @@ class StateStore:
             self.wal = D.WriteAheadLog(self.directory, number)
             self._cut_lsn = 0
 
-    def cut(self, fed: Any) -> tuple[int, dict[str, Any]]:
+    def cut(self, fed: Any, number: int | None = None) -> tuple[int, dict[str, Any]]:
         """On the aggregation thread: the federation's state and a fresh log segment for what
-        follows it. Returns (checkpoint number, payload); :meth:`write` stores it later."""
-        number = self.segment + 1
+        follows it (numbered ``number``, default the next). Returns (checkpoint number,
+        payload); :meth:`write` stores it later."""
+        number = max(number or 0, self.segment + 1)
         payload = snapshot(fed)
         if self.wal is not None:
             self.wal.rotate(number)
@@ -153,6 +157,20 @@ class StateStore:
         self.checkpoint_bytes = path.stat().st_size
         return number, path, payload
 
+    def load(self, number: int) -> dict[str, Any]:
+        """Checkpoint ``number``'s payload (RecoveryError when it is missing or damaged)."""
+        path = D.checkpoint_path(self.directory, number)
+        try:
+            payload = D.load_checkpoint(path)
+        except (OSError, ValueError) as exc:
+            raise RecoveryError(f"checkpoint {path} cannot be read: {exc}") from exc
+        self.checkpoint_bytes = path.stat().st_size
+        return payload
+
+    def checkpoint_numbers(self) -> list[int]:
+        """The numbers of the checkpoints here, oldest first."""
+        return [n for n, _ in D.list_checkpoints(self.directory)]
+
     def records(self, number: int) -> Iterator[tuple[int, D.WalRecord]]:
         """(segment, record) of every record logged after checkpoint ``number``, in order."""
         return D.iter_records(self.directory, number)
@@ -176,7 +194,7 @@ def snapshot(fed: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "created_at": fed.clock(),
-        "layout": P.layout_to_pb(fed.layout).SerializeToString().hex(),
+        "layout": P.layout_to_pb(fed.layout.whole).SerializeToString().hex(),  # a shard: whole
         "strategy": strategy.name,
         # The table as written, not the typed settings: what every state dir already holds.
         "strategy_config": dict(fed.config.strategy_config),
@@ -186,14 +204,19 @@ def snapshot(fed: Any) -> dict[str, Any]:
         ],
         "counters": dict(fed.counters),
         "rejected_by_code": dict(fed.rejected_by_code),
+        "shard": fed.shard_state(),
     }
 
 
 def restore(fed: Any, payload: dict[str, Any]) -> None:
     """Rebuild the federation from a checkpoint payload."""
-    if payload.get("format") != FORMAT:
-        raise RecoveryError(f"not an aggsrv checkpoint (format {payload.get('format')!r})")
+    if payload.get("format") not in FORMATS_READ:
+        raise RecoveryError(
+            f"not an aggsrv checkpoint this version reads (format {payload.get('format')!r}; "
+            f"it reads {', '.join(FORMATS_READ)})"
+        )
     cfg = fed.config
+    check_shard(payload.get("shard"), cfg.rank, cfg.shards)
     if payload["strategy"] != strategy_name(cfg.strategy):
         raise RecoveryError(
             f"the checkpoint is for strategy {payload['strategy']!r} but the server is configured "
@@ -208,18 +231,20 @@ def restore(fed: Any, payload: dict[str, Any]) -> None:
         settings = strategy_settings(cfg.strategy, payload["strategy_config"])
     layout = P.layout_from_pb(tpb.ModelLayout.FromString(bytes.fromhex(payload["layout"])))
     state = payload["state"]
+    served, reducer = fed.served_layout(layout)  # a shard's: its slice
     # Placeholders of the right shapes: load_state_dict sets the model and the statistics.
     strategy = make_strategy(
         cfg.strategy,
-        layout=layout,
+        layout=served,
         initial=state["model"],
-        initial_buffers=torch.ones(layout.buffer_numel) if layout.buffer_numel else None,
+        initial_buffers=torch.ones(served.buffer_numel) if served.buffer_numel else None,
         config=settings,
         device=fed.device,
         max_clients=cfg.max_clients,
+        reducer=reducer,
     )
     strategy.load_state_dict(state)
-    fed.install(layout, strategy)
+    fed.install(served, strategy)
     for client_id, registered_at, labels in payload["clients"]:
         fed.restore_client(client_id, registered_at, labels)
     # Accepted and applied updates are in the log, so their counts survive any restart. Answers
@@ -232,3 +257,25 @@ def strategy_name(name: str) -> str:
     from aggsrv.strategies import strategy_class
 
     return strategy_class(name).name
+
+
+def check_shard(shard: dict[str, Any] | None, rank: int, shards: int) -> None:
+    """Refuse a checkpoint written by another shard, or by a federation of another shard count
+    (RecoveryError that says what would resume it)."""
+    if shard is None:
+        if shards > 1:
+            raise RecoveryError(
+                "this state directory was written by a single server; a sharded federation "
+                f"(--shards {shards}) cannot resume it: resume it with one server (no --shards), "
+                "or start the sharded federation from an empty state directory with the model "
+                "as --model-init"
+            )
+        return
+    theirs, their_rank = int(shard["shards"]), int(shard["rank"])
+    if theirs != shards or their_rank != rank:
+        raise RecoveryError(
+            f"this state directory holds shard {their_rank} of a federation of {theirs} shards, "
+            f"but this server is started as shard {rank} of {shards}: resume it with --shards "
+            f"{theirs} --rank {their_rank} (the slices cannot be re-cut), or start from an empty "
+            "state directory"
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class _Reply:
     """The answer to the slice a shard of rank >= 1 took for the update it is following."""
 
     staged: S.StagedSlice
+    seq: int
     result: Any = None
     error: BaseException | None = None
 
@@ -67,27 +69,34 @@ class ShardFollower:
         submit: Callable[..., Future],
         replication: Replication,
         publication: Publication,
-        durable_lsn: Callable[[], int],
         replay: Callable[[WalRecord], None],
         adopt_slice: Callable[[ModelLayout, torch.Tensor], None],
         count: Callable[[Outcome], None],
+        prepare: Callable[[Update, dict[str, Any]], None],
+        cut: Callable[[dict[str, Any]], None],
     ) -> None:
         """``strategy``: the federation's, as it is now; ``submit``: queues a
-        call on the aggregation thread; ``durable_lsn``: how far the log is durable (what
-        ``publication`` may publish); ``replay``: makes a logged call; ``adopt_slice``: serves
+        call on the aggregation thread; ``replay``: makes a logged call; ``adopt_slice``: serves
         this shard's slice of the whole model rank 0 shared; ``count``: counts an outcome
-        reached here."""
+        reached here; ``prepare``: makes this shard's slice of an update durable before it
+        votes; ``cut``: checkpoints this shard at the call rank 0 ordered it."""
         self.shards: S.ShardGroup | None = None  # set by the server before it serves
         self._strategy = strategy
         self._fail_stop = fail_stop
         self._submit = submit
         self._replication = replication
         self._publication = publication
-        self._durable_lsn = durable_lsn
         self._replay = replay
         self._adopt_slice = adopt_slice
         self._count = count
+        self._prepare = prepare
+        self._cut = cut
         self._reply: _Reply | None = None  # the slice being followed (aggregation thread)
+        # Rank 0's decisions are durable up to this call; answers to applied slices wait for it.
+        self.rank0_durable = 0
+        self.applied_seq = 0  # the last call made here, in rank 0's numbering
+        self._parked: list[_Reply] = []
+        self._parked_lock = threading.Lock()
         self.on_coordinator_stop: Callable[[], None] | None = None  # the server's: it stops
 
     def follow(self) -> None:
@@ -99,16 +108,22 @@ class ShardFollower:
         assert shards is not None and loop is not None
         while True:
             try:
-                kind, meta = shards.receive()
+                kind, meta, durable = shards.receive()
             except S.ShardLost as exc:
                 self._fail_stop.fail(str(exc))
                 return
+            advanced = durable > self.rank0_durable
+            self.rank0_durable = max(self.rank0_durable, durable)
+            if advanced:
+                self._release()
             if kind == "stop":
                 log.info("rank 0 stopped the federation")
                 if self.on_coordinator_stop is not None:
                     loop.call_soon_threadsafe(self.on_coordinator_stop)
                 return
-            if kind == "noop":
+            if kind in ("noop", "durable"):
+                if advanced:
+                    loop.call_soon_threadsafe(self._followed)
                 continue
             try:
                 self._submit(self._follow_step, kind, meta).result()
@@ -123,7 +138,7 @@ class ShardFollower:
         (a slice of a job waits for the job to exist here)."""
         publication = self._publication
         if self._fail_stop.failure is None:
-            publication.publish(self._durable_lsn())
+            publication.publish(self.rank0_durable)
         publication.notify()
 
     def _follow_step(self, kind: str, meta: dict[str, Any]) -> None:
@@ -131,8 +146,14 @@ class ShardFollower:
         it did with the other shards, then answer the slice of an update."""
         fail_stop = self._fail_stop
         self._reply = None
+        self._release()
+        seq = int(meta.get("seq", 0))
         try:
+            if seq:
+                self.applied_seq = seq  # a checkpoint this call cuts says so
             refused = self._follow_call(kind, meta)
+            if seq:
+                self._publication.record_at(seq)  # published once rank 0's record is durable
             self._replication.agree(kind, meta, refused)
         except S.ShardLost as exc:
             fail_stop.fail(str(exc))
@@ -154,13 +175,34 @@ class ShardFollower:
             # group ends its wait now rather than at shard_timeout_seconds.
             shards.close()
             raise error from exc
-        self._answer_slice()
+        reply, self._reply = self._reply, None
+        if reply is not None and reply.error is None:
+            with self._parked_lock:  # answered once rank 0's decision is durable
+                self._parked.append(reply)
+        elif reply is not None:
+            reply.staged.resolve(error=reply.error)
         self._publication.settle()
 
     def _answer_slice(self, error: BaseException | None = None) -> None:
         reply, self._reply = self._reply, None
         if reply is not None:
             reply.staged.resolve(reply.result, error=error or reply.error)
+
+    def _release(self) -> None:
+        """Answer the applied slices whose call rank 0 has made durable (any thread)."""
+        durable = self.rank0_durable
+        with self._parked_lock:
+            ready = [r for r in self._parked if r.seq <= durable]
+            self._parked = [r for r in self._parked if r.seq > durable]
+        for reply in ready:
+            reply.staged.resolve(reply.result)
+
+    def fail_parked(self, error: BaseException) -> None:
+        """The federation stopped taking writes: the parked answers are not known durable."""
+        with self._parked_lock:
+            parked, self._parked = self._parked, []
+        for reply in parked:
+            reply.staged.resolve(error=error)
 
     def _follow_call(self, kind: str, meta: dict[str, Any]) -> bool:
         """Make the call rank 0 announced; whether it was refused here."""
@@ -172,6 +214,9 @@ class ShardFollower:
             self._adopt_slice(whole, weights)
             return False
         assert self._strategy() is not None, f"a {kind} call before the model"
+        if kind == "checkpoint":
+            self._cut(meta)
+            return False
         if kind == "update":  # its data is this shard's own slice, and the shards vote
             return self._follow_update(meta, float(meta["now"]))
         try:  # the same records a restarted server replays from its log
@@ -189,7 +234,7 @@ class ShardFollower:
         staged = shards.staged.take((meta["client"], meta["update_id"]), shards.slice_wait)
         verdict, own, update = S.SLICE_MISSING, None, None
         if staged is not None:
-            self._reply = _Reply(staged)
+            self._reply = _Reply(staged, int(meta.get("seq", 0)))
             update = staged.update
             mismatch = _header_mismatch(update, meta)
             if mismatch:
@@ -200,6 +245,10 @@ class ShardFollower:
                 )
             else:
                 verdict, own = S.slice_verdict(strategy, update)
+            if verdict == S.SLICE_OK:
+                # Durable before the vote: once rank 0 decides to apply it, a crash of this shard
+                # cannot lose its part of the update.
+                self._prepare(update, meta)
         votes = self._fail_stop.collective(shards.vote, verdict)
         if max(votes):
             if self._reply is not None:

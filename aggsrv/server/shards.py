@@ -36,8 +36,11 @@ SLICE_OK = 0
 SLICE_MISSING = 1  # never arrived (the stream to this shard was cut, or is late): ABORTED
 SLICE_INVALID = 2  # its numbers are refused (e.g. a negative running_var): INVALID_ARGUMENT
 
-# The calls rank 0 orders; "adopt" carries the first model, "noop" keeps the group alive.
-CALL_KINDS = ("adopt", "register", "job", "update", "timer", "noop", "stop")
+# The calls rank 0 orders; "adopt" carries the first model, "checkpoint" cuts every shard's
+# state at the same call, "noop" keeps the group alive, "durable" only says how far rank 0's
+# decisions are durable (every announce says it too).
+CALL_KINDS = ("adopt", "register", "job", "update", "timer", "checkpoint", "noop", "durable",
+              "stop")  # fmt: skip
 # The strategy calls whose result the shards compare afterwards (docs/sharding.md).
 COMPARED_KINDS = ("register", "job", "update", "timer")
 # What a shard tells the others a call did: refused (1) or not (0), then its counts after it.
@@ -222,22 +225,40 @@ class ShardGroup:
             shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(out))
             raise ValueError(f"the shards were started with different {what} ({shown})")
 
+    def gather(self, value: int) -> list[int]:
+        """Every shard's ``value``, in rank order (recovery)."""
+        out = torch.zeros(self.world_size, dtype=torch.int64)
+        out[self.rank] = value
+        self._collective("recovery", self._dist.all_reduce, out)
+        return [int(v) for v in out.tolist()]
+
+    def share_calls(self, calls: list[tuple[str, dict[str, Any]]] | None) -> list[Any]:
+        """Rank 0's logged calls (kind, meta) after the checkpoint recovery starts from, sent
+        to every shard (recovery; the others pass None)."""
+        box: list[Any] = [calls]
+        self._collective("sending rank 0's log", self._dist.broadcast_object_list, box, 0)
+        return list(box[0])
+
     # ------------------------------------------------------------------ the replicated log
 
-    def announce(self, kind: str, meta: dict[str, Any]) -> None:
-        """Rank 0: tell every shard the call it is about to make (aggregation thread)."""
+    def announce(self, kind: str, meta: dict[str, Any], durable: int = 0) -> None:
+        """Rank 0: tell every shard the call it is about to make (aggregation thread), and how
+        far its decisions are durable (``durable``: the number of the last durable call)."""
         assert kind in CALL_KINDS, kind
-        self._collective(f"a {kind} call", self._dist.broadcast_object_list, [(kind, meta)], 0)
+        self._collective(
+            f"a {kind} call", self._dist.broadcast_object_list, [(kind, meta, durable)], 0
+        )
         self.last_announce = time.monotonic()
 
-    def receive(self) -> tuple[str, dict[str, Any]]:
-        """Shards of rank >= 1: the next call rank 0 made (blocks, up to the group's timeout;
-        rank 0 sends a keep-alive every ``heartbeat`` seconds when idle)."""
+    def receive(self) -> tuple[str, dict[str, Any], int]:
+        """Shards of rank >= 1: the next call rank 0 made and how far rank 0's decisions are
+        durable (blocks, up to the group's timeout; rank 0 sends a keep-alive every
+        ``heartbeat`` seconds when idle)."""
         box: list[Any] = [None]
         self._collective("waiting for rank 0's next call", self._dist.broadcast_object_list,
                          box, 0)  # fmt: skip
-        kind, meta = box[0]
-        return kind, meta
+        kind, meta, durable = box[0]
+        return kind, meta, int(durable)
 
     def share_model(self, weights: torch.Tensor | None, numel: int) -> torch.Tensor:
         """Rank 0 sends the first model's [D] weights to every shard (after an "adopt" call)."""

@@ -75,10 +75,10 @@ def _shard_main(rank: int, world: int, init: str, names: list[str], queue: Any) 
             if rank == 0:
                 announce = shards.announce
 
-                def record(kind, meta, announce=announce, calls=calls):
-                    if kind not in ("noop", "stop"):
+                def record(kind, meta, durable=0, announce=announce, calls=calls):
+                    if kind not in ("noop", "stop", "durable", "checkpoint"):
                         calls.append((kind, dict(meta)))
-                    announce(kind, meta)
+                    announce(kind, meta, durable)
 
                 shards.announce = record
             asyncio.run(_serve_one(Server(config, shards), rank, name, queue))
