@@ -138,6 +138,7 @@ def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> 
             rows = browser.find_elements(By.CSS_SELECTOR, "#slowest tr")
             assert rows and rows[0].text.startswith("c2")
             assert "error" not in browser.find_element(By.ID, "connection").get_attribute("class")
+            assert not browser.find_element(By.ID, "shards-panel").is_displayed()  # one server
             out = Path(os.environ.get("AGGSRV_TEST_ARTIFACTS", REPO / "test-artifacts"))
             out.mkdir(parents=True, exist_ok=True)
             shot = out / "dashboard.png"

@@ -8,6 +8,7 @@ unreachable and itself no longer taking writes."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from browser import headless_chromium, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import REPO, ServeProcess, free_port
 
@@ -50,6 +52,14 @@ def _cli_status(address: str, token: str, *extra: str) -> str:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _page_rows(browser) -> list[list[str]]:
+    """The cells of the status page's shards table, as shown."""
+    from selenium.webdriver.common.by import By
+
+    rows = browser.find_elements(By.CSS_SELECTOR, "#shards tr")
+    return [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
 
 
 def _wait_for(what: str, check, limit: float = 20.0):
@@ -173,6 +183,25 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
         assert [(s["reachable"], s["takes_writes"]) for s in page] == [(True, False),
                                                                       (False, False)]  # fmt: skip
         client.close()
+        _the_page_shows_the_shards(dashboard_port, addresses, slices, pushes)
     finally:
         for s in shards:
             s.close()
+
+
+def _the_page_shows_the_shards(port: int, addresses: list[str], slices: list, version: int) -> None:
+    """The status page in a real browser, after shard 1 was killed: one row per shard."""
+    browser = headless_chromium()
+    try:
+        browser.get(f"http://127.0.0.1:{port}/")
+        rows = wait_until(lambda: _page_rows(browser), "the shards table")
+        writes = ["no", "unreachable"]  # rank 0 refuses writes; shard 1 does not answer
+        for r, row in enumerate(rows):
+            begin, end = slices[r]
+            assert row[:5] == [str(r), addresses[r], f"[{begin}, {end})", str(version), writes[r]]
+        assert "lost" in rows[0][7] and rows[1][7].startswith("UNAVAILABLE"), rows
+        out = Path(os.environ.get("AGGSRV_TEST_ARTIFACTS", REPO / "test-artifacts"))
+        out.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(out / "dashboard-shards.png"))
+    finally:
+        browser.quit()
