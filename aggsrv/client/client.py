@@ -4,7 +4,9 @@ exponential backoff, reusing the update id so a retried push is applied at most 
 
 A sharded server (docs/sharding.md) answers Register with its shard map; the client then splits
 every update by it and streams the slices to all shards at once, and assembles jobs and models
-from all shards' slices. Everything else goes to rank 0, the address given."""
+from all shards' slices. Everything else goes to rank 0, the address given. With
+``direct_to_shards=False`` the client talks to rank 0 only, which forwards the slices of each
+update and assembles jobs and models itself (for a client that cannot reach the other shards)."""
 
 from __future__ import annotations
 
@@ -116,12 +118,17 @@ class Client:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls: bool | None = None,
+        direct_to_shards: bool = True,
     ) -> None:
         """``token``/``token_file``: the bearer token the server issued for this client id.
         ``tls_ca``: the CA that signed the server's certificate (TLS on; ``tls=True`` uses the
-        system roots); ``tls_cert``/``tls_key``: this client's certificate for mutual TLS."""
+        system roots); ``tls_cert``/``tls_key``: this client's certificate for mutual TLS.
+        ``direct_to_shards``: on a sharded server, stream each update's slices to every shard
+        and assemble jobs and models from them (the default); False: talk to rank 0 only, which
+        relays (twice rank 0's ingress per update, and one more hop: docs/sharding.md)."""
         self.address = address
         self.client_id = client_id
+        self.direct_to_shards = direct_to_shards
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
@@ -174,9 +181,10 @@ class Client:
         self._channel.close()
 
     def _use_shards(self, shard_map: pb.ShardMap, layout: ModelLayout | None = None) -> None:
-        """Connect to every shard of a sharded server (RegisterResponse.shard_map)."""
+        """Connect to every shard of a sharded server (RegisterResponse.shard_map); nothing
+        when this client talks to rank 0 only."""
         shards = sorted(shard_map.shards, key=lambda s: s.rank)
-        if len(shards) < 2:
+        if len(shards) < 2 or not self.direct_to_shards:
             return
         layout = layout or self._require_layout()
         bounds = [int(s.begin) for s in shards] + [int(shards[-1].end)]
@@ -384,6 +392,7 @@ class Client:
             layout_hash=layout.hash,
             dtype=P.WIRE_TO_PB[self.download_dtype],
             max_receive_message_bytes=self.max_message_bytes,
+            shard_slice=self.shard_map is not None,
         )
 
         def call() -> tuple[Any, dict[str, torch.Tensor]]:
@@ -561,6 +570,7 @@ class Client:
             client_id=self.client_id,
             include_buffers=include_buffers,
             max_receive_message_bytes=self.max_message_bytes,
+            shard_slice=self.shard_map is not None,
         )
         if version is not None:
             request.version = version
@@ -571,8 +581,13 @@ class Client:
         header, tensors = self._retry("get_model", call)
         whole = P.layout_from_pb(header.layout)
         if self.shard_map is None and tensors["weights"].numel() != whole.numel:
-            # A reader that never registered (aggsrv pull): rank 0 sent its slice only.
+            # A server older than GetModelRequest.shard_slice sent rank 0's slice only.
             self._use_shards(self.status().shard_map, whole)
+            if self.shard_map is None:
+                raise ConnectionError(
+                    f"rank 0 sent {tensors['weights'].numel()} of the model's {whole.numel} "
+                    "elements: a server that does not relay needs direct_to_shards=True"
+                )
         if self.shard_map is not None:
             slice_request = pb.GetModelRequest()
             slice_request.CopyFrom(request)

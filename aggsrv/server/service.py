@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from aggsrv.server.auth import (
 )
 from aggsrv.server.federation import DurabilityError, Federation, payload_sizes, staging_slot
 from aggsrv.server.limits import RateLimiter
+from aggsrv.server.relay import RelayFailed, ShardLinks, caller_metadata
 from aggsrv.server.requests import (
     JOB_BUCKET,
     REFUSAL_REASON,
@@ -95,6 +97,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         self._unparseable_log = OncePerInterval(UNPARSEABLE_LOG_SECONDS)
         # The receive limit each client declared at registration (0: none declared).
         self._receive_limits: dict[str, int] = {}
+        self._links: ShardLinks | None = None  # rank 0's channels to the other shards
         self.shard_watch = ShardWatch(federation, self.auth)  # rank 0's view of the shards
 
     # ------------------------------------------------------------------ auth and limits
@@ -282,12 +285,17 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         # The job's tensors stay leased until the stream ends: its buffers are not reused while
         # it reads them, even if the job is superseded or ends meanwhile.
         try:
-            async for msg in self._job_stream(job, dtype, chunk_bytes):
+            whole = self._whole_on_rank0() and not request.shard_slice
+            async for msg in self._job_stream(job, dtype, chunk_bytes, context if whole else None):
                 yield msg
         finally:
             lease.release()
 
-    async def _job_stream(self, job: Job, dtype: WireDtype, chunk_bytes: int):
+    async def _job_stream(
+        self, job: Job, dtype: WireDtype, chunk_bytes: int, whole_for: Any = None
+    ):
+        """The job's messages; with ``whole_for`` (the call's context) rank 0 sends the whole
+        job, the other shards' slices fetched for the caller."""
         fed = self.fed
         header = pb.JobHeader(
             job_id=str(job.job_id),
@@ -305,6 +313,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             header.deadline.CopyFrom(P.timestamp(job.deadline))
             header.time_budget.CopyFrom(P.duration(job.deadline - fed.clock()))
         tensors = await fed.versions.job_on_host(job)  # a device model: its version's one host copy
+        if whole_for is not None:
+            request = pb.GetJobRequest(client_id=job.client_id, layout_hash=fed.layout.hash)
+            tensors = await self._whole("GetJob", request, tensors, whole_for,
+                                        job_id=str(job.job_id))  # fmt: skip
+            del header.tensors[:]
+            header.tensors.extend(P.tensor_infos(tensors))
         yield pb.JobMessage(header=header)
         fed.metrics.sent_bytes.inc(_payload_bytes(tensors, dtype))
         for msg in P.serialized_chunk_stream(tensors, dtype, chunk_bytes, pb.JobMessage):
@@ -470,6 +484,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 context, SC.ABORTED, f"update {h.update_id!r} is being uploaded on another stream",
                 reason="in_flight",
             )  # fmt: skip
+        if await self._relays(h, context):  # a whole update to rank 0: it forwards the slices
+            return await self._relay_update(h, key, kind, dtype, job_id, request_iterator,
+                                            context, seen)  # fmt: skip
         fed.in_flight_updates.add(key)
         private = fed.private  # differential privacy (the strategy's dp_ keys)
         slot = None
@@ -527,6 +544,21 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             if slot is not None:
                 fed.uploads_in_progress -= 1
                 fed.release_slot(slot)
+        return self._answer_update(h, kind, job_id, staleness, outcome, seen)
+
+    def _answer_update(
+        self,
+        h: pb.UpdateHeader,
+        kind: UpdateKind,
+        job_id: int,
+        staleness: int,
+        outcome: Any,
+        seen: dict[str, Any],
+    ) -> pb.PushUpdateResponse:
+        """The metrics, trace and log line of an update the shards reached an outcome on, and
+        the client's answer."""
+        fed = self.fed
+        private = fed.private
         label = "duplicate" if outcome.original is not None else outcome.status.name
         # Each update's norm and cosine describe its values: not watched under differential
         # privacy (they would reach the unauthenticated metrics port and the log's warnings).
@@ -589,6 +621,151 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             clipped=outcome.clipped,
         )
 
+    # ------------------------------------------------------------------ rank 0 relays
+
+    def _shard_links(self) -> ShardLinks:
+        """Rank 0's channels to the other shards (aggsrv.server.relay), opened on first use."""
+        if self._links is None:
+            assert self.fed.shards is not None
+            self._links = ShardLinks(self.fed.shards, self.fed.config)
+        return self._links
+
+    def _whole_on_rank0(self) -> bool:
+        """Rank 0 of a sharded federation with a model: it may relay and assemble."""
+        shards = self.fed.shards
+        return (
+            shards is not None
+            and shards.is_coordinator
+            and shards.world_size > 1
+            and shards.shard_map is not None
+        )
+
+    async def _relays(self, h: pb.UpdateHeader, context: grpc.aio.ServicerContext) -> bool:
+        """The wire rule: an update to rank 0 (shard_rank 0) whose "update" holds the whole
+        model's D elements, not rank 0's slice, is relayed (rank 0's slice is never the whole
+        model on N >= 2 shards); any other length is refused here, naming both."""
+        if not self._whole_on_rank0():
+            return False
+        declared = {i.name: int(i.numel) for i in h.tensors}.get("update")
+        whole, own = self.fed.layout.whole.numel, self.fed.layout.numel
+        if declared not in (whole, own):
+            await self._abort(
+                context, SC.INVALID_ARGUMENT,
+                f"rank 0 of {self.fed.shards.world_size} shards takes an \"update\" of the whole "
+                f"model's {whole} elements (it forwards the other shards' slices) or of its own "
+                f"slice's {own}; the header says {declared}", reason="tensor_sizes",
+            )  # fmt: skip
+        return declared == whole != own
+
+    async def _relay_update(
+        self,
+        h: pb.UpdateHeader,
+        key: tuple[str, str],
+        kind: UpdateKind,
+        dtype: WireDtype,
+        job_id: int,
+        stream: AsyncIterator,
+        context: grpc.aio.ServicerContext,
+        seen: dict[str, Any],
+    ) -> pb.PushUpdateResponse:
+        """Rank 0 takes a whole update: it forwards slice r to shard r and applies its own, and
+        answers the outcome every shard reached (the shards vote as for a client's slices). A
+        forward that fails is UNAVAILABLE with nothing applied: the client retries, same id."""
+        fed = self.fed
+        links = self._shard_links()
+        fed.in_flight_updates.add(key)
+        private = fed.private
+        try:
+            async with fed.whole_model_slot() as slot:
+                fed.uploads_in_progress += 1
+                try:
+                    views = await self._decode(
+                        stream, slot, list(h.tensors), payload_sizes(fed.layout.whole, "update"),
+                        dtype, context, stats=seen, refuse_non_finite=not private,
+                    )  # fmt: skip
+                    seen["received"] = fed.clock()
+                    seen["bytes"] = _payload_bytes(views, dtype)
+                    took = fed.activity.update_received(h.client_id, job_id, seen["received"])
+                    if took is not None:
+                        fed.metrics.job_turnaround.observe(took)
+                    parts = links.shard_map.split(views["update"])
+                    update = self._rank0_update(h, kind, job_id, parts[0], views.get("buffers"))
+                    wire = {"update": parts[0], **{k: v for k, v in views.items() if k != "update"}}
+                    fed.updates_waiting += 1
+                    try:
+                        staleness, outcome = await links.relay_update(
+                            h, parts, dtype, caller_metadata(context),
+                            lambda: fed.apply_update(update, wire),
+                        )  # fmt: skip
+                    except StrategyError as exc:
+                        await self._abort(
+                            context, strategy_code(exc), str(exc), reason=reason_of(exc)
+                        )
+                    except RelayFailed as exc:
+                        await self._abort(
+                            context, SC.UNAVAILABLE,
+                            f"{exc}; no shard applied update {h.update_id!r}: send it again "
+                            "(the same update_id)", reason="relay_failed",
+                        )  # fmt: skip
+                    finally:
+                        fed.updates_waiting -= 1
+                finally:
+                    fed.uploads_in_progress -= 1
+        finally:
+            fed.in_flight_updates.discard(key)
+        return self._answer_update(h, kind, job_id, staleness, outcome, seen)
+
+    def _rank0_update(
+        self,
+        h: pb.UpdateHeader,
+        kind: UpdateKind,
+        job_id: int,
+        own: torch.Tensor,
+        buffers: torch.Tensor | None,
+    ) -> Update:
+        """Rank 0's slice of a relayed update, as the direct path builds it from its own upload
+        (under differential privacy, with the float64 norm of its slice the decoder would
+        have taken)."""
+        fed = self.fed
+        device = fed.strategy.device
+        norm = None
+        if fed.private and kind is UpdateKind.DELTA and own.numel():
+            from aggsrv.fused_dots import squares
+
+            squared = squares(own.contiguous().numpy())
+            norm = math.sqrt(squared) if math.isfinite(squared) else None
+        return Update(
+            client_id=h.client_id,
+            job_id=job_id,
+            base_version=h.base_version,
+            update_id=h.update_id,
+            num_samples=int(h.num_samples),
+            work_done=_work_done(h.work, fed.strategy.make_recipe().local_steps is not None),
+            kind=kind,
+            tensor=_on_device(own, device),
+            buffers=None if buffers is None else _on_device(buffers, device),
+            norm=norm,
+        )
+
+    async def _whole(
+        self,
+        method: str,
+        request: Any,
+        own: dict[str, torch.Tensor],
+        context: grpc.aio.ServicerContext,
+        **ask: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Rank 0's tensors ``own`` made whole with the other shards' slices (GetJob or GetModel
+        ``method`` with the fields ``ask``); UNAVAILABLE when a shard does not answer."""
+        links = self._shard_links()
+        try:
+            return await links.whole(
+                method, links.slice_request(request, **ask), own, caller_metadata(context)
+            )
+        except RelayFailed as exc:
+            await context.abort(SC.UNAVAILABLE, f"{exc}; ask again, or ask every shard")
+            raise AssertionError("unreachable") from exc
+
     # ------------------------------------------------------------------ GetModel
 
     async def GetModel(self, request, context):  # noqa: N802
@@ -626,17 +803,31 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         # and held until the stream ends: the version's buffer is not reused while it is read.
         lease = fed.versions.lease_snapshot(snap)
         try:
-            async for msg in self._model_stream(snap, latest.version, request, dtype, chunk_bytes):
+            whole = self._whole_on_rank0() and not request.shard_slice
+            async for msg in self._model_stream(
+                snap, latest.version, request, dtype, chunk_bytes, context if whole else None
+            ):
                 yield msg
         finally:
             lease.release()
 
     async def _model_stream(
-        self, snap: Snapshot, latest: int, request, dtype: WireDtype, chunk_bytes: int
+        self,
+        snap: Snapshot,
+        latest: int,
+        request,
+        dtype: WireDtype,
+        chunk_bytes: int,
+        whole_for: Any = None,
     ):
+        """The version's messages; with ``whole_for`` (the call's context) rank 0 sends the
+        whole model, the other shards' slices of the version fetched for the caller."""
         fed = self.fed
         # A device model: the version's one host copy, made off the event loop.
         tensors = await fed.versions.on_host(snap, request.include_buffers)
+        if whole_for is not None:
+            tensors = await self._whole("GetModel", request, tensors, whole_for,
+                                        version=snap.version, include_buffers=False)  # fmt: skip
         yield pb.ModelMessage(
             header=pb.ModelHeader(
                 version=snap.version,

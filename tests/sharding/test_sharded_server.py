@@ -372,7 +372,7 @@ def test_serve_shards_vote_all_or_none_and_a_lost_shard_stops_writes(tmp_path: P
             with pytest.raises(grpc.RpcError) as refused:  # shard 1's slice is gone
                 op.get_model()
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            stream = op._stub.GetModel(pb.GetModelRequest(), timeout=10)
+            stream = op._stub.GetModel(pb.GetModelRequest(shard_slice=True), timeout=10)
             header, got = op._receive(stream, "header")
         assert header.version == 3 and header.layout_hash == layout.hash
         assert torch.equal(got["weights"], client.shard_map.split(model)[0])
