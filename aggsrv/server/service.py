@@ -46,7 +46,7 @@ from aggsrv.server.requests import (
     strategy_code,
     tolerant_parser,
 )
-from aggsrv.server.shard_status import ShardWatch
+from aggsrv.server.shard_status import PROBE_TIMEOUT, ShardWatch
 from aggsrv.server.versions import LeaseHandoff, Snapshot
 from aggsrv.strategies import (
     Job,
@@ -933,7 +933,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             if target is not None:
                 resp.privacy.target_epsilon = target
         if fed.strategy is not None and not request.shard_probe:
-            resp.cache_bytes = await fed.read(fed.cache_bytes)  # walks the strategy's state
+            # Walks the strategy's state on the aggregation thread, which a hung shard can hold
+            # in a collective for shard_timeout_seconds: a shard's status answers anyway (0).
+            wait = PROBE_TIMEOUT if fed.shards is not None else None
+            try:
+                resp.cache_bytes = await asyncio.wait_for(fed.read(fed.cache_bytes), wait)
+            except TimeoutError:
+                log.warning("GetStatus: the aggregation thread is busy; cache_bytes left 0")
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
         if fed.shards is not None:

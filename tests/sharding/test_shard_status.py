@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -162,6 +163,23 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
             (only,) = _families(port, "?name[]=aggsrv_global_version").values()
             assert [s.labels for s in only.samples] == [{"shard": str(r)}]
         assert _families(metrics_ports[0])["aggsrv_clients"].samples  # one per state
+
+        # A shard that hangs holds rank 0's aggregation thread in a collective, but not its
+        # status: the shard is shown unreachable (DEADLINE_EXCEEDED), with what it last said.
+        def status_of_1(reachable: bool):
+            with Client(shards[0].address, "operator", token=admin, timeout=20, retries=0) as op:
+                s = op.status()
+            return s.shards[1] if s.shards[1].reachable == reachable else None
+
+        shards[1].proc.send_signal(signal.SIGSTOP)
+        try:
+            hung = _wait_for("hung shard 1 shown unreachable", lambda: status_of_1(False))
+        finally:
+            shards[1].proc.send_signal(signal.SIGCONT)
+        assert hung.error.startswith("DEADLINE_EXCEEDED") and not hung.takes_writes, hung
+        assert hung.version == pushes and (hung.begin, hung.end) == slices[1]
+        back = _wait_for("shard 1 answering again", lambda: status_of_1(True))
+        assert back.takes_writes and back.error == ""
 
         shards[1].proc.kill()
         shards[1].proc.wait(10)
