@@ -252,8 +252,6 @@ class ServerConfig(TomlConfig):
                 "may have finished a checkpoint the others did not, and recovery then starts "
                 "from the one before, which every shard has"
             )
-        if self.eval:
-            raise ValueError("--eval needs the whole model in one process: not with --shards")
         if self.shard_address is not None and self.shard_address.count(":") < 1:
             raise ValueError(f"shard_address must be host:port, got {self.shard_address!r}")
         waits = (self.shard_slice_wait_seconds, self.shard_heartbeat_seconds)

@@ -49,10 +49,11 @@ def _layout() -> ModelLayout:
     )  # fmt: skip
 
 
-def _shard_config(name: str, world: int, rank: int, home: Path):
+def _shard_config(name: str, world: int, rank: int, home: Path, extra: dict | None = None):
     from aggsrv.server.config import ServerConfig
 
     return ServerConfig(
+        **(extra or {}),
         host="127.0.0.1", port=0, auth="hmac", auth_secret_file=str(home / f"r{rank}" / "secret"),
         state_dir="", durability="off", device="cpu", strategy=name,
         strategy_config=CASES[name], shards=world, rank=rank, rate_limit_per_second=0.0,
@@ -60,7 +61,9 @@ def _shard_config(name: str, world: int, rank: int, home: Path):
     )  # fmt: skip
 
 
-def _shard_main(rank: int, world: int, init: str, names: list[str], home: Path, queue) -> None:
+def _shard_main(
+    rank: int, world: int, init: str, names: list[str], home: Path, queue, extra: dict
+) -> None:
     """One shard process: the federations of ``names`` one after another in one gloo group;
     rank 0 reports its port, then the calls it ordered."""
     try:
@@ -72,7 +75,7 @@ def _shard_main(rank: int, world: int, init: str, names: list[str], home: Path, 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         for name in names:
-            config = _shard_config(name, world, rank, home)
+            config = _shard_config(name, world, rank, home, extra)
             shards = ShardGroup.of(config)
             calls: list[tuple[str, dict]] = []
             if rank == 0:
@@ -110,7 +113,7 @@ def _next(queue, kind: str) -> tuple:
 class Federations:
     """``world`` shard processes serving the federations of ``names`` in turn."""
 
-    def __init__(self, world: int, names: list[str], tmp: Path) -> None:
+    def __init__(self, world: int, names: list[str], tmp: Path, extra: dict | None = None) -> None:
         secret = A.new_secret()
         for r in range(world):  # one secret, one folder per rank (each writes its admin token)
             A.save_secret(tmp / f"r{r}" / "secret", secret)
@@ -121,7 +124,9 @@ class Federations:
         init = f"file://{tmp / 'rendezvous'}"
         self.procs = [
             ctx.Process(
-                target=_shard_main, args=(r, world, init, names, tmp, self.queue), daemon=True
+                target=_shard_main,
+                args=(r, world, init, names, tmp, self.queue, extra or {}),
+                daemon=True,
             )
             for r in range(world)
         ]
