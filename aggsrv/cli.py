@@ -172,7 +172,7 @@ def _connect(args: argparse.Namespace, client_id: str = "aggsrv-cli"):
     return Client(
         args.address, client_id=client_id, token=args.token, token_file=args.token_file,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        timeout=args.timeout, retries=0,
+        timeout=args.timeout, retries=0, direct_to_shards=not args.rank0_only,
     )  # fmt: skip
 
 
@@ -674,6 +674,11 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="client certificate for mutual TLS")
     p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds")
+    p.add_argument(
+        "--rank0-only", action="store_true",
+        help="a sharded server: talk to rank 0 only, which fetches the other shards' slices "
+        "(default: read them from every shard directly)",
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import pytest
 import torch
 from bitwise_diff import describe_difference
 
+from aggsrv import cli
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import auth as A
@@ -395,6 +396,13 @@ def test_relay_failure_retry_shapes_and_whole_reads(tmp_path: Path) -> None:
         half = feds.client(addresses[0], "reader", download_dtype="float16", retries=0)
         v, whole = half.get_model(job.base_version)
         assert torch.equal(whole, direct.get_model(v)[1].half().float())
+        # `aggsrv pull --rank0-only` saves the whole model read through rank 0 alone.
+        out = tmp_path / "model.pt"
+        argv = ["pull", addresses[0], "--token", feds.token("puller"), "--rank0-only"]
+        assert cli.main([*argv, "--version", str(v), "-o", str(out)]) == 0
+        pulled = torch.load(out)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in pulled.values()]),
+                           direct.get_model(v)[1])  # fmt: skip
         for c in (client, direct, half):
             c.close()
         feds.shut_down(addresses[0])
