@@ -11,14 +11,16 @@ number of status pages and operators ask each shard about once a second at most.
 
 Credentials: with ``--auth hmac`` (one secret shared by the shards) rank 0 signs a short-lived
 client token of its own; with ``--auth tokens`` it passes on the token of the GetStatus call it
-answers (the status page, which has none, then shows the other shards as refusing it).
+answers, and for the status page, which has none, a token of the tokens file
+(aggsrv.server.relay's ``service_token``). TLS as the relay's: the shards' certificates are
+checked against ``tls_client_ca`` with rank 0's own presented when that is set, else against
+rank 0's ``tls_cert`` chain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from aggsrv import protocol as P
 from aggsrv.server.auth import ROLE_CLIENT, Authenticator, HmacAuthenticator
+from aggsrv.server.relay import _channel_credentials, service_token
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 
@@ -87,16 +90,25 @@ class ShardWatch:
     async def _ask_all(self, token: str | None) -> None:
         shards = self.fed.shards
         assert shards is not None
-        token = self._token(token)
-        await asyncio.gather(
-            *(self._ask(r, shards.addresses[r], token) for r in range(1, shards.world_size))
-        )
+        ranks = range(1, shards.world_size)
+        try:
+            token = self._token(token)
+        except (OSError, ValueError) as exc:  # a tokens file that cannot be read: shown
+            for r in ranks:
+                row = self._answers.setdefault(
+                    r, pb.ShardStatus(rank=r, address=shards.addresses[r])
+                )
+                _unreachable(row, f"rank 0 has no token to ask with: {exc}")
+        else:
+            await asyncio.gather(*(self._ask(r, shards.addresses[r], token) for r in ranks))
         self._asked_at = time.monotonic()
 
     def _token(self, forwarded: str | None) -> str | None:
         if isinstance(self.auth, HmacAuthenticator):
             return self.auth.issue(PROBE_SUBJECT, ROLE_CLIENT, ttl_seconds=PROBE_TOKEN_SECONDS)
-        return forwarded if self.auth.mode != "none" else None
+        if self.auth.mode == "none":
+            return None
+        return forwarded or service_token(self.fed.config)
 
     async def _ask(self, rank: int, address: str, token: str | None) -> None:
         """Ask shard ``rank`` for its status and keep its answer, or why there was none."""
@@ -128,18 +140,11 @@ class ShardWatch:
         row.last_heard.CopyFrom(P.timestamp(self.fed.clock()))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        """A channel for one round of probes (status is asked rarely: none is kept open). With
-        TLS, the shards' certificates are checked against tls_client_ca when it is set (the
-        system's roots otherwise), and rank 0 presents its own certificate to them."""
-        cfg = self.fed.config
-        if not cfg.tls_cert:
+        """A fresh channel for one round of probes: status is asked rarely, and a kept channel
+        to a shard that restarted would wait out gRPC's reconnection backoff."""
+        creds = _channel_credentials(self.fed.config)
+        if creds is None:
             return grpc.aio.insecure_channel(address)
-        mutual = bool(cfg.tls_client_ca)
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(cfg.tls_client_ca).read_bytes() if mutual else None,
-            private_key=Path(cfg.tls_key).read_bytes() if mutual else None,
-            certificate_chain=Path(cfg.tls_cert).read_bytes() if mutual else None,
-        )
         return grpc.aio.secure_channel(address, creds)
 
     def _own_row(self) -> pb.ShardStatus:
