@@ -258,12 +258,6 @@ with Client(sys.argv[1], "c0", token=sys.argv[2], tls_ca=sys.argv[3], retries=0)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0's status probe of the other shards (aggsrv/server/shard_status.py) checks "
-    "their TLS certificates against the system's roots unless tls_client_ca is set, so with a "
-    "private CA and no mutual TLS every other shard shows unreachable (CERTIFICATE_VERIFY_FAILED)",
-)
 def test_rank0_status_reaches_the_other_shard_over_tls_with_a_private_ca(
     network: Network, tmp_path: Path
 ) -> None:
