@@ -6,9 +6,9 @@ each takes a job, then each pushes its DELTA, then one fetches the joined model.
 steps it prints one JSON line on stdout and waits for a line on stdin, so the test can read the
 hosts' byte counters while nothing moves.
 
-SPEC: address, ca (the CA's PEM), tokens ({client id: token}), shapes ([[name, shape], ...]),
-initial (a torch.save'd [D] tensor), deltas (a torch.save'd [K, D] tensor), model_out (where the
-joined model is saved).
+SPEC: address (rank 0's), direct (stream to every shard, or to rank 0 only), ca (the CA's PEM),
+tokens ({client id: token}), shapes ([[name, shape], ...]), initial (a torch.save'd [D] tensor),
+deltas (a torch.save'd [K, D] tensor), model_out (where the joined model is saved).
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ def main(spec_path: str) -> None:
     initial = torch.load(spec["initial"])
     deltas = torch.load(spec["deltas"])
     clients = [
-        Client(spec["address"], cid, token=token, tls_ca=spec["ca"], timeout=30, retries=2)
+        Client(
+            spec["address"],
+            cid,
+            token=token,
+            tls_ca=spec["ca"],
+            timeout=30,
+            retries=2,
+            direct_to_shards=spec["direct"],
+        )  # fmt: skip
         for cid, token in spec["tokens"].items()
     ]
     try:

@@ -109,7 +109,8 @@ def _start_shards(net: Network, tmp_path: Path, gloo_ifname: str | None) -> Fede
             "--dist-url", f"tcp://{hosts[0].address}:{DIST_PORT}",
             "--host", host.address, "--port", str(GRPC_PORT),
             "--shard-address", f"{host.address}:{GRPC_PORT}",
-            "--state-dir", "", "--auth", "hmac", "--auth-secret-file", str(secret),
+            "--state-dir", str(tmp_path / f"state{rank}"),
+            "--auth", "hmac", "--auth-secret-file", str(secret),
             "--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"),
             "--strategy", "fedbuff", "--device", "cpu", "--config", str(settings),
         ]  # fmt: skip
@@ -168,28 +169,37 @@ def _link_bytes(hosts: list[Host]) -> list[tuple[int, int]]:
     return [h.link_bytes() for h in hosts]
 
 
-def test_sharded_federation_on_three_hosts_joins_the_exact_model(
-    network: Network, tmp_path: Path
-) -> None:
-    """Shards on 10.231.0.2 and .3, the clients on .4: TLS, tokens, FedBuff over K one-hot
-    deltas; the joined model is exact and each shard's link took 4D/N plus little per update."""
-    fed = _start_shards(network, tmp_path, gloo_ifname="eth0")
-    _wait_listening(fed)
-    shard_hosts = [network["rank0"], network["rank1"]]
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    initial = torch.randn(D, generator=gen)
-    shard_map = ShardMap.even(D, 2)
-    cut = shard_map.bounds[1]
-    # Distinct coordinates on both sides of the cut, the two next to it among them.
+def _deltas(gen: torch.Generator, one_hot: bool) -> torch.Tensor:
+    """K deltas whose FedBuff flush is known exactly. One-hot: a random value at a coordinate of
+    each client's own, two of them beside the shards' cut. Dense: every element a nonzero
+    multiple of 1/1024 in [-1, 1], so every sum of them in float64 is exact."""
+    if not one_hot:
+        magnitudes = torch.randint(1, 1025, (CLIENTS, D), generator=gen).float() / 1024
+        signs = torch.randint(0, 2, (CLIENTS, D), generator=gen).float() * 2 - 1
+        return magnitudes * signs
+    cut = ShardMap.even(D, 2).bounds[1]
     coords = [cut - 1, cut, *random.sample(range(D), 3 * CLIENTS)]
     coords = list(dict.fromkeys(coords))[:CLIENTS]
-    values = torch.randn(CLIENTS, generator=gen)
     deltas = torch.zeros(CLIENTS, D)
-    deltas[torch.arange(CLIENTS), torch.tensor(coords)] = values
+    deltas[torch.arange(CLIENTS), torch.tensor(coords)] = torch.randn(CLIENTS, generator=gen)
+    return deltas
+
+
+def _push_deltas(
+    net: Network, fed: Federation, tmp_path: Path, *, direct: bool, one_hot: bool
+) -> list[tuple[float, float]]:
+    """K clients on the client host each push a DELTA (:func:`_deltas`), to every shard
+    (``direct``) or to rank 0 only; checks the outcomes and the joined model exactly. Per shard,
+    the (bytes in, bytes out) of its link per update while the updates were pushed."""
+    shard_hosts = [net["rank0"], net["rank1"]]
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    initial = torch.randn(D, generator=gen)
+    deltas = _deltas(gen, one_hot)
     torch.save(initial, tmp_path / "initial.pt")
     torch.save(deltas, tmp_path / "deltas.pt")
     spec = {
         "address": f"{shard_hosts[0].address}:{GRPC_PORT}",
+        "direct": direct,
         "ca": fed.ca,
         "tokens": fed.tokens,
         "shapes": SHAPES,
@@ -197,10 +207,10 @@ def test_sharded_federation_on_three_hosts_joins_the_exact_model(
         "deltas": str(tmp_path / "deltas.pt"),
         "model_out": str(tmp_path / "model.pt"),
     }
-    client = HostsClient(network["client"], spec, tmp_path)
+    client = HostsClient(net["client"], spec, tmp_path)
 
     jobs = client.expect("jobs")
-    assert jobs["bounds"] == list(shard_map.bounds)
+    assert jobs["bounds"] == (list(ShardMap.even(D, 2).bounds) if direct else None)
     assert jobs["base_versions"] == [0] * CLIENTS and jobs["weights_equal"]
     before = _link_bytes(shard_hosts)
     client.go()
@@ -216,25 +226,68 @@ def test_sharded_federation_on_three_hosts_joins_the_exact_model(
     expected = (initial.double() + deltas.double().sum(0) / CLIENTS).float()
     model = torch.load(tmp_path / "model.pt")
     assert torch.equal(model, expected), (model - expected).abs().max()
+    return [
+        ((rx1 - rx0) / CLIENTS, (tx1 - tx0) / CLIENTS)
+        for (rx0, tx0), (rx1, tx1) in zip(before, after, strict=True)
+    ]
 
-    rows = []
-    for rank, ((rx0, tx0), (rx1, tx1)) in enumerate(zip(before, after, strict=True)):
+
+def _within(measured: float, payload: int) -> bool:
+    """At least the payload, at most the payload plus the stated overheads."""
+    return payload <= measured <= payload * (1 + RELATIVE_OVERHEAD) + FIXED_OVERHEAD_BYTES
+
+
+def _report(rank: int, measured_in: float, measured_out: float, payload_in: int) -> None:
+    model_bytes = 4 * D / 2 + MODEL_HEADER_BYTES
+    print(
+        f"shard {rank}: per update in {measured_in:,.0f} B (payload {payload_in:,} B, "
+        f"+{measured_in - payload_in:,.0f} B = {100 * (measured_in / payload_in - 1):.2f}%), "
+        f"out {measured_out:,.0f} B; docs/sharding.md's 4D/N + 200 = {model_bytes:,.0f} B"
+    )
+
+
+def test_sharded_federation_on_three_hosts_joins_the_exact_model(
+    network: Network, tmp_path: Path
+) -> None:
+    """Shards on 10.231.0.2 and .3, the clients on .4: TLS, tokens, a state directory per shard,
+    FedBuff over K one-hot deltas; the joined model is exact and each shard's link took 4D/N
+    plus little per update."""
+    fed = _start_shards(network, tmp_path, gloo_ifname="eth0")
+    _wait_listening(fed)
+    measured = _push_deltas(network, fed, tmp_path, direct=True, one_hot=True)
+    shard_map = ShardMap.even(D, 2)
+    for rank, (rx, tx) in enumerate(measured):
         slice_bytes = 4 * shard_map.local_numel(rank)
-        rx, tx = (rx1 - rx0) / CLIENTS, (tx1 - tx0) / CLIENTS
-        model_bytes = 4 * D / 2 + MODEL_HEADER_BYTES
-        rows.append((rank, slice_bytes, rx, tx, model_bytes))
-        print(
-            f"shard {rank}: per update in {rx:,.0f} B (slice {slice_bytes:,} B, "
-            f"+{rx - slice_bytes:,.0f} B = {100 * (rx / slice_bytes - 1):.2f}%), "
-            f"out {tx:,.0f} B; docs/sharding.md's model 4D/N + 200 = {model_bytes:,.0f} B "
-            f"({100 * (rx / model_bytes - 1):+.2f}%)"
-        )
-    for rank, slice_bytes, rx, tx, _ in rows:
+        _report(rank, rx, tx, slice_bytes)
         # The slice crossed this shard's link once (not the whole update, not twice) ...
-        assert rx >= slice_bytes, (rank, rx, slice_bytes)
-        assert rx <= slice_bytes * (1 + RELATIVE_OVERHEAD) + FIXED_OVERHEAD_BYTES, (rank, rx)
+        assert _within(rx, slice_bytes), (rank, rx, slice_bytes)
         # ... and little went back: an answer, acknowledgements, the shards' collectives.
-        assert tx <= FIXED_OVERHEAD_BYTES + RELATIVE_OVERHEAD * slice_bytes, (rank, tx)
+        assert _within(tx, 0), (rank, tx)
+
+
+def test_a_client_that_reaches_rank0_only_goes_through_its_relay(
+    network: Network, tmp_path: Path
+) -> None:
+    """The client host has no route to shard 1 (a prohibit route): with
+    ``direct_to_shards=False`` rank 0 takes each whole update and forwards shard 1's slice, and
+    the joined model is exact. Rank 0's link takes 4D in and 4D/N out per update. The deltas are
+    dense: rank 0 forwards a slice in its smallest encoding, so one-hot ones would travel sparse
+    (a few bytes) from rank 0 to shard 1."""
+    client_host, rank1 = network["client"], network["rank1"]
+    client_host.refuse_route_to(rank1)
+    probe = client_host.run(PYTHON, "-c", _CONNECT, rank1.address, str(GRPC_PORT), "1")
+    assert probe.stdout.strip() == "EACCES"
+    fed = _start_shards(network, tmp_path, gloo_ifname="eth0")
+    _wait_listening(fed)
+    measured = _push_deltas(network, fed, tmp_path, direct=False, one_hot=False)
+    slice1 = 4 * ShardMap.even(D, 2).local_numel(1)
+    (rx0, tx0), (rx1, tx1) = measured
+    _report(0, rx0, tx0, 4 * D)
+    _report(1, rx1, tx1, slice1)
+    assert _within(rx0, 4 * D), rx0  # the whole update, once
+    assert _within(tx0, slice1), tx0  # shard 1's slice, forwarded once
+    assert _within(rx1, slice1), rx1
+    assert _within(tx1, 0), tx1
 
 
 @pytest.mark.xfail(
@@ -272,18 +325,19 @@ def test_rank0_status_reaches_the_other_shard_over_tls_with_a_private_ca(
     assert all(reachable for _, reachable, _ in rows), rows
 
 
-_PROBE = """
-import errno, json, socket, sys, time
-def connect(address, port, tries):
-    for _ in range(tries):
-        try:
-            with socket.create_connection((address, port), timeout=2) as s:
-                return s.recv(2).decode()
-        except OSError as exc:
-            if exc.errno != errno.ECONNREFUSED or tries == 1:
-                return errno.errorcode.get(exc.errno, str(exc))
-            time.sleep(0.05)
-print(json.dumps([connect(sys.argv[1], 7000, 100), connect("192.0.2.1", 9, 1)]))
+_CONNECT = """
+import errno, socket, sys, time
+address, port, tries = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for attempt in range(tries):  # a listener that is not up yet refuses: try again
+    try:
+        with socket.create_connection((address, port), timeout=2) as s:
+            print(s.recv(2).decode() or "ok")
+            break
+    except OSError as exc:
+        if exc.errno != errno.ECONNREFUSED or attempt == tries - 1:
+            print(errno.errorcode.get(exc.errno, str(exc)))
+            break
+        time.sleep(0.05)
 """
 
 
@@ -300,8 +354,10 @@ def test_hosts_reach_each_other_and_nothing_else(network: Network) -> None:
         [PYTHON, "-c", "import socket, sys; s = socket.create_server((sys.argv[1], 7000)); "
          "c, _ = s.accept(); c.sendall(b'ok')", server.address],
     )  # fmt: skip
-    said = client.run(PYTHON, "-c", _PROBE, server.address).stdout
-    assert json.loads(said) == ["ok", "ENETUNREACH"]
+    said = client.run(PYTHON, "-c", _CONNECT, server.address, "7000", "100").stdout
+    assert said.strip() == "ok"
+    said = client.run(PYTHON, "-c", _CONNECT, "192.0.2.1", "9", "1").stdout  # TEST-NET-1
+    assert said.strip() == "ENETUNREACH"
     assert listener.wait(timeout=10) == 0
     before = root_links()
     with Network(["a"]) as other:  # a second network beside the first, its links its own
