@@ -408,3 +408,37 @@ def test_relay_failure_retry_shapes_and_whole_reads(tmp_path: Path) -> None:
         feds.shut_down(addresses[0])
     finally:
         feds.close()
+
+
+def test_relay_over_tls_checks_the_shards_against_the_chain_file(tmp_path: Path) -> None:
+    """TLS without client certificates: rank 0 checks shard 1's certificate against its own
+    tls_cert file, here the server certificate followed by the CA that signed it."""
+    from tls_helpers import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    chain = tmp_path / "pki" / "chain.pem"
+    chain.write_bytes(pki.server_cert + pki.ca_cert)
+    tls = {"tls_cert": str(chain), "tls_key": pki.path("server.key")}
+    layout = _layout()
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    initial = torch.randn(layout.numel, generator=gen)
+    feds = Federations(2, ["fedasync"], tmp_path, tls)
+    try:
+        addresses = feds.next_addresses()
+        ca = pki.path("ca.pem")
+        with feds.client(addresses[0], "c0", tls_ca=ca, retries=0) as client:
+            client.register(layout=layout, initial=initial)
+            job = client.get_job()
+            delta = torch.randn(layout.numel, generator=gen)
+            assert client.push(job, delta, num_samples=3).status is Status.APPLIED
+            version, model = client.get_model()
+        with feds.client(addresses[0], "c1", direct=True, tls_ca=ca, retries=0) as direct:
+            direct.register(layout=layout)
+            assert torch.equal(direct.get_model(version)[1], model)
+        assert version == 1 and not torch.equal(model, initial)
+        admin = feds.authority.issue(A.ADMIN_SUBJECT, A.ROLE_ADMIN)
+        with Client(addresses[0], "operator", token=admin, tls_ca=ca) as op:
+            op.admin_call("Shutdown", pb.ShutdownRequest(grace_seconds=1))
+        _next(feds.queue, "calls")
+    finally:
+        feds.close()
