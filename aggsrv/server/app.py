@@ -63,6 +63,7 @@ class Server:
         self._ticker: asyncio.Task | None = None
         self._keep_alive: asyncio.Task | None = None
         self._follower: threading.Thread | None = None  # a shard of rank >= 1's aggregation
+        self._healing: asyncio.Task | None = None  # rejoining after a lost shard
 
     async def start(self) -> int:
         """Bind, start serving and return the port (the chosen one when the config says 0)."""
@@ -166,8 +167,29 @@ class Server:
     # ------------------------------------------------------------------ setup
 
     def _join_shards(self) -> None:
-        """Tell the other shards where this one answers, check they serve the same strategy,
-        and start following rank 0's calls (shards of rank >= 1)."""
+        """Meet the other shards (:meth:`_meet`) and start following rank 0's calls (shards of
+        rank >= 1)."""
+        fed = self.federation
+        shards = fed.shards
+        assert shards is not None
+        self._meet()
+        # A lost shard rejoins by itself when every shard can reload from its state directory.
+        fed.fail_stop.heals = fed.store is not None and shards.rendezvous is not None
+        self._follow()
+
+    def _follow(self) -> None:
+        fed = self.federation
+        if fed.follower:
+            fed.shard_follower.on_coordinator_stop = lambda: self.request_stop(1.0)
+            self._follower = threading.Thread(
+                target=fed.shard_follower.follow, name="aggregation", daemon=True
+            )
+            self._follower.start()
+
+    def _meet(self) -> None:
+        """Tell the other shards where this one answers, check they serve the same strategy and
+        keep the same state, and recover with them from the state directories (the same
+        collectives, in the same order, at a start and when the group formed again)."""
         cfg = self.config
         fed = self.federation
         shards = fed.shards
@@ -185,12 +207,52 @@ class Server:
             "shard %d of %d at %s; shards: %s", shards.rank, shards.world_size, address,
             ", ".join(shards.addresses),
         )  # fmt: skip
-        if fed.follower:
-            fed.shard_follower.on_coordinator_stop = lambda: self.request_stop(1.0)
-            self._follower = threading.Thread(
-                target=fed.shard_follower.follow, name="aggregation", daemon=True
-            )
-            self._follower.start()
+
+    async def _heal(self) -> None:
+        """A shard was lost (docs/sharding.md "Crashes and recovery"): leave the broken group,
+        wait until every shard is back in a new one (the lost one restarted with --resume),
+        reload this shard's state from its state directory with the others, as a restart
+        does, and take writes again. Reads answer all the while."""
+        fed = self.federation
+        shards = fed.shards
+        assert shards is not None
+        loop = asyncio.get_running_loop()
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keep_alive
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+
+        def meet_again() -> None:
+            error: BaseException | None = None
+            try:
+                if self._follower is not None:
+                    self._follower.join()  # it returns on the loss
+                shards.reform(self.stop_requested.is_set)
+                self._meet()
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+                error = exc
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+
+        # A daemon thread: a stop while the group waits for the lost shard does not wait for it.
+        threading.Thread(target=meet_again, name="shard-rejoin", daemon=True).start()
+        error = await done
+        if self.stop_requested.is_set():
+            return
+        if error is not None:
+            log.critical("shard %d could not rejoin the federation: %s", shards.rank, error)
+            fed.fail_stop.heals = False
+            self.request_stop(1.0)
+            return
+        fed.closing = False
+        fed.fail_stop.healed()
+        self._follow()
+        if shards.is_coordinator:
+            self._keep_alive = loop.create_task(fed.replication.keep_alive(fed.call))
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        fed.publication.notify()
+        log.warning("shard %d: the federation is whole again at version %d; taking writes",
+                    shards.rank, fed.version)  # fmt: skip
 
     def _shard_failed(self, reason: str) -> None:
         """(any thread: the aggregation thread notices a lost shard first)"""
@@ -202,6 +264,10 @@ class Server:
             loop.create_task(
                 self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
             )
+            if fed.fail_stop.lost_shard and fed.fail_stop.heals:
+                if self._healing is None or self._healing.done():
+                    self._healing = loop.create_task(self._heal())
+                return
             if fed.shards is not None and fed.shards.is_coordinator:
                 # Leaving the group makes the other shards' pending collectives fail now rather
                 # than at their timeout, so the whole federation stops taking writes at once.
@@ -380,9 +446,16 @@ class Server:
             self._keep_alive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keep_alive
-        if fed.shards is not None:
-            await self._leave_shards(announce=fed.shards.is_coordinator and fed.failure is None)
         final = fed.store is not None and fed.strategy is not None and fed.failure is None
+        if fed.shards is not None:
+            if final and fed.shards.is_coordinator:
+                # Every shard cuts this checkpoint at the same call: ordered before they stop.
+                try:
+                    await fed.checkpoint()
+                except Exception:
+                    log.exception("final checkpoint failed (the logs still hold every update)")
+            final = False
+            await self._leave_shards(announce=fed.shards.is_coordinator and fed.failure is None)
         await fed.close()
         if final:
             try:

@@ -42,22 +42,39 @@ class FailStop:
         # The server's: told once, on the event loop (it stops the server, or a shard's health).
         self.on_failure: Callable[[str], None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop that serves
+        # A sharded federation with state directories heals after a lost shard (the server
+        # sets this): writes stop until the group is whole again, then go on.
+        self.heals = False
+        self.lost_shard = False  # the failure is a lost shard (not a bug or a divergence)
         self._on_stop = on_stop
         self._lock = threading.Lock()
 
-    def fail(self, reason: str, exc: BaseException | None = None) -> None:
-        """Stop taking writes for good (an operator restarts with --resume); from any thread.
-        The first reason is logged once, at CRITICAL, with ``exc``'s traceback if given."""
+    def fail(
+        self, reason: str, exc: BaseException | None = None, lost_shard: bool = False
+    ) -> None:
+        """Stop taking writes (an operator restarts with --resume; a sharded federation that
+        heals goes on once a lost shard is back: ``lost_shard``); from any thread. The first
+        reason is logged once, at CRITICAL, with ``exc``'s traceback if given."""
+        heals = lost_shard and self.heals
+        if heals:
+            reason += (
+                "; the federation is not whole: writes are refused until the lost shard rejoins "
+                "(restart it with --resume; it rejoins by itself): retry in a few seconds"
+            )
         with self._lock:
             first = self.failure is None
             if first:
                 self.failure = reason
+                self.lost_shard = lost_shard
         assert self.failure is not None
         self._on_stop(self.failure)
         if not first:
             return
-        log.critical("%s; refusing all further calls (restart with --resume)", reason,
-                     exc_info=exc)  # fmt: skip
+        if heals:
+            log.critical("%s", reason)
+        else:
+            log.critical("%s; refusing all further calls (restart with --resume)", reason,
+                         exc_info=exc)  # fmt: skip
         if self.on_failure is not None:
             self.on_loop(self.on_failure, reason)
 
@@ -85,8 +102,14 @@ class FailStop:
         try:
             return fn(*args)
         except S.ShardLost as exc:
-            self.fail(str(exc))
+            self.fail(str(exc), lost_shard=True)
             raise DurabilityError(self.failure) from exc
+
+    def healed(self) -> None:
+        """The group is whole again and every shard reloaded its state: take writes again."""
+        with self._lock:
+            self.failure = None
+            self.lost_shard = False
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop: now when called there (or without a loop),

@@ -472,6 +472,8 @@ class Federation:
         decision: a slice it has no update record for was never acknowledged, and is dropped."""
         shards = self.shards
         assert shards is not None
+        store.close()  # a shard that rejoins: its log goes on in a new segment
+        self.replication.forget_pending()
         numbers = store.checkpoint_numbers() if store.has_state() else []
         payload = store.load(numbers[-1]) if numbers else None
         seq = int(payload["shard"]["seq"]) if payload is not None and payload.get("shard") else -1

@@ -245,12 +245,14 @@ def restore(fed: Any, payload: dict[str, Any]) -> None:
     )
     strategy.load_state_dict(state)
     fed.install(served, strategy)
+    fed.clients.clear()  # a shard that rejoins: the registry is the checkpoint's, then replayed
     for client_id, registered_at, labels in payload["clients"]:
         fed.restore_client(client_id, registered_at, labels)
     # Accepted and applied updates are in the log, so their counts survive any restart. Answers
     # that changed nothing (DUPLICATE, refusals) are not logged: those counters count since
     # this start (docs/operations.md), and an older checkpoint's values are not brought back.
-    fed.counters.update({k: v for k, v in payload["counters"].items() if k in DURABLE_COUNTERS})
+    for name in DURABLE_COUNTERS:  # a shard that rejoins had counted on meanwhile
+        fed.counters[name] = int(payload["counters"].get(name, 0))
 
 
 def strategy_name(name: str) -> str:

@@ -95,6 +95,13 @@ class Replication:
                 self.durable_seq = max(self.durable_seq, self._pending.popleft()[1])
         return self.durable_seq > self.durable_sent
 
+    def forget_pending(self) -> None:
+        """Recovery: the calls made before it are either in the log or gone."""
+        with self._pending_lock:
+            self._pending.clear()
+        self.announced = None
+        self._call_logged = False
+
     def announce_durable(self) -> None:
         """(aggregation thread) Tell the other shards how far rank 0's decisions are durable,
         unless an announce did already."""

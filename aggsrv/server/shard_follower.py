@@ -110,7 +110,7 @@ class ShardFollower:
             try:
                 kind, meta, durable = shards.receive()
             except S.ShardLost as exc:
-                self._fail_stop.fail(str(exc))
+                self._fail_stop.fail(str(exc), lost_shard=True)
                 return
             advanced = durable > self.rank0_durable
             self.rank0_durable = max(self.rank0_durable, durable)
@@ -156,7 +156,7 @@ class ShardFollower:
                 self._publication.record_at(seq)  # published once rank 0's record is durable
             self._replication.agree(kind, meta, refused)
         except S.ShardLost as exc:
-            fail_stop.fail(str(exc))
+            fail_stop.fail(str(exc), lost_shard=True)
             self._answer_slice(AggregationFailed(fail_stop.failure))
             raise AggregationFailed(fail_stop.failure) from exc
         except DurabilityError as exc:  # a lost shard, shards that diverged: fail() said why

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from aggsrv.server.rendezvous import Rendezvous
 from aggsrv.sharding import ShardMap, TorchReducer
 from aggsrv.strategies import InvalidUpdate, StrategyError
 
@@ -156,10 +157,14 @@ class ShardGroup:
         self.shard_map: ShardMap | None = None
         self.staged = StagedSlices()
         self.last_announce = time.monotonic()
+        # Where the shards meet again after a loss (None: torchrun's, or a group made outside).
+        self.rendezvous: Rendezvous | None = None
 
     @classmethod
     def connect(cls, config: Any) -> ShardGroup:
-        """Join the federation's process group (``config.dist_url``, or torchrun's env://)."""
+        """Join the federation's process group: at ``config.dist_url`` (rank 0's store, where
+        the shards meet again after a loss: aggsrv.server.rendezvous), or torchrun's env://
+        (torchrun restarts every shard after a loss)."""
         import torch.distributed as dist
 
         init = config.dist_url or "env://"
@@ -171,14 +176,42 @@ class ShardGroup:
         log.info(
             "shard %d of %d: joining the process group at %s", config.rank, config.shards, init
         )
-        dist.init_process_group(
-            "gloo",
-            init_method=init,
-            rank=config.rank,
-            world_size=config.shards,
-            timeout=datetime.timedelta(seconds=config.shard_timeout_seconds),
-        )
-        return cls.of(config, owned=True)
+        rendezvous = None
+        if init.startswith("tcp://"):
+            rendezvous = Rendezvous(
+                init, config.rank, config.shards, config.shard_timeout_seconds
+            )
+            rendezvous.form()
+        else:
+            dist.init_process_group(
+                "gloo",
+                init_method=init,
+                rank=config.rank,
+                world_size=config.shards,
+                timeout=datetime.timedelta(seconds=config.shard_timeout_seconds),
+            )
+        group = cls.of(config, owned=True)
+        group.rendezvous = rendezvous
+        return group
+
+    def reform(self, stop: Any) -> int:
+        """After a lost shard: leave the broken group and join the next forming of it (blocks
+        until every shard is back, retrying; ``stop()`` gives up); its epoch."""
+        rendezvous = self.rendezvous
+        assert rendezvous is not None
+        rendezvous.leave()
+        while True:
+            try:
+                epoch = rendezvous.form(stop)
+            except (RuntimeError, OSError) as exc:
+                if stop():
+                    raise
+                log.warning("shard %d: the group did not form (%s); trying again", self.rank,
+                            str(exc)[:200])  # fmt: skip
+                rendezvous.leave()
+                continue
+            self.last_announce = time.monotonic()
+            return epoch
 
     @classmethod
     def of(cls, config: Any, group: Any = None, owned: bool = False) -> ShardGroup:

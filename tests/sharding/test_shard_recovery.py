@@ -58,6 +58,7 @@ class Federation:
         self.tmp = tmp
         self.n = shards
         self.ports = [free_port() for _ in range(shards)]
+        self.url = f"tcp://127.0.0.1:{free_port()}"  # rank 0's store: where a shard rejoins
         self.settings = tmp / "shards.toml"
         self.settings.write_text(SETTINGS)
         self.procs: list = [None] * shards
@@ -67,19 +68,20 @@ class Federation:
     def address(self) -> str:
         return f"127.0.0.1:{self.ports[0]}"
 
-    def start(self, resume: bool) -> None:
-        from server_helpers import ServeProcess, free_port
+    def start(self, resume: bool, ranks: list[int] | None = None) -> None:
+        """Start the shards ``ranks`` (default all); the others, if running, wait for them."""
+        from server_helpers import ServeProcess
 
-        url = f"tcp://127.0.0.1:{free_port()}"
         self.starts += 1
-        for r in range(self.n):
+        ranks = list(range(self.n)) if ranks is None else ranks
+        for r in ranks:
             state = ["--resume" if resume else "--state-dir", str(self.tmp / f"shard{r}")]
-            args = ["--shards", str(self.n), "--rank", str(r), "--dist-url", url, *state,
+            args = ["--shards", str(self.n), "--rank", str(r), "--dist-url", self.url, *state,
                     "--strategy", "fedbuff", "--config", str(self.settings)]  # fmt: skip
             log = self.tmp / f"shard{r}-{self.starts}.log"
             self.procs[r] = ServeProcess(log, self.ports[r], *args)
-        for p in self.procs:
-            p.wait_serving(90)
+        for r in ranks:
+            self.procs[r].wait_serving(90)
 
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:
@@ -213,6 +215,73 @@ def test_random_sigkills_lose_no_acknowledged_update(tmp_path: Path, shards: int
         for t in threads:
             t.join(150)
         assert not any(t.is_alive() for t in threads), fed.logs()
+        _flush(fed.address, acked)
+        _check_exactly_once(fed, acked)
+    finally:
+        stop.set()
+        fed.close()
+
+
+def _health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+@pytest.mark.parametrize(("shards", "victim"), [(2, 1), (2, 0), (3, 2), (3, 0)])
+def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
+    tmp_path: Path, shards: int, victim: int
+) -> None:
+    """SIGKILL one shard while clients push; the others stay up (same processes), answer reads
+    and refuse writes with UNAVAILABLE and a retry hint; the killed shard alone is restarted
+    with --resume, the federation is whole again, and every acknowledged update is counted
+    exactly once."""
+    fed = Federation(tmp_path, shards)
+    acked: list[str] = []
+    stop = threading.Event()
+    try:
+        fed.start(resume=False)
+        survivors = [r for r in range(shards) if r != victim]
+        pids = {r: fed.procs[r].proc.pid for r in survivors}
+        with Client(fed.address, "init", timeout=20) as c:
+            c.register(layout=_layout(), initial=torch.zeros(D))
+        threads = [
+            threading.Thread(target=_push_until_acked,
+                             args=(f"c{i}", fed.address, 10, acked, stop))
+            for i in range(CLIENTS)
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        time.sleep(random.uniform(0.5, 1.5))
+        fed.kill([victim])
+        survivor = fed.procs[survivors[0]].address
+        deadline = time.monotonic() + 20
+        while True:  # the survivors notice at once, within a heartbeat when idle
+            with Client(survivor, "reader", timeout=5, retries=0) as op:
+                failure = op.status().failure
+            if failure or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert "not whole" in failure and "retry" in failure, failure
+        if victim != 0:  # rank 0 answers reads of its slice meanwhile; writes are refused
+            with Client(fed.address, "reader", timeout=5, retries=0) as op:
+                assert op.status().version >= 0
+                with pytest.raises(grpc.RpcError) as refused:
+                    op.register(layout=_layout())
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "retry" in refused.value.details()
+        time.sleep(random.uniform(0.0, 1.0))
+        fed.start(resume=True, ranks=[victim])
+        for t in threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in threads), fed.logs()
+        assert {r: fed.procs[r].proc.pid for r in survivors} == pids  # never restarted
+        assert all(fed.procs[r].proc.poll() is None for r in range(shards))
+        from grpc_health.v1 import health_pb2
+
+        assert _health(fed.address) == health_pb2.HealthCheckResponse.SERVING
         _flush(fed.address, acked)
         _check_exactly_once(fed, acked)
     finally:
