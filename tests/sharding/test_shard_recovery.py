@@ -287,3 +287,31 @@ def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
     finally:
         stop.set()
         fed.close()
+
+
+def test_stopping_rank_0_checkpoints_every_shard_at_the_same_call(tmp_path: Path) -> None:
+    """SIGTERM to rank 0 stops both shards cleanly (exit 0), each with a final checkpoint cut at
+    the same call; the resumed federation starts from it and goes on exactly."""
+    from aggsrv.server import durability as DUR
+
+    fed = Federation(tmp_path, 2)
+    acked: list[str] = []
+    try:
+        fed.start(resume=False)
+        with Client(fed.address, "init", timeout=20) as c:
+            c.register(layout=_layout(), initial=torch.zeros(D))
+        _push_until_acked("c0", fed.address, 6, acked, threading.Event())
+        assert fed.procs[0].terminate() == 0
+        assert fed.procs[1].proc.wait(30) == 0
+        seqs = []
+        for r in range(2):
+            number, path = DUR.latest_checkpoint(tmp_path / f"shard{r}")
+            payload = DUR.load_checkpoint(path)
+            assert payload["shard"]["rank"] == r and payload["shard"]["shards"] == 2
+            seqs.append((payload["shard"]["seq"], payload["state"]["version"]))
+        assert seqs[0] == seqs[1] and seqs[0][1] == 1  # 6 updates: one step of 4
+        fed.start(resume=True)
+        _push_until_acked("c1", fed.address, 2, acked, threading.Event())
+        _check_exactly_once(fed, acked)
+    finally:
+        fed.close()
