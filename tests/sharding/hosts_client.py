@@ -66,7 +66,9 @@ def main(spec_path: str) -> None:
         step("pushed", outcomes=[[r.status.name, r.version] for r in results])
         version, model = clients[0].get_model()
         torch.save(model, spec["model_out"])
-        step("model", version=version)
+        # Rank 0's view of every shard (it asks the others over their TLS, with its own token).
+        shards = [[r.address, r.reachable, r.error] for r in clients[0].status().shards]
+        step("model", version=version, shards=shards)
     finally:
         for client in clients:
             client.close()
