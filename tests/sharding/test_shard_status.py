@@ -7,6 +7,8 @@ unreachable and itself no longer taking writes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -22,6 +24,7 @@ from browser import headless_chromium, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import REPO, ServeProcess, free_port
 
+from aggsrv import cli
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
 from aggsrv.server import auth
@@ -46,9 +49,18 @@ def _api_status(port: int) -> dict:
         return json.load(resp)
 
 
-def _cli_status(address: str, token: str, *extra: str) -> str:
+def _cli(command: str, address: str, token: str, *extra: str) -> str:
+    """`aggsrv COMMAND ADDRESS --token TOKEN ...`'s output, run in this process (the command
+    line itself is run once, in a process of its own, by the test)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main([command, address, "--token", token, *extra]) == 0
+    return out.getvalue()
+
+
+def _cli_process(command: str, address: str, token: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "aggsrv.cli", "status", address, "--token", token, *extra],
+        [sys.executable, "-m", "aggsrv.cli", command, address, "--token", token],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -86,7 +98,8 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
 
     def shard_args(r: int) -> list[str]:
         return [
-            "--shards", "2", "--rank", str(r), "--dist-url", url, "--state-dir", "",
+            "--shards", "2", "--rank", str(r), "--dist-url", url,
+            "--state-dir", str(tmp_path / f"state{r}"),
             "--strategy", "fedasync", "--config", str(settings), "--auth", "hmac",
             "--auth-secret-file", str(secret_file), "--metrics-port", str(metrics_ports[r]),
             *(["--dashboard-port", str(dashboard_port)] if r == 0 else []),
@@ -122,19 +135,20 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
         rows = [(r.rank, r.address, (r.begin, r.end), r.version, r.reachable, r.takes_writes)
                 for r in status.shards]  # fmt: skip
         assert rows == [(r, addresses[r], slices[r], pushes, True, True) for r in range(2)]
-        assert all(r.error == "" and r.durability == "off" for r in status.shards)
+        assert all(r.error == "" and r.durability == "on" for r in status.shards)
+        assert all(r.wal_bytes > 0 for r in status.shards), status.shards  # the pushes' records
         heard = status.server_time.ToNanoseconds() - status.shards[1].last_heard.ToNanoseconds()
         assert abs(heard) < 5e9  # asked while rank 0 answered (after it read its clock)
         with Client(shards[1].address, "operator", token=admin, retries=0) as op:
             assert len(op.status().shards) == 0  # only rank 0 asks the others
 
-        text = _cli_status(shards[0].address, admin)
+        text = _cli_process("status", shards[0].address, admin)
         for r in range(2):
             line = next(ln for ln in text.splitlines() if addresses[r] in ln)
             begin, end = slices[r]
             want = [str(r), addresses[r], f"[{begin},", f"{end})", str(pushes), "yes"]
             assert line.split()[:6] == want, text
-        as_json = json.loads(_cli_status(shards[0].address, admin, "--json"))
+        as_json = json.loads(_cli("status", shards[0].address, admin, "--json"))
         assert [int(s.get("end", 0)) for s in as_json["shards"]] == [e for _, e in slices]
 
         page = _api_status(dashboard_port)["shards"]
@@ -142,6 +156,24 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
                 for s in page] == [
             (r, addresses[r], *slices[r], pushes, True) for r in range(2)
         ]  # fmt: skip
+
+        # A checkpoint rank 0 is asked for is cut at the same call on every shard: both rows
+        # name it, in every view.
+        _cli("checkpoint", shards[0].address, admin)
+
+        def checkpointed():  # shard 1 cuts it when rank 0's next message orders it
+            s = status_at(pushes)
+            done = s is not None and all(
+                r.HasField("last_checkpoint_version") and r.last_checkpoint_version == pushes
+                for r in s.shards
+            )
+            return s if done else None
+
+        _wait_for(f"both shards' checkpoints of version {pushes}", checkpointed)
+        text = _cli("status", shards[0].address, admin)
+        assert text.count(f"ckpt v{pushes}") == 2, text
+        page = _api_status(dashboard_port)["shards"]
+        assert [s["last_checkpoint"]["version"] for s in page] == [pushes] * 2
 
         # Every series of each shard carries its shard label (the restricted scrape too).
         for r, port in enumerate(metrics_ports):
@@ -194,7 +226,7 @@ def test_rank_0_shows_every_shard_and_each_shard_labels_its_metrics(tmp_path: Pa
         assert not one.takes_writes and one.error.startswith("UNAVAILABLE"), one
         assert one.version == pushes and (one.begin, one.end) == slices[1]  # as last heard
         assert zero.reachable and not zero.takes_writes and "lost" in zero.failure
-        text = _cli_status(shards[0].address, admin)
+        text = _cli("status", shards[0].address, admin)
         assert "UNREACHABLE" in text and "shard 1: unreachable: UNAVAILABLE" in text, text
         assert "REFUSED" in text.split("\n", 2)[1], text  # rank 0's own writes line
         page = _api_status(dashboard_port)["shards"]
