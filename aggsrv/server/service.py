@@ -889,6 +889,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     async def GetStatus(self, request, context):  # noqa: N802
         principal = await self._authorize(context)
         fed = self.fed
+        shard_rows = None  # rank 0 asks the other shards meanwhile (aggsrv.server.shard_status)
+        if self.shard_watch.active and not request.shard_probe:
+            token = bearer_token(context.invocation_metadata())
+            shard_rows = asyncio.ensure_future(self.shard_watch.rows(token))
         # Under differential privacy what depends on updates' values is an admin's to read
         # (aggsrv.server.disclosure); without authentication nobody is an admin.
         full = not fed.private or (principal is not None and principal.role == ROLE_ADMIN)
@@ -947,9 +951,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             shard_map = self._shard_map()
             if shard_map is not None:
                 resp.shard_map.CopyFrom(shard_map)
-            if not request.shard_probe:  # rank 0 asks the other shards (aggsrv.server.shard_status)
-                token = bearer_token(context.invocation_metadata())
-                resp.shards.extend(await self.shard_watch.rows(token))
+            if shard_rows is not None:
+                resp.shards.extend(await shard_rows)
         if fed.strategy is not None:  # set last: the layout and the snapshots are ready
             resp.layout_hash = fed.layout.hash
             resp.numel = fed.layout.whole.numel
