@@ -297,13 +297,16 @@ def test_a_client_that_reaches_rank0_only_goes_through_its_relay(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="gloo's default device is the host name's address (here 127.0.0.1): shards on "
-    "separate hosts without GLOO_SOCKET_IFNAME cannot form their group (ShardGroup.connect "
-    "should pick the interface holding the shard's own address)",
+    reason="gloo listens on the host name's address (here 127.0.0.1), so shards on separate "
+    "hosts cannot form their group without GLOO_SOCKET_IFNAME: Rendezvous._gloo_options' device "
+    "goes to init_process_group as pg_options, which torch 2.13 ignores for gloo (rank 1 fails "
+    "with 'Connection refused, remote=[127.0.0.1]'); setting GLOO_SOCKET_IFNAME to the "
+    "interface holding the address that reaches rank 0 works",
 )
 def test_shards_on_separate_hosts_form_their_group_without_gloo_socket_ifname(
     network: Network, tmp_path: Path
 ) -> None:
+    """What an operator runs: no GLOO_SOCKET_IFNAME; the shards must find their interface."""
     fed = _start_shards(network, tmp_path, gloo_ifname=None)
     _wait_listening(fed, limit=30.0)
 
