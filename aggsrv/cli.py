@@ -270,7 +270,7 @@ def format_shards(s) -> list[str]:
             heard = "now" if ago < 0.5 else f"{ago:.0f} s ago"
         else:
             heard = "never"
-        log = "off" if r.durability != "on" else f"{r.wal_bytes / 1e6:.1f} MB"
+        log = "off" if r.durability != "on" else _size(r.wal_bytes)
         if r.HasField("last_checkpoint_version"):
             log += f", ckpt v{r.last_checkpoint_version}"
         writes = "yes" if r.takes_writes else "NO" if r.reachable else "UNREACHABLE"
@@ -285,6 +285,10 @@ def format_shards(s) -> list[str]:
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in table]  # fmt: skip
     return lines + why
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

@@ -136,13 +136,17 @@ function renderShards(s) {
     r.rank, r.address, `[${r.begin}, ${r.end})`, r.version,
     r.takes_writes ? "yes" : (r.reachable ? "no" : "unreachable"),
     r.last_heard === null ? "never" : fmtAgo(s.time - r.last_heard),
-    r.durability === "on" ? `${(r.wal_bytes / 1e6).toFixed(1)} MB` +
+    r.durability === "on" ? fmtBytes(r.wal_bytes) +
       (r.last_checkpoint ? `, checkpoint v${r.last_checkpoint.version}` : "") : "off",
     r.reachable ? r.failure : r.error,
   ]));
   $("shards").querySelectorAll("tr").forEach((tr, i) => {
     if (!s.shards[i].takes_writes) tr.className = "refusing";
   });
+}
+
+function fmtBytes(n) {
+  return n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`;
 }
 
 function fmtAgo(s) {
