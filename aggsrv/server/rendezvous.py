@@ -12,9 +12,12 @@ it: the others reconnect to the store its restarted process hosts.
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable
 from urllib.parse import urlparse
@@ -67,6 +70,7 @@ class Rendezvous:
         them (call again), or when ``stop()`` says to give up."""
         import torch.distributed as dist
 
+        self._bind_gloo()
         store = self._connect(stop)
         try:
             epoch = self._next_epoch(store, stop)
@@ -81,28 +85,23 @@ class Rendezvous:
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=self.timeout),
-            pg_options=self._gloo_options(),
         )
         if self.rank == 0:
             store.set(f"formed/{epoch}", "1")
         self.epoch = epoch
         return epoch
 
-    def _gloo_options(self) -> object | None:
-        """Gloo listens on the address this machine reaches rank 0's store from (the host name
-        may resolve to a loopback address, which the other hosts cannot reach), unless
-        GLOO_SOCKET_IFNAME names the interface."""
-        import torch.distributed as dist
-
+    def _bind_gloo(self) -> None:
+        """Gloo listens on the interface this machine reaches rank 0's store through, unless
+        GLOO_SOCKET_IFNAME names one: by default it takes the address the host name resolves
+        to, often a loopback one in /etc/hosts, which the other machines cannot reach."""
         if os.environ.get("GLOO_SOCKET_IFNAME"):
-            return None
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((self.host, self.port))  # UDP: picks the route, sends nothing
-            local = probe.getsockname()[0]
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
-        return options
+            return
+        name = interface_towards(self.host, self.port)
+        if name is not None:
+            log.info("shard %d: gloo on interface %s (the route to %s)", self.rank, name,
+                     self.host)  # fmt: skip
+            os.environ["GLOO_SOCKET_IFNAME"] = name
 
     def _next_epoch(self, store: object, stop: Callable[[], bool]) -> int:
         if self.rank == 0:
@@ -122,3 +121,29 @@ class Rendezvous:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def interface_towards(host: str, port: int) -> str | None:
+    """The name of the network interface holding the address this machine reaches ``host``
+    from (a UDP connect picks the route and sends nothing); None for a loopback route or an
+    address no interface holds (IPv4)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port))
+        except OSError:
+            return None
+        local = probe.getsockname()[0]
+        if ipaddress.ip_address(local).is_loopback:
+            return None
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(answer[20:24]) == local:
+                return name
+    return None
+
+
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address

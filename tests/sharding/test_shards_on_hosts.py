@@ -295,18 +295,11 @@ def test_a_client_that_reaches_rank0_only_goes_through_its_relay(
     assert _within(tx1, 0), tx1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gloo listens on the host name's address (here 127.0.0.1), so shards on separate "
-    "hosts cannot form their group without GLOO_SOCKET_IFNAME: Rendezvous._gloo_options' device "
-    "goes to init_process_group as pg_options, which torch 2.13 ignores for gloo (rank 1 fails "
-    "with 'Connection refused, remote=[127.0.0.1]'); setting GLOO_SOCKET_IFNAME to the "
-    "interface holding the address that reaches rank 0 works",
-)
 def test_shards_on_separate_hosts_form_their_group_without_gloo_socket_ifname(
     network: Network, tmp_path: Path
 ) -> None:
-    """What an operator runs: no GLOO_SOCKET_IFNAME; the shards must find their interface."""
+    """What an operator runs: no GLOO_SOCKET_IFNAME; each shard finds the interface that routes
+    to rank 0's --dist-url host (the host name resolves to 127.0.0.1 here)."""
     fed = _start_shards(network, tmp_path, gloo_ifname=None)
     _wait_listening(fed, limit=30.0)
 
