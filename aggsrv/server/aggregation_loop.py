@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.replication import Replication
+from aggsrv.server.shards import ShardLost
 from aggsrv.strategies import ShardsDisagree, StrategyError
 
 T = TypeVar("T")
@@ -83,6 +84,9 @@ class AggregationLoop:
             announced = replication.take_announced() if replication is not None else None
             if isinstance(exc, (DurabilityError, *refusals)) or not isinstance(exc, Exception):
                 raise  # a refusal; or the log failed, and fail() said why
+            if isinstance(exc, ShardLost):  # in a sum over the shards, inside the call
+                fail_stop.fail(str(exc), lost_shard=True)
+                raise DurabilityError(fail_stop.failure) from exc
             if isinstance(exc, ShardsDisagree):
                 raise fail_stop.stop_on_divergence(exc, announced) from exc
             where = getattr(fn, "__qualname__", repr(fn))

@@ -59,6 +59,27 @@ class SliceMissing(StrategyError):
     reason = "slice_missing"
 
 
+class GroupReducer:
+    """The strategy's sum over the shards, a shard lost meanwhile raised as :class:`ShardLost`
+    (the federation then waits for it, as for a shard lost in a vote)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._inner.sum_(t)
+        except ShardLost:
+            raise
+        except RuntimeError as exc:
+            raise ShardLost(
+                f"shard {self.rank} of {self.world_size} lost the federation during a sum over "
+                f"the shards: {str(exc)[:300]}"
+            ) from exc
+
+
 @dataclass
 class StagedSlice:
     """One shard's slice of an update, waiting for rank 0 to order the update."""
@@ -152,7 +173,7 @@ class ShardGroup:
         self.heartbeat = heartbeat
         self.group = group
         self.owned = owned  # this object created the process group (close destroys it)
-        self.reducer = TorchReducer(group)
+        self.reducer = GroupReducer(TorchReducer(group))
         self.addresses: list[str] = []
         self.shard_map: ShardMap | None = None
         self.staged = StagedSlices()
