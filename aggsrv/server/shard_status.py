@@ -112,7 +112,8 @@ class ShardWatch:
 
     async def _ask(self, rank: int, address: str, token: str | None) -> None:
         """Ask shard ``rank`` for its status and keep its answer, or why there was none."""
-        row = self._answers.setdefault(rank, pb.ShardStatus(rank=rank, address=address))
+        row = self._answers.setdefault(rank, pb.ShardStatus(rank=rank))
+        row.address = address  # as the shards last exchanged them (a shard may rejoin elsewhere)
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         try:
             async with self._channel(address) as channel:
