@@ -17,9 +17,11 @@ This module imports torch and aggsrv.layout only (``torch.distributed`` when a
 
 from __future__ import annotations
 
+import base64
 import bisect
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,7 +29,10 @@ import torch
 
 from aggsrv.layout import ModelLayout, TensorSpec
 
-__all__ = ["LocalReducer", "Reducer", "ShardLayout", "ShardMap", "TorchReducer"]
+__all__ = [
+    "LocalReducer", "LoggedReducer", "Reducer", "ShardLayout", "ShardMap", "SumsMismatch",
+    "TorchReducer", "decode_sums", "encode_sums",
+]  # fmt: skip
 
 # Cuts fall on multiples of this many elements (256 bytes of float32): whole cache lines and
 # vector registers on every shard; a slice is still within ALIGN elements of D / N.
@@ -229,3 +234,91 @@ def imbalance(shard_map: ShardMap) -> float:
     sizes = [shard_map.local_numel(r) for r in range(shard_map.shards)]
     mean = shard_map.numel / shard_map.shards
     return max(sizes) / mean if mean > 0 else math.nan
+
+
+class SumsMismatch(RuntimeError):
+    """A replayed call asked for other sums than the live call reduced: the replay diverged."""
+
+
+class LoggedReducer:
+    """A shard's reducer that keeps what each sum over the shards returned, so that a shard can
+    later replay a call alone, with no other shard to sum with.
+
+    Live (:meth:`connect`), :meth:`sum_` sums through the group and keeps a copy of the result;
+    rank 0 logs a call's copies with the call's record (:meth:`take`). A sum is the same on
+    every shard, so rank 0's log holds every shard's. Replaying a call (:meth:`replaying`),
+    :meth:`sum_` hands back the logged results in order instead, and the replayed call takes the
+    same decisions bit for bit.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._inner: Reducer | None = None
+        self._kept: list[torch.Tensor] = []
+        self._logged: list[torch.Tensor] | None = None  # while replaying: what is left
+
+    def connect(self, inner: Reducer) -> None:
+        """Sum live through ``inner`` (the shards' group, once it is formed)."""
+        self._inner = inner
+
+    def take(self) -> list[torch.Tensor]:
+        """The results summed since the last take."""
+        kept, self._kept = self._kept, []
+        return kept
+
+    @contextlib.contextmanager
+    def replaying(self, results: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Within the block, sums return ``results`` in order (a logged call's); every one of
+        them must be used."""
+        if self._logged is not None:
+            raise RuntimeError("a replay is running already")
+        self._logged = list(results)
+        try:
+            yield
+            if self._logged:
+                raise SumsMismatch(
+                    f"the replayed call summed {len(results) - len(self._logged)} times over the "
+                    f"shards, the live one {len(results)} times"
+                )
+        finally:
+            self._logged = None
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        logged = self._logged
+        if logged is not None:
+            if not logged:
+                raise SumsMismatch(f"the replayed call summed a {tuple(t.shape)} tensor more "
+                                   "than the live one did")  # fmt: skip
+            result = logged.pop(0)
+            if result.shape != t.shape or result.dtype != t.dtype:
+                raise SumsMismatch(
+                    f"the replayed call summed a {t.dtype} {tuple(t.shape)} tensor where the "
+                    f"live one summed a {result.dtype} {tuple(result.shape)} one"
+                )
+            return t.copy_(result)
+        if self._inner is None:
+            raise RuntimeError("a sum over the shards before they formed their group")
+        out = self._inner.sum_(t)
+        self._kept.append(out.detach().to("cpu", copy=True))
+        return out
+
+
+def encode_sums(results: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Sums as plain JSON values (a log record's meta): [dtype, shape, base64 of the bytes]."""
+    return [
+        [str(t.dtype).removeprefix("torch."), list(t.shape),
+         base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii")]
+        for t in results
+    ]  # fmt: skip
+
+
+def decode_sums(encoded: Sequence[Sequence[Any]]) -> list[torch.Tensor]:
+    """The tensors :func:`encode_sums` wrote, bit for bit."""
+    out = []
+    for dtype_name, shape, data in encoded:
+        dtype = getattr(torch, str(dtype_name))
+        raw = bytearray(base64.b64decode(data))
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out.append(flat.reshape([int(n) for n in shape]).clone())
+    return out

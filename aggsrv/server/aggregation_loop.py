@@ -85,6 +85,7 @@ class AggregationLoop:
             if isinstance(exc, (DurabilityError, *refusals)) or not isinstance(exc, Exception):
                 raise  # a refusal; or the log failed, and fail() said why
             if isinstance(exc, ShardLost):  # in a sum over the shards, inside the call
+                fail_stop.dirty = True
                 fail_stop.fail(str(exc), lost_shard=True)
                 raise DurabilityError(fail_stop.failure) from exc
             if isinstance(exc, ShardsDisagree):

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from aggsrv.fused_dots import warm_up as warm_up_fused_dots
 from aggsrv.server import auth as A
+from aggsrv.server import shard_recovery
 from aggsrv.server.config import ServerConfig
 from aggsrv.server.dashboard.status import status_document
 from aggsrv.server.dashboard.web import DashboardServer
@@ -201,8 +202,8 @@ class Server:
         kept = json.dumps([bool(cfg.state_dir), cfg.durability])
         shards.agree(kept, "state settings (a state_dir or '', durability)")
         if fed.store is not None:
-            # Every shard at once: they replay rank 0's log in lockstep (docs/sharding.md).
-            fed.aggregation.on_aggregation_thread(fed.recover_shards, fed.store)
+            # Every shard at rank 0's state: those behind recover alone (docs/sharding.md).
+            fed.aggregation.on_aggregation_thread(shard_recovery.sync, fed, fed.store)
         log.info(
             "shard %d of %d at %s; shards: %s", shards.rank, shards.world_size, address,
             ", ".join(shards.addresses),

@@ -60,6 +60,9 @@ class Checkpoints:
         # Rank 0 of a sharded federation: orders every shard's cut at the call about to be cut
         # (called with the checkpoint's number, on the aggregation thread, before the cut).
         self.order_cut: Callable[[int], None] | None = None
+        # A sharded federation's, on the aggregation thread right after each cut (the payload
+        # taken): every shard's strategy then is what a restart from that checkpoint loads.
+        self.after_cut: Callable[[dict[str, Any]], None] | None = None
         # Whether this process decides when to checkpoint (not a shard of rank >= 1).
         self.decides = True
         # A shard of rank >= 1 writes the checkpoints rank 0 orders here, one at a time.
@@ -72,8 +75,10 @@ class Checkpoints:
 
     def begin(self) -> None:
         """The first checkpoint of a fresh federation (its model just adopted), then the log."""
-        info = self.store.begin(self._state)
+        info, payload = self.store.begin(self._state)
         self.last_checkpoint = (info.version, self._clock())
+        if self.after_cut is not None:
+            self.after_cut(payload)
 
     def resumed(self, version: int, created_at: float, updates: int) -> None:
         """Recovery loaded the checkpoint of ``version`` written at ``created_at`` and replayed
@@ -112,6 +117,8 @@ class Checkpoints:
         if self.order_cut is not None:
             self.order_cut(number)
         number, payload = self.store.cut(self._state, number)
+        if self.after_cut is not None:
+            self.after_cut(payload)
         self._call_log.count_updates_from(0)
         return number, payload
 
@@ -122,6 +129,8 @@ class Checkpoints:
         if store is None:
             return
         number, payload = store.cut(self._state, int(meta["number"]))
+        if self.after_cut is not None:
+            self.after_cut(payload)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
 

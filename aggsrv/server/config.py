@@ -246,6 +246,11 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"need 0 <= rank < shards, got {self.rank} of {self.shards}")
         if self.shards == 1:
             return
+        if self.state_dir and self.durability == "off":
+            raise ValueError(
+                "a sharded server with a state_dir keeps its write-ahead log (durability = 'on'): "
+                "a shard recovers from its checkpoint and rank 0's log of the calls after it"
+            )
         if self.state_dir and self.checkpoint_keep < 2:
             raise ValueError(
                 "a sharded server keeps at least 2 checkpoints (checkpoint_keep >= 2): a shard "

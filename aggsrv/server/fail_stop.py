@@ -46,6 +46,9 @@ class FailStop:
         # sets this): writes stop until the group is whole again, then go on.
         self.heals = False
         self.lost_shard = False  # the failure is a lost shard (not a bug or a divergence)
+        # A shard was lost in the middle of a call here: this shard's state may be half-changed
+        # (it recovers from its state directory when the group forms again).
+        self.dirty = False
         self._on_stop = on_stop
         self._lock = threading.Lock()
 

@@ -44,7 +44,7 @@ from aggsrv.server.disclosure import public_refusals
 from aggsrv.server.durability import WalRecord
 from aggsrv.server.fail_stop import AggregationFailed, DurabilityError, FailStop
 from aggsrv.server.metrics import SLOWEST, ClientsNow, ServerMetrics
-from aggsrv.server.persistence import RecoveryError, StateStore, check_shard, restore
+from aggsrv.server.persistence import RecoveryError, StateStore, restore
 from aggsrv.server.publication import Publication
 from aggsrv.server.replication import Replication
 from aggsrv.server.shard_follower import ShardFollower
@@ -57,7 +57,7 @@ from aggsrv.server.versions import (
     needs_host_copy,
     to_host,
 )
-from aggsrv.sharding import ShardLayout, ShardMap
+from aggsrv.sharding import LoggedReducer, ShardLayout, ShardMap, decode_sums, encode_sums
 from aggsrv.strategies import (
     Job,
     Outcome,
@@ -70,6 +70,7 @@ from aggsrv.strategies import (
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.strategies.privacy import PrivacyBudgetSpent
+from aggsrv.strategies.saved_state import load_state
 from aggsrv.transport import StagingSlot
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ __all__ = [
 ]  # fmt: skip
 
 T = TypeVar("T")
+
+# The logged calls of a sharded rank 0 whose records carry their sums over the shards.
+SUMMED_KINDS = ("register", "job", "timer", "update")
 
 # How often a released staging slot asks whether the device copies out of it are done.
 SLOT_POLL_SECONDS = 0.001
@@ -172,6 +176,12 @@ class Federation:
             self.call_log.durable_lsn,
         )  # fmt: skip
         self._durable_notice: asyncio.Task | None = None
+        # A shard's sums over the shards, kept so that a shard can replay a call alone (rank 0
+        # logs them with each call), and its slice of the model once it has one.
+        self.sums = LoggedReducer(config.rank, config.shards) if config.shards > 1 else None
+        self.replication.sums = self.sums
+        self.shard_map: ShardMap | None = None
+        self._highest_call = 0  # the highest call number this shard has seen
         self.versions = RetainedVersions(config.retained_versions, clock, strategy)
         self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
         self.publication = Publication(
@@ -186,6 +196,8 @@ class Federation:
             self.publication, self.replay, self._adopt_slice, self.count_outcome,
             self._prepare_slice, self.checkpoints.cut_ordered,
         )  # fmt: skip
+        if self.sums is not None:
+            self.checkpoints.after_cut = self._after_cut
 
     @property
     def shards(self) -> S.ShardGroup | None:
@@ -197,12 +209,31 @@ class Federation:
     def shards(self, shards: S.ShardGroup | None) -> None:
         self.replication.shards = shards
         self.shard_follower.shards = shards
+        if shards is not None:
+            if self.sums is not None:
+                self.sums.connect(shards.reducer)
+            if self.shard_map is not None:
+                shards.shard_map = self.shard_map
         # Only the shards of a sharded federation agree on each call.
         self.aggregation.replication = self.replication if shards is not None else None
         # Rank 0 decides when every shard checkpoints, and at which call.
         coordinator = shards is None or shards.is_coordinator
         self.checkpoints.decides = coordinator
         self.checkpoints.order_cut = self._order_cut if shards is not None and coordinator else None
+
+    def _after_cut(self, payload: dict[str, Any]) -> None:
+        """(aggregation thread, every shard at the same call) Right after a checkpoint's state
+        was taken, load it back into the live strategy: what it derives at a load (bounds,
+        caches) is then the same live as in a shard restarted from this checkpoint, so the shard
+        replays the calls after it with the same sums over the shards as the live ones made.
+        Rank 0 logs the sums the load made ("cut" record): a shard restarted alone loads the
+        checkpoint with them."""
+        strategy = self.strategy
+        assert strategy is not None and self.sums is not None
+        load_state(strategy, payload["state"])
+        if not self.follower and self.config.rank == 0:
+            meta = {"seq": payload["shard"]["seq"], "sums": encode_sums(self.sums.take())}
+            self.call_log.append("cut", meta, None, strategy.jobs_issued)
 
     def _order_cut(self, number: int) -> None:
         """(aggregation thread of rank 0) Every shard checkpoints at the call about to be
@@ -304,6 +335,9 @@ class Federation:
         """(aggregation thread) Log a call that changed the strategy's state, after which the
         strategy has issued ``jobs_issued`` jobs; its LSN. A version the call made is published
         once the record is durable."""
+        if self.sums is not None and kind in SUMMED_KINDS:
+            # The call's sums over the shards: any shard replays it alone with them.
+            meta = {**meta, "sums": encode_sums(self.sums.take())}
         lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
         self.publication.record_at(lsn)
         if self.shards is not None:
@@ -365,7 +399,17 @@ class Federation:
     def replay(self, record: WalRecord) -> None:
         """Repeat one logged call with its logged inputs: recovery replays the log with it, and a
         shard of rank >= 1 follows rank 0's calls with it. Called on the aggregation thread,
-        before the server serves or in the follower's order, never beside another call."""
+        before the server serves or in the follower's order, never beside another call. A
+        sharded call's sums over the shards come from its record when it has them (a shard
+        replaying alone), else from the group (a shard following rank 0)."""
+        sums = record.meta.get("sums")
+        if self.sums is not None and sums is not None:
+            with self.sums.replaying(decode_sums(sums)):
+                self._replay_call(record)
+        else:
+            self._replay_call(record)
+
+    def _replay_call(self, record: WalRecord) -> None:
         strategy = self.strategy
         assert strategy is not None
         m = record.meta
@@ -464,99 +508,29 @@ class Federation:
         )  # fmt: skip
         return replayed
 
-    def recover_shards(self, store: StateStore) -> int:
-        """Every shard of a sharded federation at once, on its aggregation thread, the group
-        formed (docs/sharding.md "Recovery"): load the newest checkpoint every shard holds (they
-        are cut at the same call), then replay rank 0's log after it in lockstep, each shard
-        with its own slices of the updates; the number of records replayed. Rank 0's log is the
-        decision: a slice it has no update record for was never acknowledged, and is dropped."""
-        shards = self.shards
-        assert shards is not None
-        store.close()  # a shard that rejoins: its log goes on in a new segment
+    def call_number(self) -> int:
+        """A shard's number of the last call it made, in rank 0's order."""
+        return self.replication.seq if self.config.rank == 0 else self.shard_follower.applied_seq
+
+    def note_call_number(self, number: int, made: bool = False) -> None:
+        """A shard saw call ``number`` (a slice prepared for it), or made it (``made``)."""
+        self._highest_call = max(self._highest_call, number)
+        if made and self.config.rank == 0:
+            self.replication.seq = number
+        elif made:
+            self.shard_follower.applied_seq = number
+
+    def highest_call_number(self) -> int:
+        return max(self._highest_call, self.call_number())
+
+    def resume_numbering(self, top: int) -> None:
+        """After recovery: every shard is at rank 0's state, everything in it durable, and the
+        next call rank 0 orders is numbered ``top + 1``."""
         self.replication.forget_pending()
-        numbers = store.checkpoint_numbers() if store.has_state() else []
-        payload = store.load(numbers[-1]) if numbers else None
-        seq = int(payload["shard"]["seq"]) if payload is not None and payload.get("shard") else -1
-        if payload is not None:
-            check_shard(payload.get("shard"), shards.rank, shards.world_size)
-        seqs = shards.gather(seq)
-        if max(seqs) < 0:
-            return 0  # a fresh federation: nothing to recover
-        if min(seqs) < 0:
-            empty = ", ".join(str(r) for r, q in enumerate(seqs) if q < 0)
-            raise RecoveryError(
-                f"shard {empty} has no checkpoint in its state directory while the others "
-                "resume: every shard needs its own state directory of the same run (restore it "
-                "from a backup), or start the whole federation afresh with empty ones"
-            )
-        common = min(seqs)
-        number = numbers[-1]
-        if seq != common:  # a checkpoint the other shards did not finish: the one before
-            older = [n for n in numbers[:-1] if n < number]
-            payload = store.load(older[-1]) if older else None
-            number = older[-1] if older else number
-            if payload is None or int(payload["shard"]["seq"]) != common:
-                raise RecoveryError(
-                    f"shard {shards.rank} holds no checkpoint at call {common}, the newest every "
-                    "shard has: the shards' state directories are not of the same run"
-                )
-        assert payload is not None
-        restore(self, payload)
-        strategy = self.strategy
-        assert strategy is not None
-        own: list[WalRecord] = []
-        slices: dict[int, WalRecord] = {}
-        if self.follower:  # its slices, by the number of the call they were prepared for
-            slices = {int(r.meta["seq"]): r for _, r in store.records(number)
-                      if r.kind == "slice"}  # fmt: skip
-        else:
-            own = [r for _, r in store.records(number)]
-        calls = shards.share_calls([(r.kind, r.meta) for r in own] if own or not self.follower
-                                   else None)  # fmt: skip
-        sink = strategy.event_sink
-        strategy.event_sink = getattr(sink, "quietly", None)
-        last = common
-        try:
-            for i, (kind, meta) in enumerate(calls):
-                record = own[i] if not self.follower else WalRecord(kind, meta)
-                if kind == "update" and self.follower:
-                    prepared = slices.get(int(meta["seq"]))
-                    if prepared is None:
-                        raise RecoveryError(
-                            f"rank 0 applied update {meta['update_id']!r} (call {meta['seq']}) "
-                            f"but shard {shards.rank} has no slice of it in its log"
-                        )
-                    record = WalRecord(kind, meta, prepared.tensors)
-                try:
-                    self.replay(record)
-                except RecoveryError:
-                    raise
-                except Exception as exc:
-                    raise RecoveryError(
-                        f"replaying rank 0's record {i} ({kind}, call {meta.get('seq')}) on "
-                        f"shard {shards.rank} diverged from the log: {exc}"
-                    ) from exc
-                last = max(last, int(meta.get("seq", last)))
-        finally:
-            strategy.event_sink = sink
-        rows = shards.compare(S.call_digest(strategy, False) + [last])
-        if rows is not None:
-            raise RecoveryError(f"the shards disagree after recovery: {S.divergence(rows)}")
-        # Calls are numbered on from the highest number any shard has seen (a slice prepared
-        # for a call rank 0 lost keeps its number to itself).
-        top = max(shards.gather(max([last, *slices])))
-        self.replication.seq = top
-        self.replication.durable_seq = self.replication.durable_sent = top
+        self.replication.seq = self.replication.durable_seq = top
+        self.replication.durable_sent = top
         self.shard_follower.applied_seq = self.shard_follower.rank0_durable = top
-        self.publish_recovered()
-        store.reopen(number)
-        version = int(payload["state"]["version"])
-        self.checkpoints.resumed(version, float(payload["created_at"]), len(calls))
-        log.info(
-            "shard %d resumed from checkpoint %d at call %d: version %d after replaying %d of "
-            "rank 0's records", shards.rank, number, common, self.version, len(calls),
-        )  # fmt: skip
-        return len(calls)
+        self._highest_call = top
 
     def publish_recovered(self) -> None:
         """After recovery replayed the log (all of it durable): publish the state reached."""
@@ -732,22 +706,25 @@ class Federation:
     def served_layout(self, layout: ModelLayout) -> tuple[ModelLayout, Any]:
         """The layout this process serves of the whole model ``layout`` (a shard's slice) and
         the reducer its strategy sums partial results with (None: one server)."""
-        if self.shards is None:
+        cfg = self.config
+        if cfg.shards == 1:
             return layout, None
-        shard_map = ShardMap.even(layout.numel, self.shards.world_size)
-        self.shards.shard_map = shard_map
-        return ShardLayout(layout, shard_map, self.shards.rank), self.shards.reducer
+        shard_map = ShardMap.even(layout.numel, cfg.shards)
+        self.shard_map = shard_map
+        if self.shards is not None:
+            self.shards.shard_map = shard_map
+        return ShardLayout(layout, shard_map, cfg.rank), self.sums
 
     def shard_state(self) -> dict[str, Any] | None:
         """What a checkpoint of a shard says of it: its rank among how many shards, the slices'
         bounds, and the number of the last call it made in rank 0's order (None: one server)."""
-        shards = self.shards
-        if shards is None or shards.shard_map is None:
+        cfg = self.config
+        if cfg.shards == 1 or self.shard_map is None:
             return None
-        seq = self.replication.seq if not self.follower else self.shard_follower.applied_seq
+        seq = self.replication.seq if cfg.rank == 0 else self.shard_follower.applied_seq
         return {
-            "rank": shards.rank, "shards": shards.world_size,
-            "bounds": list(shards.shard_map.bounds), "seq": seq,
+            "rank": cfg.rank, "shards": cfg.shards, "bounds": list(self.shard_map.bounds),
+            "seq": seq,
         }  # fmt: skip
 
     def _adopt_slice(self, whole: ModelLayout, weights: torch.Tensor) -> None:
@@ -765,6 +742,7 @@ class Federation:
         wal = self.call_log.wal
         if wal is None:
             return
+        self.note_call_number(int(meta["seq"]))
         record = {"seq": meta["seq"], "client": update.client_id, "update_id": update.update_id}
         tensors = {"update": update.tensor.detach().cpu()}
         try:

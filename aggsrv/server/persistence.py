@@ -94,13 +94,15 @@ class StateStore:
 
     # ------------------------------------------------------------------ writing
 
-    def begin(self, fed: Any) -> CheckpointInfo:
-        """The first checkpoint of a fresh federation (its model just adopted), then the log."""
+    def begin(self, fed: Any) -> tuple[CheckpointInfo, dict[str, Any]]:
+        """The first checkpoint of a fresh federation (its model just adopted), then the log;
+        the checkpoint written and its payload."""
         self.directory.mkdir(parents=True, exist_ok=True)
         number = max([n for n, _ in D.list_segments(self.directory)], default=0) + 1
-        info = self.write(number, snapshot(fed))
+        payload = snapshot(fed)
+        info = self.write(number, payload)
         self._open_log(number)
-        return info
+        return info, payload
 
     def _open_log(self, number: int) -> None:
         self.segment = number

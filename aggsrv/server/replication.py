@@ -40,6 +40,7 @@ class Replication:
         after it is made); ``written_lsn`` and ``durable_lsn``: how far rank 0's log is written
         and fsynced."""
         self.shards: S.ShardGroup | None = None  # set by the server before it serves
+        self.sums: Any = None  # the federation's LoggedReducer: a call's sums are its own
         self._strategy = strategy
         self._fail_stop = fail_stop
         self._closing = closing
@@ -69,6 +70,8 @@ class Replication:
             self.seq += 1
             meta["seq"] = self.seq
             self._call_logged = False
+            if self.sums is not None:
+                self.sums.take()  # sums made between calls are no call's
         self.mark_durable(self._durable_lsn())
         self._fail_stop.collective(shards.announce, kind, meta, self.durable_seq)
         self.durable_sent = max(self.durable_sent, self.durable_seq)

@@ -155,7 +155,8 @@ class ShardFollower:
             if seq:
                 self._publication.record_at(seq)  # published once rank 0's record is durable
             self._replication.agree(kind, meta, refused)
-        except S.ShardLost as exc:
+        except S.ShardLost as exc:  # in a sum over the shards: the call may be half made
+            fail_stop.dirty = True
             fail_stop.fail(str(exc), lost_shard=True)
             self._answer_slice(AggregationFailed(fail_stop.failure))
             raise AggregationFailed(fail_stop.failure) from exc

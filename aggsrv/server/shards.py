@@ -286,12 +286,18 @@ class ShardGroup:
         self._collective("recovery", self._dist.all_reduce, out)
         return [int(v) for v in out.tolist()]
 
-    def share_calls(self, calls: list[tuple[str, dict[str, Any]]] | None) -> list[Any]:
-        """Rank 0's logged calls (kind, meta) after the checkpoint recovery starts from, sent
-        to every shard (recovery; the others pass None)."""
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every shard's ``value`` (picklable), in rank order (recovery)."""
+        out: list[Any] = [None] * self.world_size
+        self._collective("recovery", self._dist.all_gather_object, out, value)
+        return out
+
+    def share_calls(self, calls: Any) -> Any:
+        """Rank 0's log (aggsrv.server.shard_recovery.Rank0Log, without its slices), sent to
+        every shard (recovery; the others pass None)."""
         box: list[Any] = [calls]
         self._collective("sending rank 0's log", self._dist.broadcast_object_list, box, 0)
-        return list(box[0])
+        return box[0]
 
     # ------------------------------------------------------------------ the replicated log
 

@@ -188,3 +188,29 @@ def test_stopping_rank_0_checkpoints_every_shard_at_the_same_call(tmp_path: Path
         check_exactly_once(fed, acked)
     finally:
         fed.close()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_shards_that_were_not_lost_keep_their_state(tmp_path: Path, victim: int) -> None:
+    """A shard lost between two calls: the others keep their state as it is (they load nothing
+    from disk; their logs say no 'resumed'), the restarted shard alone loads its checkpoint and
+    replays rank 0's calls after it, and the federation goes on exactly."""
+    fed = ShardProcesses(tmp_path, 3)
+    acked: list[str] = []
+    try:
+        fed.start(resume=False)
+        with Client(fed.address, "init", timeout=20) as c:
+            c.register(layout=layout(), initial=torch.zeros(D))
+        push_until_acked("c0", fed.address, 9, acked, threading.Event())  # past a checkpoint
+        fed.kill([victim])
+        fed.start(resume=True, ranks=[victim])
+        push_until_acked("c1", fed.address, 3, acked, threading.Event())
+        flush(fed.address, acked)
+        check_exactly_once(fed, acked)
+        for r in range(3):
+            text = (tmp_path / f"shard{r}-1.log").read_text()
+            assert "resumed from checkpoint" not in text, (r, text[-2000:])
+        rejoined = (tmp_path / f"shard{victim}-2.log").read_text()
+        assert f"shard {victim} resumed from checkpoint" in rejoined, rejoined[-2000:]
+    finally:
+        fed.close()
