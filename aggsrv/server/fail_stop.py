@@ -52,9 +52,7 @@ class FailStop:
         self._on_stop = on_stop
         self._lock = threading.Lock()
 
-    def fail(
-        self, reason: str, exc: BaseException | None = None, lost_shard: bool = False
-    ) -> None:
+    def fail(self, reason: str, exc: BaseException | None = None, lost_shard: bool = False) -> None:
         """Stop taking writes (an operator restarts with --resume; a sharded federation that
         heals goes on once a lost shard is back: ``lost_shard``); from any thread. The first
         reason is logged once, at CRITICAL, with ``exc``'s traceback if given."""

@@ -199,9 +199,7 @@ class ShardGroup:
         )
         rendezvous = None
         if init.startswith("tcp://"):
-            rendezvous = Rendezvous(
-                init, config.rank, config.shards, config.shard_timeout_seconds
-            )
+            rendezvous = Rendezvous(init, config.rank, config.shards, config.shard_timeout_seconds)
             rendezvous.form()
         else:
             dist.init_process_group(
