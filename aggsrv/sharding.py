@@ -251,9 +251,11 @@ class LoggedReducer:
     same decisions bit for bit.
     """
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, keep: bool = True) -> None:
+        """``keep``: keep the results (rank 0, which logs them); the other shards need not."""
         self.rank = rank
         self.world_size = world_size
+        self.keep = keep
         self._inner: Reducer | None = None
         self._kept: list[torch.Tensor] = []
         self._logged: list[torch.Tensor] | None = None  # while replaying: what is left
@@ -300,7 +302,8 @@ class LoggedReducer:
         if self._inner is None:
             raise RuntimeError("a sum over the shards before they formed their group")
         out = self._inner.sum_(t)
-        self._kept.append(out.detach().to("cpu", copy=True))
+        if self.keep:
+            self._kept.append(out.detach().to("cpu", copy=True))
         return out
 
 

@@ -178,7 +178,10 @@ class Federation:
         self._durable_notice: asyncio.Task | None = None
         # A shard's sums over the shards, kept so that a shard can replay a call alone (rank 0
         # logs them with each call), and its slice of the model once it has one.
-        self.sums = LoggedReducer(config.rank, config.shards) if config.shards > 1 else None
+        self.sums = (
+            LoggedReducer(config.rank, config.shards, keep=config.rank == 0)
+            if config.shards > 1 else None
+        )  # fmt: skip
         self.replication.sums = self.sums
         self.shard_map: ShardMap | None = None
         self._highest_call = 0  # the highest call number this shard has seen
@@ -231,7 +234,7 @@ class Federation:
         strategy = self.strategy
         assert strategy is not None and self.sums is not None
         load_state(strategy, payload["state"])
-        if not self.follower and self.config.rank == 0:
+        if self.config.rank == 0:
             meta = {"seq": payload["shard"]["seq"], "sums": encode_sums(self.sums.take())}
             self.call_log.append("cut", meta, None, strategy.jobs_issued)
 
@@ -337,7 +340,9 @@ class Federation:
         once the record is durable."""
         if self.sums is not None and kind in SUMMED_KINDS:
             # The call's sums over the shards: any shard replays it alone with them.
-            meta = {**meta, "sums": encode_sums(self.sums.take())}
+            sums = self.sums.take()
+            if self.call_log.wal is not None:
+                meta = {**meta, "sums": encode_sums(sums)}
         lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
         self.publication.record_at(lsn)
         if self.shards is not None:
