@@ -409,8 +409,11 @@ class Strategy(ABC, Generic[Config]):
         if model is not self._model:
             self._check_version(model)
         pending = self.float_buffers.pending
-        if pending is not None:
-            self._require_finite(pending, "the next version of the float buffers")
+        # Sharded, the float buffers live on rank 0 only, but the check's reduce is a collective:
+        # every shard joins it whenever the model has float buffers (0 bad values elsewhere).
+        if pending is not None or (self.reduce is not None and self.layout.whole.buffer_numel):
+            held = pending if pending is not None else torch.empty(0)
+            self._require_finite(held, "the next version of the float buffers")
         if model is not self._model:
             self._versions.retire(self._model)
         self._model = model

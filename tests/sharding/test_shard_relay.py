@@ -412,30 +412,40 @@ def test_relay_failure_retry_shapes_and_whole_reads(tmp_path: Path) -> None:
 
 def test_relay_over_tls_checks_the_shards_against_the_chain_file(tmp_path: Path) -> None:
     """TLS without client certificates: rank 0 checks shard 1's certificate against its own
-    tls_cert file, here the server certificate followed by the CA that signed it."""
+    tls_cert file, here the server certificate followed by the CA that signed it. The model
+    has float buffers (BatchNorm statistics), which live on rank 0 whole: a relayed update
+    carries them, and the whole job and model from rank 0 hold them."""
     from tls_helpers import make_pki
 
     pki = make_pki(tmp_path / "pki")
     chain = tmp_path / "pki" / "chain.pem"
     chain.write_bytes(pki.server_cert + pki.ca_cert)
     tls = {"tls_cert": str(chain), "tls_key": pki.path("server.key")}
-    layout = _layout()
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    initial = torch.randn(layout.numel, generator=gen)
+    torch.manual_seed(random.randrange(1 << 30))
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.BatchNorm1d(30),
+                                torch.nn.Linear(30, 5))  # fmt: skip
+    layout = ModelLayout.from_module(model)
+    assert layout.buffer_numel > 0
     feds = Federations(2, ["fedasync"], tmp_path, tls)
     try:
         addresses = feds.next_addresses()
         ca = pki.path("ca.pem")
         with feds.client(addresses[0], "c0", tls_ca=ca, retries=0) as client:
-            client.register(layout=layout, initial=initial)
+            client.register(model)
+            initial = client.get_model(include_buffers=True)
             job = client.get_job()
-            delta = torch.randn(layout.numel, generator=gen)
-            assert client.push(job, delta, num_samples=3).status is Status.APPLIED
-            version, model = client.get_model()
+            assert torch.equal(job.weights, initial[1]) and torch.equal(job.buffers, initial[2])
+            delta = torch.randn(layout.numel)
+            buffers = torch.rand(layout.buffer_numel) + 0.5  # running_var stays positive
+            answer = client.push(job, delta, num_samples=3, buffers=buffers)
+            assert answer.status is Status.APPLIED
+            version, weights, held = client.get_model(include_buffers=True)
         with feds.client(addresses[0], "c1", direct=True, tls_ca=ca, retries=0) as direct:
-            direct.register(layout=layout)
-            assert torch.equal(direct.get_model(version)[1], model)
-        assert version == 1 and not torch.equal(model, initial)
+            direct.register(model)
+            _, want, want_held = direct.get_model(version, include_buffers=True)
+        assert torch.equal(weights, want) and torch.equal(held, want_held)
+        assert version == 1 and not torch.equal(weights, initial[1])
+        assert not torch.equal(held, initial[2])
         admin = feds.authority.issue(A.ADMIN_SUBJECT, A.ROLE_ADMIN)
         with Client(addresses[0], "operator", token=admin, tls_ca=ca) as op:
             op.admin_call("Shutdown", pb.ShutdownRequest(grace_seconds=1))
