@@ -3,7 +3,7 @@ a client's push latency against `aggsrv serve --shards 2` with and without state
 loopback, interleaved in one run, with the fsyncs and log bytes per update on each shard and the
 commit's steps timed inside the server processes.
 
-Run: `pytest bench/test_bench_shard_commit.py --benchmark-only -s` (about 2 minutes at scale 1;
+Run: `pytest bench/test_bench_shard_commit.py --benchmark-only -s` (3-5 minutes at scale 1;
 the logs go to a temporary directory on the disk that holds /tmp, about 1.5 GB per case at D =
 4M, deleted afterwards). `AGGSRV_BENCH_SCALE=0.01` for a smoke run.
 
@@ -50,10 +50,11 @@ fsync), rank 0's own record (write, then fsync), the durable notice (from rank 0
 follower releasing its answer), and the client's end.
 
 Before the servers start, about the bytes the run will write are touched and freed in the pytest
-process (see PREFAULT: this VM backs guest memory at its first touch, at 0.22 GB/s, so a growing
-log's page cache on fresh memory made each 8.4 MB `write()` 16-30 ms instead of 1.7 ms);
-`AGGSRV_BENCH_PREFAULT=0` measures the cold case. Effective GB/s = 4D bytes / median push. The five server processes and the client share this
-machine's 2 cores and one disk: no target is asserted (they are shown).
+process (see PREFAULT: this VM backs guest memory at its first touch, at 0.22 GB/s, and a growing
+log's page cache takes fresh pages); `AGGSRV_BENCH_PREFAULT=0` measures the cold case.
+
+Effective GB/s = 4D bytes / median push. The five (seven) server processes and the client share
+this machine's 2 cores and one disk: no target is asserted (they are shown).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ SEED = 20261129
 PROBE = Path(__file__).resolve().parent / "shard_commit_probe.py"
 BEFORE = os.environ.get("AGGSRV_BENCH_BEFORE", "")
 # Fresh guest memory: this VM backs a page the first time it is touched (0.22 GB/s measured here,
-# 7 GB/s for memory touched before), and a growing log's page cache takes fresh pages. Touching
-# (then freeing) about what the run will write first gives the logs pages backed already: the
-# steady state of a server whose memory has been used. AGGSRV_BENCH_PREFAULT=0: cold pages.
+# 7 GB/s for memory touched before, by any process), and a growing log's page cache takes fresh
+# pages. Touching (then freeing) about what the run will write first gives the logs pages backed
+# already, as on a server whose memory has been used. AGGSRV_BENCH_PREFAULT=0: cold pages. (On
+# 2026-11-29, at load 11-23, the 8.4 MB appends took ~17 ms either way: see bench/README.md.)
 PREFAULT = os.environ.get("AGGSRV_BENCH_PREFAULT", "1") != "0"
 TARGET_ADDED_S = 0.002  # the commit's added latency per update at D = 4M on 2 shards
 SYNCS = ("fdatasync", "fsync")
