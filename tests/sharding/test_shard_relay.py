@@ -302,6 +302,19 @@ def test_clients_of_rank_0_only_equal_one_server(world: int, tmp_path: Path) -> 
         feds.close()
 
 
+def _until_uploads(feds: Federations, address: str, count: int, limit: float = 20.0) -> None:
+    """Wait until the shard at ``address`` has ``count`` uploads in progress."""
+    give_up = time.monotonic() + limit
+    while _status(feds, address).uploads_in_progress != count:
+        assert time.monotonic() < give_up, f"{address} never had {count} uploads in progress"
+        time.sleep(0.05)
+
+
+def _status(feds: Federations, address: str) -> pb.StatusResponse:
+    with feds.client(address, "operator", retries=0) as op:
+        return op.status()
+
+
 def _stalled_slice(feds: Federations, address: str, job, layout, update_id: str, rank: int,
                    shard_map) -> tuple[Any, threading.Event]:  # fmt: skip
     """A direct upload of slice ``rank`` that sends its header and stops: the shard holds the
@@ -347,7 +360,7 @@ def test_relay_failure_retry_shapes_and_whole_reads(tmp_path: Path) -> None:
         assert torch.equal(job.weights, initial)
         # Shard 1 holds "u-x" as being uploaded (a stalled direct slice): the forward fails.
         stalled, release = _stalled_slice(feds, addresses[1], job, layout, "u-x", 1, shard_map)
-        time.sleep(0.5)
+        _until_uploads(feds, addresses[1], 1)
         delta = _one_hot(layout, spots[-1], 2.0)  # on shard 1
         with pytest.raises(grpc.RpcError) as refused:
             client.push(job, delta, update_id="u-x", num_samples=5)
@@ -358,7 +371,7 @@ def test_relay_failure_retry_shapes_and_whole_reads(tmp_path: Path) -> None:
         stalled[0].cancel()
         release.set()
         stalled[1].close()
-        time.sleep(0.3)
+        _until_uploads(feds, addresses[1], 0)
         # The retry is applied once; a second retry is DUPLICATE.
         first = client.push(job, delta, update_id="u-x", num_samples=5)
         assert first.status is Status.APPLIED and first.version == 1, first
