@@ -570,7 +570,9 @@ class Client:
             client_id=self.client_id,
             include_buffers=include_buffers,
             max_receive_message_bytes=self.max_message_bytes,
-            shard_slice=self.shard_map is not None,
+            # Reading every shard: rank 0's slice only, even before this client knows the map
+            # (a reader that never registered learns it below, from GetStatus).
+            shard_slice=self.direct_to_shards,
         )
         if version is not None:
             request.version = version
@@ -581,7 +583,8 @@ class Client:
         header, tensors = self._retry("get_model", call)
         whole = P.layout_from_pb(header.layout)
         if self.shard_map is None and tensors["weights"].numel() != whole.numel:
-            # A server older than GetModelRequest.shard_slice sent rank 0's slice only.
+            # Rank 0 sent its slice only: a reader that never registered, or a server older
+            # than GetModelRequest.shard_slice.
             self._use_shards(self.status().shard_map, whole)
             if self.shard_map is None:
                 raise ConnectionError(
