@@ -408,12 +408,9 @@ class Strategy(ABC, Generic[Config]):
         first with :meth:`_require_finite`."""
         if model is not self._model:
             self._check_version(model)
-        pending = self.float_buffers.pending
-        # Sharded, the float buffers live on rank 0 only, but the check's reduce is a collective:
-        # every shard joins it whenever the model has float buffers (0 bad values elsewhere).
-        if pending is not None or (self.reduce is not None and self.layout.whole.buffer_numel):
-            held = pending if pending is not None else torch.empty(0)
-            self._require_finite(held, "the next version of the float buffers")
+        self._require_finite_buffers(
+            self.float_buffers.pending, "the next version of the float buffers"
+        )
         if model is not self._model:
             self._versions.retire(self._model)
         self._model = model
@@ -480,6 +477,14 @@ class Strategy(ABC, Generic[Config]):
     def _require_finite(self, t: torch.Tensor, what: str) -> None:
         """Refuse (NonFiniteResult) unless ``t`` is finite (:mod:`.finite_results`'s rule)."""
         finite_results.require_finite(t, what, self.reduce)
+
+    def _require_finite_buffers(self, t: torch.Tensor | None, what: str) -> None:
+        """:meth:`_require_finite` of float buffers (None: none to check). Sharded, they live on
+        rank 0 only, but the check's reduce is a collective: every shard joins it whenever the
+        model has float buffers, with no bad values where it holds none."""
+        if t is None and (self.reduce is None or not self.layout.whole.buffer_numel):
+            return
+        self._require_finite(t if t is not None else torch.empty(0), what)
 
     def _require_finite_chunks(
         self, compute: Callable[[slice], torch.Tensor], what: str, chunk: int = 1 << 18

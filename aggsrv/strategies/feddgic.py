@@ -359,7 +359,9 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
             gb = current if new_group else self._group_buffers[plan.step.group]
             gb = torch.lerp(gb, update.buffers, plan.step.alpha_group)
             group_buffers = (gb, torch.lerp(current, gb, plan.step.alpha_comp))
-            self._require_finite(group_buffers[1], "the next float buffers")
+        self._require_finite_buffers(
+            group_buffers[1] if group_buffers is not None else None, "the next float buffers"
+        )
         row = self._prepare_row(update, job) if self._regrouping() else None
         i = self._row_of(cid)
         if new_group:

@@ -350,6 +350,9 @@ class OrthoFL(Strategy[OrthoFLConfig], name="orthofl"):
             # Calibrated exactly when norm segments would be (variant P skips an undrifted G_m).
             calibrate = cfg.calibrate_norm and (self.chain_mode or drifted)
             buffers = self._calibrated_buffers(cid, update.buffers, beta_t, calibrate)
+        yb, new_b = buffers if buffers is not None else (None, None)
+        self._require_finite_buffers(yb, "the client's calibrated float buffers")
+        self._require_finite_buffers(new_b, "the next float buffers")
         self.last_coeffs = coeffs
         if buffers is not None:
             self._commit_buffers(cid, *buffers)
@@ -373,7 +376,8 @@ class OrthoFL(Strategy[OrthoFLConfig], name="orthofl"):
         self, cid: str, xb: torch.Tensor, beta_t: float, calibrate: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The [B] buffers through the same calibration and moving average as the weights:
-        (the client's next buffers, the next global ones), checked finite; nothing changes."""
+        (the client's next buffers, the next global ones), not yet checked finite; nothing
+        changes."""
         current = self.float_buffers.current
         assert current is not None
         if self.chain_mode:
@@ -390,8 +394,6 @@ class OrthoFL(Strategy[OrthoFLConfig], name="orthofl"):
         if calibrate and self.checks.variance_index.numel():
             # A calibrated variance can come out negative (spec G6: clamp at 0).
             yb[self.checks.variance_index] = yb[self.checks.variance_index].clamp(min=0.0)
-        self._require_finite(yb, "the client's calibrated float buffers")
-        self._require_finite(new_b, "the next float buffers")
         return yb, new_b
 
     def _commit_buffers(self, cid: str, yb: torch.Tensor, new_b: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ CASES = {
     "fedavg": {"mode": "sync", "min_clients": CLIENTS, "round_timeout": 2.0},
     "fedbuff": {"buffer_size": 2},
     "fedasync": {"alpha": 0.5},
+    "orthofl": {},
 }
 
 
@@ -427,7 +428,8 @@ def test_relay_over_tls_checks_the_shards_against_the_chain_file(tmp_path: Path)
     """TLS without client certificates: rank 0 checks shard 1's certificate against its own
     tls_cert file, here the server certificate followed by the CA that signed it. The model
     has float buffers (BatchNorm statistics), which live on rank 0 whole: a relayed update
-    carries them, and the whole job and model from rank 0 hold them."""
+    carries them, and the whole job and model from rank 0 hold them. ORTHOFL: the shards reduce
+    partial sums in every update, the buffers' checks included."""
     from tls_helpers import make_pki
 
     pki = make_pki(tmp_path / "pki")
@@ -439,7 +441,7 @@ def test_relay_over_tls_checks_the_shards_against_the_chain_file(tmp_path: Path)
                                 torch.nn.Linear(30, 5))  # fmt: skip
     layout = ModelLayout.from_module(model)
     assert layout.buffer_numel > 0
-    feds = Federations(2, ["fedasync"], tmp_path, tls)
+    feds = Federations(2, ["orthofl"], tmp_path, tls)
     try:
         addresses = feds.next_addresses()
         ca = pki.path("ca.pem")

@@ -2,7 +2,9 @@
 only, but every check that reduces over the shards is a collective, so every shard must make
 the same reduce calls in the same order, buffers or not. A strategy call in which rank 0
 reduces once more than the others hangs the federation (rank 0's extra all_reduce meets the
-others' next collective): found by test_shard_relay's TLS case, whose model has buffers.
+others' next collective): found by test_shard_relay's TLS case, whose model has buffers. Every
+strategy checked the next buffers' finiteness with a reduce on rank 0 alone (the base's
+publication, ORTHOFL's calibrated buffers, FedDGIC's and FedFG's group buffers).
 
 Each strategy is built on rank 0's and rank 1's ShardLayout of one model with buffers, with a
 reducer that counts its calls (and returns its input: the counts, not the values, are the
@@ -19,9 +21,6 @@ from aggsrv.sharding import ShardLayout, ShardMap
 from aggsrv.strategies import STRATEGIES, StrategyError, Update, UpdateKind, make_strategy
 
 CASES = strategy_cases(2)
-# Rank 0 still checks buffers it alone holds with a reduce (ORTHOFL's calibrated buffers; the
-# grouping strategies' likewise): not fixed here.
-RANK0_ONLY_REDUCES = {"orthofl", "feddgic", "fedfg"}
 
 
 class CountingReducer:
@@ -78,15 +77,7 @@ def _reduce_counts(name: str, rank: int, seed: int) -> list:
     return counts
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="rank 0 reduces alone"))
-        if n in RANK0_ONLY_REDUCES
-        else n
-        for n in sorted(STRATEGIES)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_shard_reduces_alike_with_float_buffers(name: str) -> None:
     seed = 20261129
     assert _reduce_counts(name, 0, seed) == _reduce_counts(name, 1, seed)
