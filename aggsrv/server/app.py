@@ -101,6 +101,7 @@ class Server:
             self.federation, self.authenticator, on_shutdown=self.request_stop
         )
         add_to_server(service, self._grpc)
+        self._close_service = service.close  # rank 0's channels to the other shards
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -437,6 +438,8 @@ class Server:
             # In-flight uploads still finish (and are logged) while new calls are refused.
             fed.closing = True
             await self._grpc.stop(grace)
+        if (close_service := getattr(self, "_close_service", None)) is not None:
+            await close_service()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -623,6 +623,12 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
 
     # ------------------------------------------------------------------ rank 0 relays
 
+    async def close(self) -> None:
+        """Close rank 0's channels to the other shards (after the gRPC server stopped)."""
+        links, self._links = self._links, None
+        if links is not None:
+            await links.close()
+
     def _shard_links(self) -> ShardLinks:
         """Rank 0's channels to the other shards (aggsrv.server.relay), opened on first use."""
         if self._links is None:
