@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-# Calls a worker takes while it serves: ("timer",) on rank 0, ("state",), ("has_job", client).
+# Calls a worker takes while it serves: ("timer",) on rank 0, ("state",), ("has_job", client),
+# ("port",), ("whole",).
 REPLY_TIMEOUT = 120.0
 
 
@@ -57,7 +58,10 @@ async def _serve(config: Any, inbox: Any, outbox: Any) -> None:
     from aggsrv.server.app import Server
     from aggsrv.server.shards import ShardGroup
 
-    server = Server(config, ShardGroup.of(config) if config.shards > 1 else None)
+    # Joined by the test (a group that serves several federations), or at config.dist_url,
+    # where a shard restarted after a loss meets the others again.
+    joined = config.shards > 1 and not config.dist_url
+    server = Server(config, ShardGroup.of(config) if joined else None)
     fed = server.federation
     try:
         port = await server.start()
@@ -78,6 +82,12 @@ async def _serve(config: Any, inbox: Any, outbox: Any) -> None:
                 reply: Any = None
             elif msg[0] == "state":
                 reply = await fed.read(_durable_state, fed)
+            elif msg[0] == "port":
+                reply = server.port
+            elif msg[0] == "whole":  # the federation takes writes again (after a loss)
+                while fed.closing or fed.failure is not None:
+                    await asyncio.sleep(0.05)
+                reply = fed.version
             elif msg[0] == "has_job":
                 job, _, lease = await fed.next_job(msg[1])  # the service's own call
                 lease.release()
@@ -111,6 +121,9 @@ def _worker_main(inbox: Any, outbox: Any, clock: Any) -> None:
             msg = inbox.get()
             if msg[0] == "exit":
                 return
+            if msg[0] == "serve":  # a federation that meets at its dist_url
+                asyncio.run(_serve(ServerConfig(**msg[1]), inbox, outbox))
+                continue
             _, init, rank, world = msg
             dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
             outbox.put(("joined", None))
@@ -210,18 +223,35 @@ class ShardPool:
 
 
 class ShardGroupOfWorkers:
-    """``world`` workers joined in one gloo group: they serve federations one after another,
-    all on one clock."""
+    """``world`` workers on one clock: joined by the test in one gloo group (``rendezvous``, a
+    file), they serve federations one after another; without one, each federation meets at
+    its configs' dist_url (a lost shard can then be restarted alone: :meth:`restart`)."""
 
-    def __init__(self, pool: ShardPool, world: int, rendezvous: Path) -> None:
+    def __init__(self, pool: ShardPool, world: int, rendezvous: Path | None) -> None:
         self.pool = pool
         self.workers = pool.take(world)
+        self.joined = rendezvous is not None
         for r, w in enumerate(self.workers):
-            w.inbox.put(("join", f"file://{rendezvous}", r, world))
-        for w in self.workers:
+            if rendezvous is not None:
+                w.inbox.put(("join", f"file://{rendezvous}", r, world))
+        for w in self.workers if self.joined else []:
             w.expect("joined")
         self.now = 1_000_000.0
         self.set_clock(self.now)
+
+    def restart(self, rank: int, config: dict[str, Any]) -> None:
+        """SIGKILL shard ``rank``, start it again in a fresh worker with ``config`` (resume),
+        and wait until every shard takes writes again."""
+        assert not self.joined
+        victim = self.workers[rank]
+        victim.kill()
+        self.pool.forget([victim])
+        self.workers[rank] = self.pool.take(1)[0]
+        self.set_clock(self.now)
+        self.workers[rank].inbox.put(("serve", config))
+        self.workers[rank].expect("serving", 180)
+        for w in self.workers:
+            w.call("whole")
 
     def set_clock(self, now: float) -> None:
         self.now = now
@@ -269,7 +299,11 @@ class ShardGroupOfWorkers:
         self.workers = []
 
     def leave(self) -> None:
-        """Leave the gloo group; the workers go back to the pool."""
+        """Leave the gloo group; the workers go back to the pool (workers that met at a
+        dist_url end: their process group is not reused)."""
+        if not self.joined:
+            self.kill()
+            return
         for w in self.workers:
             w.inbox.put(("leave",))
         for w in self.workers:
