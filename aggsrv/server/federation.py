@@ -751,7 +751,10 @@ class Federation:
         record = {"seq": meta["seq"], "client": update.client_id, "update_id": update.update_id}
         tensors = {"update": update.tensor.detach().cpu()}
         try:
-            wal.sync(wal.append("slice", record, tensors))
+            lsn = wal.append("slice", record, tensors)
+            t0 = time.perf_counter()
+            wal.sync(lsn)
+            self.metrics.fsync_seconds.observe(time.perf_counter() - t0)
         except Exception as exc:
             fail_stop = self.fail_stop
             fail_stop.fail(f"could not make a slice durable in the write-ahead log: {exc}")

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -65,8 +66,11 @@ class ShardProcesses:
     def address(self) -> str:
         return f"127.0.0.1:{self.ports[0]}"
 
-    def start(self, resume: bool, ranks: list[int] | None = None) -> None:
-        """Start the shards ``ranks`` (default all); the others, if running, wait for them."""
+    def start(
+        self, resume: bool, ranks: list[int] | None = None, extra: Any = lambda rank: []
+    ) -> None:
+        """Start the shards ``ranks`` (default all), each with the arguments ``extra(rank)``
+        gives; the others, if running, wait for them."""
         from server_helpers import ServeProcess
 
         self.starts += 1
@@ -74,7 +78,7 @@ class ShardProcesses:
         for r in ranks:
             state = ["--resume" if resume else "--state-dir", str(self.tmp / f"shard{r}")]
             args = ["--shards", str(self.n), "--rank", str(r), "--dist-url", self.url, *state,
-                    "--strategy", "fedbuff", "--config", str(self.settings)]  # fmt: skip
+                    "--strategy", "fedbuff", "--config", str(self.settings), *extra(r)]  # fmt: skip
             log = self.tmp / f"shard{r}-{self.starts}.log"
             self.procs[r] = ServeProcess(log, self.ports[r], *args)
         for r in ranks:
