@@ -167,7 +167,7 @@ def _replay_rank0_log(directory: Path) -> tuple[torch.Tensor, dict[str, list[Out
     return single.global_model(), logged
 
 
-@pytest.mark.parametrize("shards", [2])
+@pytest.mark.parametrize("shards", [2, 3])
 def test_orthofl_survives_random_sigkills(tmp_path: Path, shards: int) -> None:
     """Clients push all the while; at random moments one shard, rank 0 or all of them are
     SIGKILLed, then every shard is restarted with --resume."""
