@@ -367,9 +367,10 @@ class Federation:
 
         def run() -> int | None:
             now = self.clock()
-            self.replication.announce("timer", {"now": now})
+            meta = {"now": now}
+            self.replication.announce("timer", meta)  # numbers it: the record carries the number
             strategy.on_timer(now)
-            return self._log("timer", {"now": now}, strategy.jobs_issued)
+            return self._log("timer", meta, strategy.jobs_issued)
 
         try:
             lsn = await self.aggregation.call(run)

@@ -94,19 +94,17 @@ def sync(fed: Any, store: StateStore) -> None:
     if rank == 0 and behind:
         sent = Rank0Log.read(store, with_tensors=False)
     rank0_log: Rank0Log | None = shards.share_calls(sent)
+    problem = None
     if rank in behind:
         assert rank0_log is not None
-        if not store.has_state():
-            raise RecoveryError(
-                f"shard {rank}'s state directory holds nothing while rank 0 resumes version "
-                f"{'?' if fed.strategy is None else fed.version}: every shard needs its own "
-                "state directory of the same run (restore it from a backup), or start every "
-                "shard afresh with empty ones"
-            )
-        slices = {int(r.meta["seq"]): r for _, r in _closed(store).records(1)
-                  if r.kind == "slice"}  # fmt: skip
-        fed.note_call_number(max(slices, default=0))
-        recover_alone(fed, store, rank0_log, slices)
+        try:
+            _catch_up(fed, store, rank0_log, lead)
+        except RecoveryError as exc:
+            problem = str(exc)
+    # Every shard hears why a shard could not recover, and stops with the same message.
+    problems = [p for p in shards.gather_objects(problem) if p is not None]
+    if problems:
+        raise RecoveryError("; ".join(problems))
     after: list[Position] = shards.gather_objects(position(fed))
     keys = [(row.has_model, row.key) for row in after]
     if len(set(keys)) != 1:
@@ -121,6 +119,25 @@ def sync(fed: Any, store: StateStore) -> None:
     if behind:
         log.info("shard %d: shards %s recovered to rank 0's call %d", rank,
                  ", ".join(map(str, behind)), lead.seq)  # fmt: skip
+
+
+def _catch_up(fed: Any, store: StateStore, rank0_log: Rank0Log, lead: Position) -> None:
+    """A shard of rank >= 1 behind rank 0: recover alone from its checkpoint, its slices and
+    rank 0's log."""
+    rank = fed.config.rank
+    if not store.has_state():
+        raise RecoveryError(
+            f"shard {rank}'s state directory holds nothing ({store.directory}) while rank 0 "
+            f"resumes at call {lead.seq}: every shard needs its own state directory of the same "
+            "run (restore it from a backup), or start every shard afresh with empty ones"
+        )
+    slices = {int(r.meta["seq"]): r for _, r in _closed(store).records(1)
+              if r.kind == "slice"}  # fmt: skip
+    fed.note_call_number(max(slices, default=0))
+    try:
+        recover_alone(fed, store, rank0_log, slices)
+    except Exception as exc:  # said to every shard, which all stop with it
+        raise RecoveryError(f"shard {rank}: {exc}") from exc
 
 
 def _at(row: Position, lead: Position) -> bool:

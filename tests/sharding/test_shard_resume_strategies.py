@@ -370,7 +370,6 @@ def _params() -> list[Any]:
     return cases
 
 
-@pytest.mark.xfail(raises=UnnumberedCalls, strict=True, reason=UNNUMBERED_TIMERS)
 @pytest.mark.parametrize(("case", "world"), _params())
 def test_a_resumed_federation_goes_on_as_an_uninterrupted_one(
     case: str, world: int, pool: ShardPool, tmp_path: Path
@@ -388,7 +387,6 @@ def test_a_resumed_federation_goes_on_as_an_uninterrupted_one(
     assert got["again"].status is Status.DUPLICATE, (case, got["again"])
 
 
-@pytest.mark.xfail(raises=UnnumberedCalls, strict=True, reason=UNNUMBERED_TIMERS)
 @pytest.mark.parametrize(
     ("case", "world", "victim"),
     [("fedbuff", 2, 1), ("orthofl", 2, 0), ("feddgic", 3, 1), ("fedbuff+dp", 2, 1),

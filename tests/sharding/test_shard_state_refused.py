@@ -124,12 +124,6 @@ def test_a_shard_without_its_state_refuses_to_start(refused: dict) -> None:
     assert refused["shard1 files"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rank 0 only says 'shard 0 of 2 lost the federation during recovery: ... Connection "
-    "closed by peer': shard_recovery.sync raises the RecoveryError on the shard that is behind "
-    "(shard 1) alone, and rank 0 waits in the next gather_objects until shard 1 has left",
-)
 def test_rank0_names_the_shard_without_its_state(refused: dict) -> None:
     """The operator reading rank 0's log learns which shard's directory is missing."""
     _, log0 = refused["shards"][0]
