@@ -14,14 +14,13 @@ differently, docs/sharding.md).
 from __future__ import annotations
 
 import random
-import signal
 import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
+from shard_kills import ShardProcesses, push_until_acked
 
 from aggsrv.client import Client
 from aggsrv.layout import ModelLayout
@@ -54,80 +53,6 @@ def _one_hot(client: str) -> torch.Tensor:
     delta = torch.zeros(D_)
     delta[_coordinate(client)] = 1.0
     return delta
-
-
-class Federation:
-    """N `aggsrv serve --shards N --strategy orthofl` processes with a state directory each."""
-
-    def __init__(self, tmp: Path, shards: int) -> None:
-        from server_helpers import free_port
-
-        self.tmp = tmp
-        self.n = shards
-        self.ports = [free_port() for _ in range(shards)]
-        self.settings = tmp / "shards.toml"
-        self.settings.write_text(SETTINGS)
-        self.procs: list = [None] * shards
-        self.starts = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.ports[0]}"
-
-    def state(self, rank: int) -> Path:
-        return self.tmp / f"shard{rank}"
-
-    def start(self, resume: bool) -> None:
-        from server_helpers import ServeProcess, free_port
-
-        url = f"tcp://127.0.0.1:{free_port()}"
-        self.starts += 1
-        for r in range(self.n):
-            state = ["--resume" if resume else "--state-dir", str(self.state(r))]
-            args = ["--shards", str(self.n), "--rank", str(r), "--dist-url", url, *state,
-                    "--strategy", "orthofl", "--config", str(self.settings)]  # fmt: skip
-            log = self.tmp / f"shard{r}-{self.starts}.log"
-            self.procs[r] = ServeProcess(log, self.ports[r], *args)
-        for p in self.procs:
-            p.wait_serving(90)
-
-    def kill(self, ranks: list[int]) -> None:
-        for r in ranks:
-            p = self.procs[r]
-            if p is not None and p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGKILL)
-                p.proc.wait(20)
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p is not None:
-                p.close()
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("shard*.log"))
-        )
-
-
-def _push_until_acked(client_id: str, address: str, count: int, acked: list[str],
-                      stop: threading.Event) -> None:  # fmt: skip
-    """Push ``count`` one-hot updates (ids ``client-k``), each until it is acknowledged; a
-    refused or failed push is retried with the same update id after re-registering."""
-    layout = _layout()
-    k = 0
-    while k < count and not stop.is_set():
-        update_id = f"{client_id}-{k}"
-        try:
-            with Client(address, client_id, timeout=15, retries=0) as client:
-                client.register(layout=layout)
-                job = client.get_job()
-                result = client.push(job, _one_hot(client_id), update_id=update_id,
-                                     encoding="dense")  # fmt: skip
-            if result.status in (Status.APPLIED, Status.BUFFERED, Status.DUPLICATE):
-                acked.append(update_id)
-                k += 1
-        except grpc.RpcError:
-            time.sleep(0.1)
 
 
 def _replay_rank0_log(directory: Path) -> tuple[torch.Tensor, dict[str, list[Outcome]]]:
@@ -172,7 +97,7 @@ def test_orthofl_survives_random_sigkills(tmp_path: Path, shards: int) -> None:
     """Clients push all the while; at random moments one shard, rank 0 or all of them are
     SIGKILLed, then every shard is restarted with --resume."""
     rng = random.Random()
-    fed = Federation(tmp_path, shards)
+    fed = ShardProcesses(tmp_path, shards, "orthofl", SETTINGS)
     acked: list[str] = []
     stop = threading.Event()
     try:
@@ -180,8 +105,9 @@ def test_orthofl_survives_random_sigkills(tmp_path: Path, shards: int) -> None:
         with Client(fed.address, "init", timeout=20) as c:
             c.register(layout=_layout(), initial=torch.zeros(D_))
         threads = [
-            threading.Thread(target=_push_until_acked,
-                             args=(f"c{i}", fed.address, 10, acked, stop))
+            threading.Thread(target=push_until_acked,
+                             args=(f"c{i}", fed.address, 10, acked, stop, 0, _layout(),
+                                   _one_hot(f"c{i}")))
             for i in range(CLIENTS)
         ]  # fmt: skip
         for t in threads:
@@ -201,7 +127,7 @@ def test_orthofl_survives_random_sigkills(tmp_path: Path, shards: int) -> None:
             version, model = reader.get_model()
         fed.kill(list(range(shards)))  # the log is read as a crash leaves it
 
-        want, logged = _replay_rank0_log(fed.state(0))
+        want, logged = _replay_rank0_log(tmp_path / "shard0")
         assert len(acked) == len(set(acked)) == CLIENTS * 10, acked
         for update_id in acked:
             outcomes = logged.get(update_id, [])

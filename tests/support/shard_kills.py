@@ -50,15 +50,18 @@ def coordinate(client: str) -> int:
 class ShardProcesses:
     """N `aggsrv serve --shards N` processes with a state directory each, restartable."""
 
-    def __init__(self, tmp: Path, shards: int) -> None:
+    def __init__(
+        self, tmp: Path, shards: int, strategy: str = "fedbuff", settings: str = SETTINGS
+    ) -> None:
         from server_helpers import free_port
 
         self.tmp = tmp
         self.n = shards
+        self.strategy = strategy
         self.ports = [free_port() for _ in range(shards)]
         self.url = f"tcp://127.0.0.1:{free_port()}"  # rank 0's store: where a shard rejoins
         self.settings = tmp / "shards.toml"
-        self.settings.write_text(SETTINGS)
+        self.settings.write_text(settings)
         self.procs: list = [None] * shards
         self.starts = 0
 
@@ -78,7 +81,8 @@ class ShardProcesses:
         for r in ranks:
             state = ["--resume" if resume else "--state-dir", str(self.tmp / f"shard{r}")]
             args = ["--shards", str(self.n), "--rank", str(r), "--dist-url", self.url, *state,
-                    "--strategy", "fedbuff", "--config", str(self.settings), *extra(r)]  # fmt: skip
+                    "--strategy", self.strategy, "--config", str(self.settings),
+                    *extra(r)]  # fmt: skip
             log = self.tmp / f"shard{r}-{self.starts}.log"
             self.procs[r] = ServeProcess(log, self.ports[r], *args)
         for r in ranks:
@@ -103,12 +107,16 @@ class ShardProcesses:
 
 
 def push_until_acked(client_id: str, address: str, count: int, acked: list[str],
-                      stop: threading.Event, first: int = 0) -> None:  # fmt: skip
-    """Push ``count`` one-hot updates (ids ``client-k``), each until it is acknowledged; a
-    refused or failed push is retried with the same update id after re-registering."""
-    model = layout()
-    delta = torch.zeros(D)
-    delta[coordinate(client_id)] = 1.0
+                      stop: threading.Event, first: int = 0, model: ModelLayout | None = None,
+                      delta: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Push ``count`` updates (ids ``client-k``; by default one-hot of the client's coordinate
+    in :func:`layout`), each until it is acknowledged; a refused or failed push is retried with
+    the same update id after re-registering."""
+    if model is None:
+        model = layout()
+    if delta is None:
+        delta = torch.zeros(D)
+        delta[coordinate(client_id)] = 1.0
     k = first
     while k < first + count and not stop.is_set():
         update_id = f"{client_id}-{k}"
