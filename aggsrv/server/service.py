@@ -515,19 +515,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             moved = None if buffers is None else _on_device(buffers, device)
             if tensor is not views["update"] or moved is not buffers:
                 slot.fence(device)  # the copies may read the slot after they return
-            update = Update(
-                client_id=h.client_id,
-                job_id=job_id,
-                base_version=h.base_version,
-                update_id=h.update_id,
-                num_samples=int(h.num_samples),
-                work_done=_work_done(h.work, fed.strategy.make_recipe().local_steps is not None),
-                kind=kind,
-                tensor=tensor,
-                buffers=moved,
-                # The decoder's float64 norm of a DELTA (what clipping under DP reads).
-                norm=seen["norm"] if seen.get("norm_exact") else None,
-            )
+            # The decoder's float64 norm of a DELTA (what clipping under DP reads).
+            norm = seen["norm"] if seen.get("norm_exact") else None
+            update = self._update_of(h, kind, job_id, tensor, moved, norm)
             fed.updates_waiting += 1
             waiting = True
             try:
@@ -740,16 +730,30 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
 
             squared = squares(own.contiguous().numpy())
             norm = math.sqrt(squared) if math.isfinite(squared) else None
+        moved = None if buffers is None else _on_device(buffers, device)
+        return self._update_of(h, kind, job_id, _on_device(own, device), moved, norm)
+
+    def _update_of(
+        self,
+        h: pb.UpdateHeader,
+        kind: UpdateKind,
+        job_id: int,
+        tensor: torch.Tensor,
+        buffers: torch.Tensor | None,
+        norm: float | None,
+    ) -> Update:
+        """The update an upload's header describes, with its tensors on the strategy's device."""
+        local_steps = self.fed.strategy.make_recipe().local_steps
         return Update(
             client_id=h.client_id,
             job_id=job_id,
             base_version=h.base_version,
             update_id=h.update_id,
             num_samples=int(h.num_samples),
-            work_done=_work_done(h.work, fed.strategy.make_recipe().local_steps is not None),
+            work_done=_work_done(h.work, local_steps is not None),
             kind=kind,
-            tensor=_on_device(own, device),
-            buffers=None if buffers is None else _on_device(buffers, device),
+            tensor=tensor,
+            buffers=buffers,
             norm=norm,
         )
 
