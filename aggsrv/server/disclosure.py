@@ -85,6 +85,7 @@ PUBLIC_REASONS = frozenset(
         "invalid_update",
         "privacy_budget_spent",  # the accountant: who contributed to which version
         "slice_missing",  # a sharded server: a slice did not arrive in time
+        "relay_failed",  # rank 0 could not forward a slice to its shard (the network)
     }
 )
 
