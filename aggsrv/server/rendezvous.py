@@ -24,6 +24,11 @@ from urllib.parse import urlparse
 
 log = logging.getLogger("aggsrv.server.federation")
 
+class RendezvousError(ValueError):
+    """Rank 0 cannot host the shards' store (its --dist-url address is taken, or not its own):
+    waiting would not help."""
+
+
 # How long a shard waits between two tries to reach the store or to find a new epoch.
 RETRY_SECONDS = 0.2
 
@@ -58,7 +63,12 @@ class Rendezvous:
                 )  # fmt: skip
                 return self._store
             except (RuntimeError, OSError) as exc:
-                if self.rank == 0 or stop():
+                if self.rank == 0:
+                    raise RendezvousError(
+                        f"rank 0 cannot listen for the shards at {self.host}:{self.port} "
+                        f"(--dist-url): {exc}"
+                    ) from exc
+                if stop():
                     raise
                 log.info("shard %d: rank 0's store at %s:%d does not answer yet (%s)",
                          self.rank, self.host, self.port, str(exc)[:120])  # fmt: skip
@@ -91,6 +101,19 @@ class Rendezvous:
         self.epoch = epoch
         return epoch
 
+    def join(self, stop: Callable[[], bool]) -> int:
+        """:meth:`form`, again and again until every shard is there (a shard that is down, or
+        slow to notice a loss, makes a forming time out); its epoch. ``stop()`` gives up."""
+        while True:
+            try:
+                return self.form(stop)
+            except (RuntimeError, OSError) as exc:
+                if stop():
+                    raise
+                log.warning("shard %d: the group did not form (%s); trying again", self.rank,
+                            str(exc)[:200])  # fmt: skip
+                self.leave()
+
     def _bind_gloo(self) -> None:
         """Gloo listens on the interface this machine reaches rank 0's store through, unless
         GLOO_SOCKET_IFNAME names one: by default it takes the address the host name resolves
@@ -116,11 +139,18 @@ class Rendezvous:
             time.sleep(RETRY_SECONDS)
 
     def leave(self) -> None:
-        """Leave the current group (its pending collectives fail at once); the store stays."""
+        """Leave the current group; the store stays. The group is aborted first: its
+        connections close now, so a shard waiting in a collective on this one fails at once
+        rather than at the group's timeout (an error's traceback may keep the group alive)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        try:
+            dist.distributed_c10d._get_default_group().abort()
+        except (RuntimeError, AttributeError) as exc:  # a torch without abort for gloo
+            log.debug("could not abort the group: %s", exc)
+        dist.destroy_process_group()
 
 
 def interface_towards(host: str, port: int) -> str | None:

@@ -200,7 +200,7 @@ class ShardGroup:
         rendezvous = None
         if init.startswith("tcp://"):
             rendezvous = Rendezvous(init, config.rank, config.shards, config.shard_timeout_seconds)
-            rendezvous.form()
+            rendezvous.join(stop=lambda: False)
         else:
             dist.init_process_group(
                 "gloo",
@@ -219,18 +219,9 @@ class ShardGroup:
         rendezvous = self.rendezvous
         assert rendezvous is not None
         rendezvous.leave()
-        while True:
-            try:
-                epoch = rendezvous.form(stop)
-            except (RuntimeError, OSError) as exc:
-                if stop():
-                    raise
-                log.warning("shard %d: the group did not form (%s); trying again", self.rank,
-                            str(exc)[:200])  # fmt: skip
-                rendezvous.leave()
-                continue
-            self.last_announce = time.monotonic()
-            return epoch
+        epoch = rendezvous.join(stop)
+        self.last_announce = time.monotonic()
+        return epoch
 
     @classmethod
     def of(cls, config: Any, group: Any = None, owned: bool = False) -> ShardGroup:
