@@ -57,7 +57,7 @@ def test_every_acknowledged_update_survives_killing_every_shard(tmp_path: Path,
         fed.close()
 
 
-@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("shards", [3])
 def test_random_sigkills_lose_no_acknowledged_update(tmp_path: Path, shards: int) -> None:
     """Clients push all the while; at random moments one shard, rank 0 or all of them are
     SIGKILLed, then the federation is restarted with --resume (every shard: a shard that lost
@@ -103,7 +103,9 @@ def _health(address: str) -> int:
         return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
-@pytest.mark.parametrize(("shards", "victim"), [(2, 1), (2, 0), (3, 2), (3, 0)])
+# Rank 0 alone on 3 shards (the others reconnect to its new store) and a follower on 2; the
+# soak (bench/test_soak_shard_kills.py) draws the victim at random for as long as you ask.
+@pytest.mark.parametrize(("shards", "victim"), [(2, 1), (3, 0)])
 def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
     tmp_path: Path, shards: int, victim: int
 ) -> None:
