@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 log = logging.getLogger("aggsrv.server.federation")
 
+
 class RendezvousError(ValueError):
     """Rank 0 cannot host the shards' store (its --dist-url address is taken, or not its own):
     waiting would not help."""

@@ -16,13 +16,15 @@ import grpc
 import pytest
 import torch
 from shard_kills import (
-    CLIENTS,
     D,
     ShardProcesses,
     check_exactly_once,
     flush,
+    kill_at_random,
     layout,
     push_until_acked,
+    start_pushing,
+    wait_for,
 )  # fmt: skip
 
 from aggsrv.client import Client
@@ -40,15 +42,7 @@ def test_every_acknowledged_update_survives_killing_every_shard(tmp_path: Path,
             c.register(layout=layout(), initial=torch.zeros(D))
         stop = threading.Event()
         for batch in range(2):
-            threads = [
-                threading.Thread(target=push_until_acked,
-                                 args=(f"c{i}", fed.address, 5, acked, stop, 5 * batch))
-                for i in range(CLIENTS)
-            ]  # fmt: skip
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            wait_for(fed, start_pushing(fed, 5, acked, stop, first=5 * batch))
             fed.kill(list(range(shards)))
             fed.start(resume=True)
         flush(fed.address, acked)
@@ -71,23 +65,9 @@ def test_random_sigkills_lose_no_acknowledged_update(tmp_path: Path, shards: int
         fed.start(resume=False)
         with Client(fed.address, "init", timeout=20) as c:
             c.register(layout=layout(), initial=torch.zeros(D))
-        threads = [
-            threading.Thread(target=push_until_acked,
-                             args=(f"c{i}", fed.address, 12, acked, stop))
-            for i in range(CLIENTS)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for _ in range(3):
-            time.sleep(rng.uniform(0.3, 2.0))
-            victims = rng.choice([[0], [shards - 1], list(range(shards))])
-            fed.kill(victims)
-            time.sleep(rng.uniform(0.0, 0.5))
-            fed.kill(list(range(shards)))
-            fed.start(resume=True)
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), fed.logs()
+        threads = start_pushing(fed, 12, acked, stop)
+        kill_at_random(fed, rng)
+        wait_for(fed, threads)
         flush(fed.address, acked)
         check_exactly_once(fed, acked)
     finally:
@@ -122,13 +102,7 @@ def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
         pids = {r: fed.procs[r].proc.pid for r in survivors}
         with Client(fed.address, "init", timeout=20) as c:
             c.register(layout=layout(), initial=torch.zeros(D))
-        threads = [
-            threading.Thread(target=push_until_acked,
-                             args=(f"c{i}", fed.address, 10, acked, stop))
-            for i in range(CLIENTS)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
+        threads = start_pushing(fed, 10, acked, stop)
         time.sleep(random.uniform(0.5, 1.5))
         fed.kill([victim])
         survivor = fed.procs[survivors[0]].address
@@ -151,9 +125,7 @@ def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
             assert "retry" in refused.value.details()
         time.sleep(random.uniform(0.0, 1.0))
         fed.start(resume=True, ranks=[victim])
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), fed.logs()
+        wait_for(fed, threads)
         assert {r: fed.procs[r].proc.pid for r in survivors} == pids  # never restarted
         assert all(fed.procs[r].proc.poll() is None for r in range(shards))
         from grpc_health.v1 import health_pb2

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from shard_kills import ShardProcesses, push_until_acked
+from shard_kills import CLIENTS, ShardProcesses, kill_at_random, start_pushing, wait_for
 
 from aggsrv.client import Client
 from aggsrv.layout import ModelLayout
@@ -28,7 +27,6 @@ from aggsrv.server import durability as D
 from aggsrv.strategies import Outcome, Status, Update, UpdateKind, make_strategy
 
 D_ = 389  # odd: the slices' cuts fall inside the tensors
-CLIENTS = 5
 SETTINGS = """
 shard_slice_wait_seconds = 2.0
 shard_heartbeat_seconds = 0.2
@@ -104,24 +102,9 @@ def test_orthofl_survives_random_sigkills(tmp_path: Path, shards: int) -> None:
         fed.start(resume=False)
         with Client(fed.address, "init", timeout=20) as c:
             c.register(layout=_layout(), initial=torch.zeros(D_))
-        threads = [
-            threading.Thread(target=push_until_acked,
-                             args=(f"c{i}", fed.address, 10, acked, stop, 0, _layout(),
-                                   _one_hot(f"c{i}")))
-            for i in range(CLIENTS)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for _ in range(3):
-            time.sleep(rng.uniform(0.3, 2.0))
-            victims = rng.choice([[0], [shards - 1], list(range(shards))])
-            fed.kill(victims)
-            time.sleep(rng.uniform(0.0, 0.5))
-            fed.kill(list(range(shards)))
-            fed.start(resume=True)
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), fed.logs()
+        threads = start_pushing(fed, 10, acked, stop, _layout(), _one_hot)
+        kill_at_random(fed, rng)
+        wait_for(fed, threads)
         with Client(fed.address, "reader", timeout=20, retries=3) as reader:
             reader.register(layout=_layout())
             version, model = reader.get_model()

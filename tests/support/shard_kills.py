@@ -9,6 +9,7 @@ is 0.25 times the number of client c's acknowledged updates, bit for bit.
 
 from __future__ import annotations
 
+import random
 import signal
 import threading
 import time
@@ -162,3 +163,47 @@ def check_exactly_once(fed: ShardProcesses, acked: list[str]) -> int:
     others[D - 1] = False
     assert torch.equal(model[others], torch.zeros(int(others.sum())))
     return version
+
+
+def start_pushing(fed: ShardProcesses, count: int, acked: list[str], stop: threading.Event,
+                  model: ModelLayout | None = None, delta: Any = None,
+                  first: int = 0) -> list[threading.Thread]:  # fmt: skip
+    """CLIENTS threads, each pushing ``count`` updates (ids from ``first``) until acknowledged
+    (``delta(client)``: its update, default :func:`push_until_acked`'s one-hot)."""
+    threads = [
+        threading.Thread(
+            target=push_until_acked,
+            args=(
+                f"c{i}",
+                fed.address,
+                count,
+                acked,
+                stop,
+                first,
+                model,
+                None if delta is None else delta(f"c{i}"),
+            ),
+        )  # fmt: skip
+        for i in range(CLIENTS)
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def kill_at_random(fed: ShardProcesses, rng: random.Random, kills: int = 3) -> None:
+    """``kills`` times, after a random while: SIGKILL one shard, rank 0 or all of them, then
+    the rest, and restart every shard with --resume."""
+    for _ in range(kills):
+        time.sleep(rng.uniform(0.3, 2.0))
+        victims = rng.choice([[0], [fed.n - 1], list(range(fed.n))])
+        fed.kill(victims)
+        time.sleep(rng.uniform(0.0, 0.5))
+        fed.kill(list(range(fed.n)))
+        fed.start(resume=True)
+
+
+def wait_for(fed: ShardProcesses, threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), fed.logs()
