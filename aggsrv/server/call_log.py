@@ -104,6 +104,22 @@ class CallLog:
         self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
         return wal.durable_lsn
 
+    def sync_now(self, lsn: int | None = None) -> None:
+        """(aggregation thread) Block until the log is durable up to ``lsn`` (all of it when
+        None): a shard's slice before it votes, rank 0's log before it orders a checkpoint. A
+        failed fsync stops the server, as in :meth:`make_durable`."""
+        wal = self.wal
+        if wal is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            wal.sync(wal.written_lsn if lsn is None else lsn)
+        except Exception as exc:
+            fail_stop = self._fail_stop
+            fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
+            raise DurabilityError(fail_stop.failure) from exc
+        self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
+
     def shutdown(self) -> None:
         """Stop the fsync threads."""
         self._sync_pool.shutdown()

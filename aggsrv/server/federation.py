@@ -183,7 +183,6 @@ class Federation:
             if config.shards > 1 else None
         )  # fmt: skip
         self.replication.sums = self.sums
-        self.shard_map: ShardMap | None = None
         self._highest_call = 0  # the highest call number this shard has seen
         self.versions = RetainedVersions(config.retained_versions, clock, strategy)
         self.timer = DeadlineTimer(clock, self._fire_timer, idle=self._runs_no_timers)
@@ -215,8 +214,8 @@ class Federation:
         if shards is not None:
             if self.sums is not None:
                 self.sums.connect(shards.reducer)
-            if self.shard_map is not None:
-                shards.shard_map = self.shard_map
+            if isinstance(self.layout, ShardLayout):
+                shards.shard_map = self.layout.shard_map
         # Only the shards of a sharded federation agree on each call.
         self.aggregation.replication = self.replication if shards is not None else None
         # Rank 0 decides when every shard checkpoints, and at which call.
@@ -242,14 +241,7 @@ class Federation:
         """(aggregation thread of rank 0) Every shard checkpoints at the call about to be
         announced. Rank 0's log is made durable up to it first: a shard's checkpoint then never
         holds a call rank 0 could lose in a crash."""
-        wal = self.call_log.wal
-        if wal is not None:
-            try:
-                wal.sync_all()
-            except Exception as exc:
-                fail_stop = self.fail_stop
-                fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
-                raise DurabilityError(fail_stop.failure) from exc
+        self.call_log.sync_now()
         self.replication.announce("checkpoint", {"number": number})
 
     @property
@@ -716,7 +708,6 @@ class Federation:
         if cfg.shards == 1:
             return layout, None
         shard_map = ShardMap.even(layout.numel, cfg.shards)
-        self.shard_map = shard_map
         if self.shards is not None:
             self.shards.shard_map = shard_map
         return ShardLayout(layout, shard_map, cfg.rank), self.sums
@@ -724,13 +715,13 @@ class Federation:
     def shard_state(self) -> dict[str, Any] | None:
         """What a checkpoint of a shard says of it: its rank among how many shards, the slices'
         bounds, and the number of the last call it made in rank 0's order (None: one server)."""
-        cfg = self.config
-        if cfg.shards == 1 or self.shard_map is None:
+        layout = self.layout
+        if not isinstance(layout, ShardLayout):
             return None
-        seq = self.replication.seq if cfg.rank == 0 else self.shard_follower.applied_seq
+        cfg = self.config
         return {
-            "rank": cfg.rank, "shards": cfg.shards, "bounds": list(self.shard_map.bounds),
-            "seq": seq,
+            "rank": cfg.rank, "shards": cfg.shards, "bounds": list(layout.shard_map.bounds),
+            "seq": self.call_number(),
         }  # fmt: skip
 
     def _adopt_slice(self, whole: ModelLayout, weights: torch.Tensor) -> None:
@@ -745,21 +736,13 @@ class Federation:
         rank 0 ordered durable before the shard votes for it: a "slice" record of the call's
         number (``meta["seq"]``) and the slice. Recovery applies it only if rank 0's log has the
         update (rank 0's record is the decision)."""
-        wal = self.call_log.wal
-        if wal is None:
+        strategy = self.strategy
+        if self.call_log.wal is None or strategy is None:
             return
         self.note_call_number(int(meta["seq"]))
         record = {"seq": meta["seq"], "client": update.client_id, "update_id": update.update_id}
         tensors = {"update": update.tensor.detach().cpu()}
-        try:
-            lsn = wal.append("slice", record, tensors)
-            t0 = time.perf_counter()
-            wal.sync(lsn)
-            self.metrics.fsync_seconds.observe(time.perf_counter() - t0)
-        except Exception as exc:
-            fail_stop = self.fail_stop
-            fail_stop.fail(f"could not make a slice durable in the write-ahead log: {exc}")
-            raise DurabilityError(fail_stop.failure) from exc
+        self.call_log.sync_now(self.call_log.append("slice", record, tensors, strategy.jobs_issued))
 
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""

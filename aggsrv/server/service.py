@@ -504,11 +504,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 # strategy takes it as clipped to zero.
                 refuse_non_finite=not private,
             )  # fmt: skip
-            seen["received"] = fed.clock()
-            seen["bytes"] = _payload_bytes(views, dtype)
-            took = fed.activity.update_received(h.client_id, job_id, seen["received"])
-            if took is not None:
-                fed.metrics.job_turnaround.observe(took)
+            self._note_received(h.client_id, job_id, views, dtype, seen)
             buffers = views.get("buffers")
             device = fed.strategy.device
             tensor = _on_device(views["update"], device)
@@ -679,11 +675,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                         stream, slot, list(h.tensors), payload_sizes(fed.layout.whole, "update"),
                         dtype, context, stats=seen, refuse_non_finite=not private,
                     )  # fmt: skip
-                    seen["received"] = fed.clock()
-                    seen["bytes"] = _payload_bytes(views, dtype)
-                    took = fed.activity.update_received(h.client_id, job_id, seen["received"])
-                    if took is not None:
-                        fed.metrics.job_turnaround.observe(took)
+                    self._note_received(h.client_id, job_id, views, dtype, seen)
                     parts = links.shard_map.split(views["update"])
                     update = self._rank0_update(h, kind, job_id, parts[0], views.get("buffers"))
                     wire = {"update": parts[0], **{k: v for k, v in views.items() if k != "update"}}
@@ -732,6 +724,17 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             norm = math.sqrt(squared) if math.isfinite(squared) else None
         moved = None if buffers is None else _on_device(buffers, device)
         return self._update_of(h, kind, job_id, _on_device(own, device), moved, norm)
+
+    def _note_received(
+        self, client_id: str, job_id: int, views: dict[str, Any], dtype: Any, seen: dict[str, Any]
+    ) -> None:
+        """An upload arrived whole: when and how many bytes (``seen``), and the job's turnaround."""
+        fed = self.fed
+        seen["received"] = fed.clock()
+        seen["bytes"] = _payload_bytes(views, dtype)
+        took = fed.activity.update_received(client_id, job_id, seen["received"])
+        if took is not None:
+            fed.metrics.job_turnaround.observe(took)
 
     def _update_of(
         self,

@@ -176,12 +176,13 @@ class ShardFollower:
             # group ends its wait now rather than at shard_timeout_seconds.
             shards.close()
             raise error from exc
-        reply, self._reply = self._reply, None
+        reply = self._reply
         if reply is not None and reply.error is None:
+            self._reply = None
             with self._parked_lock:  # answered once rank 0's decision is durable
                 self._parked.append(reply)
-        elif reply is not None:
-            reply.staged.resolve(error=reply.error)
+        else:
+            self._answer_slice()  # a refusal: nothing to wait for
         self._publication.settle()
 
     def _answer_slice(self, error: BaseException | None = None) -> None:

@@ -78,8 +78,8 @@ def sync(fed: Any, store: StateStore) -> None:
     if rank == 0:
         if fed.strategy is None and store.has_state() or fed.fail_stop.dirty:
             recover_alone(fed, store, Rank0Log.read(_closed(store), with_tensors=True), None)
-        elif store.wal is not None:
-            store.wal.sync_all()  # what the others may take from it is durable first
+        else:
+            fed.call_log.sync_now()  # what the others may take from it is durable first
     rows: list[Position] = shards.gather_objects(position(fed))
     lead = rows[0]
     ahead = [r for r, row in enumerate(rows) if row.has_model and not lead.has_model]
@@ -114,7 +114,7 @@ def sync(fed: Any, store: StateStore) -> None:
         )
     # Calls are numbered on past every number any shard has seen (a slice prepared for a call
     # rank 0 lost keeps its number to itself).
-    fed.resume_numbering(max(shards.gather(fed.highest_call_number())))
+    fed.resume_numbering(max(shards.gather_objects(fed.highest_call_number())))
     fed.fail_stop.dirty = False
     if behind:
         log.info("shard %d: shards %s recovered to rank 0's call %d", rank,

@@ -255,30 +255,20 @@ class ShardGroup:
 
     def exchange_addresses(self, mine: str) -> list[str]:
         """Every shard's gRPC address, in rank order (a collective: all shards at startup)."""
-        out: list[Any] = [None] * self.world_size
-        self._collective("the address exchange", self._dist.all_gather_object, out, mine)
-        self.addresses = [str(a) for a in out]
+        self.addresses = [str(a) for a in self.gather_objects(mine, "the address exchange")]
         return self.addresses
 
     def agree(self, value: str, what: str) -> None:
         """Check that every shard holds the same ``value`` (e.g. the strategy's name)."""
-        out: list[Any] = [None] * self.world_size
-        self._collective(f"checking {what}", self._dist.all_gather_object, out, value)
+        out = self.gather_objects(value, f"checking {what}")
         if len(set(out)) != 1:
             shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(out))
             raise ValueError(f"the shards were started with different {what} ({shown})")
 
-    def gather(self, value: int) -> list[int]:
-        """Every shard's ``value``, in rank order (recovery)."""
-        out = torch.zeros(self.world_size, dtype=torch.int64)
-        out[self.rank] = value
-        self._collective("recovery", self._dist.all_reduce, out)
-        return [int(v) for v in out.tolist()]
-
-    def gather_objects(self, value: Any) -> list[Any]:
-        """Every shard's ``value`` (picklable), in rank order (recovery)."""
+    def gather_objects(self, value: Any, what: str = "recovery") -> list[Any]:
+        """Every shard's ``value`` (picklable), in rank order (a collective)."""
         out: list[Any] = [None] * self.world_size
-        self._collective("recovery", self._dist.all_gather_object, out, value)
+        self._collective(what, self._dist.all_gather_object, out, value)
         return out
 
     def share_calls(self, calls: Any) -> Any:
