@@ -105,11 +105,15 @@ class Checkpoints:
                 fail_stop.fail(f"could not rotate the write-ahead log: {exc}")
                 raise DurabilityError(fail_stop.failure) from exc
             loop = asyncio.get_running_loop()
-            info = await loop.run_in_executor(None, store.write, number, payload)
-            self.last_checkpoint = (info.version, self._clock())
-            self._metrics.checkpoints.inc()
-            self._metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
-            return info
+            return await loop.run_in_executor(None, self._write, number, payload, t0)
+
+    def _write(self, number: int, payload: dict[str, Any], t0: float) -> Any:
+        """(a thread of its own) Write a cut's checkpoint, and count it from ``t0``."""
+        info = self.store.write(number, payload)
+        self.last_checkpoint = (info.version, self._clock())
+        self._metrics.checkpoints.inc()
+        self._metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        return info
 
     def _cut(self) -> tuple[int, dict[str, Any]]:
         """(Aggregation thread) the state and a fresh log segment; the counts start again."""
@@ -134,18 +138,13 @@ class Checkpoints:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
 
-        def write() -> None:
-            t0 = time.perf_counter()
+        def write(t0: float) -> None:
             try:
-                info = store.write(number, payload)
+                self._write(number, payload, t0)
             except Exception:
                 log.exception("checkpoint %d failed (the log still holds its calls)", number)
-                return
-            self.last_checkpoint = (info.version, self._clock())
-            self._metrics.checkpoints.inc()
-            self._metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
 
-        self._writer.submit(write)
+        self._writer.submit(write, time.perf_counter())
 
     def shutdown(self) -> None:
         """Wait for a checkpoint being written in the background (a shard of rank >= 1)."""
