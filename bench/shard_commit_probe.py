@@ -9,7 +9,8 @@ of rank >= 1 leaves with ``os._exit``, which writes them first):
 - every ``os.fdatasync`` and ``os.fsync`` of the process (the write-ahead log syncs with
   fdatasync, checkpoints and directories with fsync), with the file's name: the fsync count is
   the syscalls themselves, not a server counter;
-- ``WriteAheadLog.append`` (the record's kind, bytes);
+- ``WriteAheadLog.append`` (the record's kind, bytes; "part" records are an upload's bytes,
+  written by a writer thread while it arrives);
 - rank 0: ``ShardGroup.announce`` (kind, call number), ``ShardGroup.vote``,
   ``Federation.apply_update``, ``CallLog.make_durable``, ``Replication.announce_durable``;
 - a shard of rank >= 1: ``ShardGroup.receive`` (kind, call number, how far rank 0 is durable),
@@ -98,11 +99,12 @@ def install() -> None:
     wal = durability.WriteAheadLog
     real_append = wal.append
 
-    def append(self: Any, kind: str, meta: Any, tensors: Any = None) -> int:
+    def append(self: Any, kind: str, meta: Any, tensors: Any = None, **how: Any) -> int | None:
         t0 = time.monotonic()
-        before = self._written
-        lsn = real_append(self, kind, meta, tensors)
-        EVENTS.append(["append", t0, time.monotonic(), [kind, lsn - before]])
+        nbytes = sum(b.nbytes if isinstance(b, memoryview) else len(b)
+                     for b in durability._encode(kind, meta, tensors))  # fmt: skip
+        lsn = real_append(self, kind, meta, tensors, **how)
+        EVENTS.append(["append", t0, time.monotonic(), [kind, nbytes if lsn is not None else 0]])
         return lsn
 
     wal.append = append

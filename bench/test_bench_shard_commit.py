@@ -14,12 +14,14 @@ running throughout, each under bench/shard_commit_probe.py (`aggsrv serve` with 
 
 - **no state**: `--shards 2`, `--state-dir ''` (nothing written: the baseline, the sharded push
   without durability);
-- **commit**: `--shards 2`, a state directory per shard, durability on: a shard of rank >= 1
-  appends its slice to its log and fsyncs it before it votes; rank 0 applies, appends its update
-  record (its slice and the call) and fsyncs it (group commit), then tells the other shards its
-  decision is durable, and only then do they answer their slices;
-- **1 server**: one unsharded `aggsrv serve` with a state directory, durability on (one record
-  of the whole update, one fsync): for reference;
+- **commit**: `--shards 2`, a state directory per shard, durability on: every shard appends its
+  slice to its log while it arrives ("part" records, their writeback started at once); a shard
+  of rank >= 1 appends a small slice record naming them and fsyncs before it votes; rank 0
+  applies, appends its update record (the call, naming its parts) and fsyncs it (group commit),
+  then tells the other shards its decision is durable, and only then do they answer their
+  slices;
+- **1 server**: one unsharded `aggsrv serve` with a state directory, durability on (the update
+  logged in parts while it arrives, its record, one fsync): for reference;
 - **before** (only when `AGGSRV_BENCH_BEFORE=DIR` names a source tree of an older commit, e.g.
   `git archive 8a8ef95^ | tar -x -C DIR`): that commit's `--shards 2` with `--state-dir ''`,
   run with `PYTHONPATH=DIR` (the client stays this tree's).
@@ -211,6 +213,11 @@ def _steps(rank0: list, rank1: list, windows: list[tuple[float, float]]) -> dict
         sync1 = _first(rank1, "fdatasync", prep1[1], prep1[2]) if prep1 else None
         vote1 = _first(rank1, "vote", p0, p1)
         res1 = _first(rank1, "resolve", p0, p1, lambda e: e[3][0])
+        for who, events in (("rank 0", rank0), ("follower", rank1)):
+            parts = [e for e in _inside(events, "append", p0, p1) if e[3][0] == "part"]
+            if parts:
+                add(f"{who} parts: the first written (at)", parts[0][2] - p0)
+                add(f"{who} parts: the last written (at)", max(e[2] for e in parts) - p0)
         if upd0 is not None:
             add("rank 0 takes the update (at)", upd0[1] - p0)
         if ann is not None:

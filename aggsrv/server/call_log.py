@@ -18,6 +18,7 @@ import torch
 
 from aggsrv.server.fail_stop import DurabilityError, FailStop
 from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.upload_log import UploadLog
 
 
 class CallLog:
@@ -29,6 +30,7 @@ class CallLog:
         self._metrics = metrics
         self.store: Any = None  # the state directory (aggsrv.server.persistence), once set
         self._sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wal-sync")
+        self._part_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="wal-parts")
         # Accepted updates logged since the newest checkpoint (replayed ones included): counted
         # and reset on the aggregation thread, where the log is cut.
         self.updates_since_checkpoint = 0
@@ -66,25 +68,70 @@ class CallLog:
         meta: dict[str, Any],
         tensors: dict[str, torch.Tensor] | None,
         jobs_issued: int,
+        same_segment_as: int | None = None,
     ) -> int | None:
         """Append a record of a state change (aggregation thread); its LSN, None without a log.
         A failed write stops the server: the state in memory is then ahead of the log.
-        ``jobs_issued``: the strategy's count after the call."""
-        if kind == "update":
-            self.updates_since_checkpoint += 1
+        ``jobs_issued``: the strategy's count after the call. ``same_segment_as``: see
+        :meth:`WriteAheadLog.append` (None: not written, the segment changed)."""
         wal = self.wal
         lsn = None
         if wal is not None:
             try:
-                lsn = wal.append(kind, meta, tensors)
+                lsn = wal.append(kind, meta, tensors, same_segment_as=same_segment_as)
             except Exception as exc:
                 fail_stop = self._fail_stop
                 fail_stop.fail(f"could not append to the write-ahead log: {exc}")
                 raise DurabilityError(fail_stop.failure) from exc
+            if lsn is None:
+                return None
+        if kind == "update":
+            self.updates_since_checkpoint += 1
         if jobs_issued != self._jobs_logged:
             self._jobs_logged = jobs_issued
             self.issue_lsn = lsn
         return lsn
+
+    def upload_log(self) -> UploadLog | None:
+        """(event loop) Where an upload's bytes are logged while it arrives; None without a log."""
+        if self.wal is None:
+            return None
+        return UploadLog(self._append_part, self._part_pool)
+
+    def _append_part(
+        self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+    ) -> tuple[Any, int | None]:
+        """(a part writer) Append a part of an upload and start writing it to disk; (the log it
+        went to, its LSN)."""
+        wal = self.wal
+        if wal is None:  # the log was closed under the upload: the record carries its tensors
+            return None, None
+        try:
+            return wal, wal.append(kind, meta, tensors, writeback=True)
+        except Exception as exc:
+            fail_stop = self._fail_stop
+            fail_stop.fail(f"could not append to the write-ahead log: {exc}")
+            raise DurabilityError(fail_stop.failure) from exc
+
+    def append_claiming(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        upload: UploadLog | None,
+        tensors: dict[str, torch.Tensor],
+        jobs_issued: int,
+    ) -> int | None:
+        """(aggregation thread) :meth:`append` a record whose ``tensors`` are ``upload``'s: one
+        that names the upload's parts when they are all written in the current segment, else
+        (no upload log, or a checkpoint began a segment since) one that holds the tensors."""
+        placed = upload.written() if upload is not None else None
+        if placed is not None and placed[0] is self.wal:
+            assert upload is not None
+            claim = {**meta, **upload.claim()}
+            lsn = self.append(kind, claim, None, jobs_issued, same_segment_as=placed[1])
+            if lsn is not None:
+                return lsn
+        return self.append(kind, meta, tensors, jobs_issued)
 
     async def make_durable(self, lsn: int | None) -> int:
         """Return once the log is fsynced up to ``lsn`` (shared fsyncs: group commit); the LSN
@@ -121,5 +168,6 @@ class CallLog:
         self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
 
     def shutdown(self) -> None:
-        """Stop the fsync threads."""
+        """Stop the fsync and part-writing threads."""
         self._sync_pool.shutdown()
+        self._part_pool.shutdown()

@@ -14,6 +14,16 @@ Record encoding (all integers little-endian)::
              followed by 0-7 ASCII spaces so that the tensor data starts 8-byte aligned in body
     tensor data = each tensor's float32 values, in the order of "tensors", back to back
 
+A record's tensors may be written ahead of it, in parts (a server logs an upload's decoded bytes
+while the rest of it is still arriving): each part is a record of kind "part" with meta
+{"key", "tensor", "start"} and one tensor "data", the elements [start, start + numel) of that
+tensor; the record they belong to comes after them in the same segment, with no tensors and
+meta "parts" (the key) and "part_tensors" ([[name, numel], ...]). Readers give that record its
+tensors made whole from the parts, and never yield part records; parts that no record claims
+(an upload that was refused or cut off) are skipped. A writer appends the claiming record only
+while its parts are in the current segment (`WriteAheadLog.append`, ``same_segment_as``), so a
+record never depends on a segment that a checkpoint let go.
+
 The CRC-32C (Castagnoli) covers the whole body. A reader stops at the first record that is cut
 short, lacks the magic, claims more bytes than the file has left, fails its CRC or has meta that
 does not decode; everything from there on is a torn tail and is dropped, never misread. Records
@@ -45,8 +55,10 @@ import numpy as np
 import torch
 
 __all__ = [
+    "PART_KIND",
     "WAL_MAGIC",
     "SegmentScan",
+    "WalDamaged",
     "WalRecord",
     "WriteAheadLog",
     "checkpoint_path",
@@ -64,6 +76,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 WAL_MAGIC: bytes = b"AWL1"
+PART_KIND = "part"  # a piece of a later record's tensor (the module's docstring)
 
 _HEADER = struct.Struct("<4sQI")  # magic, body_length, crc32c(body)
 _META_LEN = struct.Struct("<I")
@@ -154,6 +167,32 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _start_writeback_fn() -> Any:
+    """Linux's sync_file_range(2), which starts writing dirty pages to disk without waiting
+    (not a durability point: the fsync that follows has less left to do); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # pragma: no cover - every Linux libc has it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _start_writeback_fn()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` of ``fd`` (best effort)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _datasync(fd: int) -> None:
@@ -283,6 +322,7 @@ class WriteAheadLog:
         self._cond = threading.Condition(threading.Lock())
         self._written = 0
         self._durable = 0
+        self._segment_start = 0  # the LSN at which the current segment began
         self._syncing = False  # an fsync (or rotate/close) runs on the current fd
         self._failed: BaseException | None = None
         self.fsync_count = 0
@@ -324,17 +364,29 @@ class WriteAheadLog:
             raise ValueError(f"write-ahead log in {self.directory} is closed")
 
     def append(
-        self, kind: str, meta: dict[str, Any], tensors: Mapping[str, torch.Tensor] | None = None
-    ) -> int:
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        same_segment_as: int | None = None,
+        writeback: bool = False,
+    ) -> int | None:
         """Write one record to the OS (no fsync) and return its LSN, the log's byte count after it.
 
         Pass the LSN to `sync` before acknowledging anything that depends on the record.
+        ``same_segment_as``: the LSN of an earlier record (a part of this one); the record is
+        written only while that one is in the current segment, else None is returned and
+        nothing written. ``writeback``: start writing the record to disk now (the fsync that
+        makes it durable later then waits for less).
         """
         bufs = _encode(kind, meta, tensors)
         with self._write_lock:
             with self._cond:
                 self._check_usable()
-                fd = self._fd
+                fd, start = self._fd, self._written
+                if same_segment_as is not None and same_segment_as <= self._segment_start:
+                    return None
             assert fd is not None
             try:
                 n = _write_all(fd, bufs)
@@ -344,6 +396,8 @@ class WriteAheadLog:
                     self._failed = exc
                     self._cond.notify_all()
                 raise
+            if writeback:
+                _start_writeback(fd, start - self._segment_start, n)
             with self._cond:
                 self._written += n
                 return self._written
@@ -421,6 +475,7 @@ class WriteAheadLog:
                 with self._cond:
                     old_fd, self._fd = self._fd, new_fd
                     self.segment = new_segment
+                    self._segment_start = self._written
             finally:
                 with self._cond:
                     self._syncing = False
@@ -456,6 +511,12 @@ class WriteAheadLog:
 # --------------------------------------------------------------------------------------------
 # Reader
 # --------------------------------------------------------------------------------------------
+
+
+class WalDamaged(ValueError):
+    """A record that is intact but cannot be read whole: its parts are missing or overlap.
+    The writer never leaves a log like that (a crash tears only the tail), so recovery stops
+    instead of dropping a record that may have been acknowledged."""
 
 
 class _Torn(Exception):
@@ -514,18 +575,67 @@ class _SegmentReader:
         with open(self.path, "rb") as f:
             self.total_bytes = os.fstat(f.fileno()).st_size
             offset = 0
+            # Where the parts of records still to come are, by key: (offset, its "data" size).
+            parts: dict[str, list[int]] = {}
             try:
                 while offset < self.total_bytes:
                     record, size = self._read_one(f, offset)
+                    if record.kind == PART_KIND:
+                        parts.setdefault(str(record.meta.get("key")), []).append(offset)
+                    elif "parts" in record.meta:
+                        record = self._join(f, offset, record, parts.pop(record.meta["parts"], []))
                     offset += size
                     self.valid_bytes = offset
-                    yield record
+                    if record.kind != PART_KIND:
+                        yield record
             except _Torn as exc:
                 self.torn = True
                 self.reason = (
                     f"{self.path}: {exc}; dropping {self.total_bytes - offset} of "
                     f"{self.total_bytes} bytes from offset {offset}"
                 )
+
+    def _join(self, f: Any, offset: int, record: WalRecord, part_offsets: list[int]) -> WalRecord:
+        """``record`` (at ``offset``) with its tensors made whole from its parts, read again
+        from their offsets (parts are not kept in memory: an upload that was refused leaves
+        parts no record claims)."""
+        meta = dict(record.meta)
+        key = meta.pop("parts")
+        sizes = {str(name): int(numel) for name, numel in meta.pop("part_tensors", [])}
+        tensors = {name: torch.empty(numel, dtype=torch.float32) for name, numel in sizes.items()}
+        spans: dict[str, list[tuple[int, int]]] = {name: [] for name in sizes}
+        back = f.tell()
+        for at in part_offsets:
+            f.seek(at)
+            part, _ = self._read_one(f, at)
+            name, start = part.meta.get("tensor"), part.meta.get("start")
+            data = part.tensors["data"]
+            if (
+                name not in tensors
+                or type(start) is not int
+                or not (start >= 0 and start + data.numel() <= sizes[name])
+            ):
+                raise WalDamaged(
+                    f"{self.path}: the part at offset {at} of the record at offset {offset} "
+                    f"({name!r} from element {start!r}, {data.numel()} elements) lies outside "
+                    f"the record's tensors {sizes}"
+                )
+            tensors[name][start : start + data.numel()] = data
+            spans[name].append((start, start + data.numel()))
+        f.seek(back)
+        for name, numel in sizes.items():
+            ends = [0]
+            for start, end in sorted(spans[name]):
+                if start != ends[-1]:
+                    break
+                ends.append(end)
+            if ends[-1] != numel or len(ends) != len(spans[name]) + 1:
+                raise WalDamaged(
+                    f"{self.path}: the {record.kind!r} record at offset {offset} was written "
+                    f"after its parts (key {key!r}), but its parts of {name!r} here are "
+                    f"{sorted(spans[name])[:8]}, not [0, {numel}) once"
+                )
+        return WalRecord(kind=record.kind, meta=meta, tensors=tensors)
 
     def _read_one(self, f: Any, offset: int) -> tuple[WalRecord, int]:
         remaining = self.total_bytes - offset

@@ -50,6 +50,7 @@ from aggsrv.server.replication import Replication
 from aggsrv.server.shard_follower import ShardFollower
 from aggsrv.server.trace import TraceWriter
 from aggsrv.server.update_health import RecentChange, RobustOutliers, UpdateNorms
+from aggsrv.server.upload_log import UploadLog
 from aggsrv.server.versions import (
     LeaseHandoff,
     RetainedVersions,
@@ -326,16 +327,20 @@ class Federation:
         meta: dict[str, Any],
         jobs_issued: int,
         tensors: dict[str, torch.Tensor] | None = None,
+        upload: UploadLog | None = None,
     ) -> int | None:
         """(aggregation thread) Log a call that changed the strategy's state, after which the
         strategy has issued ``jobs_issued`` jobs; its LSN. A version the call made is published
-        once the record is durable."""
+        once the record is durable. ``upload``: where ``tensors`` were logged as they arrived."""
         if self.sums is not None and kind in SUMMED_KINDS:
             # The call's sums over the shards: any shard replays it alone with them.
             sums = self.sums.take()
             if self.call_log.wal is not None:
                 meta = {**meta, "sums": encode_sums(sums)}
-        lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
+        if upload is not None and tensors is not None:
+            lsn = self.call_log.append_claiming(kind, meta, upload, tensors, jobs_issued)
+        else:
+            lsn = self.call_log.append(kind, meta, tensors, jobs_issued)
         self.publication.record_at(lsn)
         if self.shards is not None:
             self.replication.logged(lsn)
@@ -601,11 +606,12 @@ class Federation:
         return job, why, lease
 
     async def apply_update(
-        self, update: Update, wire: dict[str, torch.Tensor]
+        self, update: Update, wire: dict[str, torch.Tensor], upload: UploadLog | None = None
     ) -> tuple[int, Outcome]:
         """Fold one validated update in; (staleness, outcome), returned once durable.
 
-        ``wire`` holds the decoded CPU tensors ("update" [, "buffers"]) that the log records."""
+        ``wire`` holds the decoded CPU tensors ("update" [, "buffers"]) that the log records;
+        ``upload``: where they were logged as they arrived (the record then names them)."""
         strategy = self.strategy
         assert strategy is not None
 
@@ -632,7 +638,7 @@ class Federation:
             if outcome.original is not None:
                 # The original's record may still be on its way to disk: ack after it.
                 return s, outcome, self.call_log.written_lsn(), took
-            return s, outcome, self._log("update", record, jobs_issued, wire), took
+            return s, outcome, self._log("update", record, jobs_issued, wire, upload), took
 
         try:
             staleness, outcome, lsn, took = await self.aggregation.call(run)
@@ -731,18 +737,23 @@ class Federation:
         if self.store is not None:
             self.checkpoints.begin()
 
-    def _prepare_slice(self, update: Update, meta: dict[str, Any]) -> None:
+    def _prepare_slice(
+        self, update: Update, meta: dict[str, Any], upload: UploadLog | None = None
+    ) -> None:
         """(aggregation thread of a shard of rank >= 1) Make this shard's slice of the update
         rank 0 ordered durable before the shard votes for it: a "slice" record of the call's
-        number (``meta["seq"]``) and the slice. Recovery applies it only if rank 0's log has the
-        update (rank 0's record is the decision)."""
+        number (``meta["seq"]``) and the slice (named as its ``upload``'s parts, logged while
+        it arrived). Recovery applies it only if rank 0's log has the update (rank 0's record
+        is the decision)."""
         strategy = self.strategy
-        if self.call_log.wal is None or strategy is None:
+        call_log = self.call_log
+        if call_log.wal is None or strategy is None:
             return
         self.note_call_number(int(meta["seq"]))
         record = {"seq": meta["seq"], "client": update.client_id, "update_id": update.update_id}
         tensors = {"update": update.tensor.detach().cpu()}
-        self.call_log.sync_now(self.call_log.append("slice", record, tensors, strategy.jobs_issued))
+        jobs = strategy.jobs_issued
+        call_log.sync_now(call_log.append_claiming("slice", record, upload, tensors, jobs))
 
     def install(self, layout: ModelLayout, strategy: Strategy) -> None:
         """Serve ``strategy`` (new, or restored from a checkpoint) over ``layout``."""

@@ -374,8 +374,11 @@ class RequestChecks:
         reference: Any = None,
         exact_norm: bool = False,
         refuse_non_finite: bool = True,
+        upload_log: Any = None,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
+        ``upload_log`` (aggsrv.server.upload_log.UploadLog): where the decoded bytes are logged
+        as they arrive.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
         a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass.
         ``refuse_non_finite`` False: NaN/Inf in the main tensor are left for the strategy
@@ -403,6 +406,8 @@ class RequestChecks:
                 if kind == "chunk":
                     chunk = msg.chunk
                     decoder.feed(chunk.tensor, chunk.offset, chunk.data)
+                    if upload_log is not None:
+                        upload_log.progress(decoder.decoded())
                 elif kind == "trailer":
                     if await self._next_message(stream, context) is not None:
                         await self._abort(
@@ -413,6 +418,8 @@ class RequestChecks:
                         )
                     self.fed.metrics.received_bytes.inc(decoder.bytes_received)
                     views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
+                    if upload_log is not None:
+                        upload_log.finish(views)
                     if stats is not None and decoder.norm is not None:
                         stats["norm"] = decoder.norm
                         stats["norm_exact"] = decoder.norm_exact

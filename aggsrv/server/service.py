@@ -491,9 +491,11 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         private = fed.private  # differential privacy (the strategy's dp_ keys)
         slot = None
         waiting = False
+        upload_log = None
         try:
             slot = await fed.acquire_slot()
             fed.uploads_in_progress += 1
+            upload_log = fed.call_log.upload_log()  # logged as it arrives, when there is a log
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,
@@ -502,7 +504,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 exact_norm=private and kind is UpdateKind.DELTA,
                 # Under DP a NaN/Inf delta is not refused (a refusal would tell everyone): the
                 # strategy takes it as clipped to zero.
-                refuse_non_finite=not private,
+                refuse_non_finite=not private, upload_log=upload_log,
             )  # fmt: skip
             self._note_received(h.client_id, job_id, views, dtype, seen)
             buffers = views.get("buffers")
@@ -518,9 +520,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             waiting = True
             try:
                 if fed.follower:
-                    staleness, outcome = await fed.shard_follower.apply_slice(update)
+                    staleness, outcome = await fed.shard_follower.apply_slice(update, upload_log)
                 else:
-                    staleness, outcome = await fed.apply_update(update, views)
+                    staleness, outcome = await fed.apply_update(update, views, upload_log)
             except StrategyError as exc:
                 await self._abort(context, strategy_code(exc), str(exc), reason=reason_of(exc))
         finally:
@@ -529,6 +531,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             fed.in_flight_updates.discard(key)
             if slot is not None:
                 fed.uploads_in_progress -= 1
+                if upload_log is not None:
+                    upload_log.settle()  # its writers read the slot
                 fed.release_slot(slot)
         return self._answer_update(h, kind, job_id, staleness, outcome, seen)
 

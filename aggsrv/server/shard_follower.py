@@ -72,14 +72,15 @@ class ShardFollower:
         replay: Callable[[WalRecord], None],
         adopt_slice: Callable[[ModelLayout, torch.Tensor], None],
         count: Callable[[Outcome], None],
-        prepare: Callable[[Update, dict[str, Any]], None],
+        prepare: Callable[[Update, dict[str, Any], Any], None],
         cut: Callable[[dict[str, Any]], None],
     ) -> None:
         """``strategy``: the federation's, as it is now; ``submit``: queues a
         call on the aggregation thread; ``replay``: makes a logged call; ``adopt_slice``: serves
         this shard's slice of the whole model rank 0 shared; ``count``: counts an outcome
         reached here; ``prepare``: makes this shard's slice of an update durable before it
-        votes; ``cut``: checkpoints this shard at the call rank 0 ordered it."""
+        votes (given the slice's upload log); ``cut``: checkpoints this shard at the call
+        rank 0 ordered it."""
         self.shards: S.ShardGroup | None = None  # set by the server before it serves
         self._strategy = strategy
         self._fail_stop = fail_stop
@@ -250,7 +251,7 @@ class ShardFollower:
             if verdict == S.SLICE_OK:
                 # Durable before the vote: once rank 0 decides to apply it, a crash of this shard
                 # cannot lose its part of the update.
-                self._prepare(update, meta)
+                self._prepare(update, meta, staged.upload_log)
         votes = self._fail_stop.collective(shards.vote, verdict)
         if max(votes):
             if self._reply is not None:
@@ -272,14 +273,15 @@ class ShardFollower:
         self._reply.result = (s, outcome)
         return False
 
-    async def apply_slice(self, update: Update) -> tuple[int, Outcome]:
+    async def apply_slice(self, update: Update, upload_log: Any = None) -> tuple[int, Outcome]:
         """A shard of rank >= 1: hold this slice until rank 0 orders its update, then answer
-        the outcome every shard reached (or the refusal); (staleness, outcome)."""
+        the outcome every shard reached (or the refusal); (staleness, outcome). ``upload_log``:
+        where the slice was logged as it arrived (aggsrv.server.upload_log)."""
         shards = self.shards
         assert shards is not None
         loop = asyncio.get_running_loop()
         key = (update.client_id, update.update_id)
-        staged = S.StagedSlice(update, loop.create_future(), loop)
+        staged = S.StagedSlice(update, loop.create_future(), loop, upload_log)
         if not shards.staged.put(key, staged):
             raise S.SliceMissing(f"update {update.update_id!r} is being uploaded already")
         try:

@@ -87,6 +87,7 @@ class StagedSlice:
     update: Any  # aggsrv.strategies.Update with this shard's [end - begin] tensor
     done: Any  # asyncio.Future resolved with (staleness, outcome) or the refusal
     loop: Any
+    upload_log: Any = None  # aggsrv.server.upload_log.UploadLog: where it was logged, if it was
     taken: bool = field(default=False)
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:

@@ -220,6 +220,16 @@ class Decoder:
         """Payload bytes accepted so far."""
         return self._crc.nbytes
 
+    def decoded(self) -> list[tuple[str, torch.Tensor, int]]:
+        """(name, its view in the slot, elements decoded so far) of each tensor: the first
+        elements of a dense tensor are final as its chunks arrive; a sparse one is decoded
+        whole by :meth:`finish` (0 until then)."""
+        itemsize = self.wire_dtype.itemsize
+        return [
+            (t.name, t.view, 0 if t.sparse is not None else t.received // itemsize)
+            for t in self._targets.values()
+        ]
+
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(

@@ -372,3 +372,70 @@ def test_device_models_are_copied_to_the_host_once_per_version_off_the_loop(monk
             assert len(copies) == 2, copies  # one for version 1, shared by readers and jobs
     finally:
         srv.stop()
+
+
+def test_an_update_is_logged_once_while_it_arrives_and_replays_bit_for_bit(tmp_path) -> None:
+    """The decoded upload goes to the log in parts while it arrives; the update's record names
+    them: the log grows by the update's bytes once (not twice), and a resumed server reads the
+    record back whole, so its model is the live one's."""
+    d = 700_001  # 2.8 MB: two whole parts of 1 MiB and what is left
+    srv = durable(tmp_path, strategy="fedasync", checkpoint_every_updates=0)
+    layout = odd_layout(d)
+    sent = []
+    try:
+        with Client(srv.address, "a") as c:
+            c.register(layout=layout, initial=torch.randn(d))
+            for _ in range(3):
+                job = c.get_job()
+                wal = srv.federation.store.wal
+                before = wal.written_lsn
+                sent.append(torch.randn(d) * 0.01)
+                c.push(job, sent[-1], kind=UpdateKind.DELTA, encoding="dense")
+                grown = wal.written_lsn - before
+                assert 4 * d < grown < 4 * d + 2_048, grown
+        live = srv.state()
+    finally:
+        srv.stop()
+    raw = [kinds for _, path in D.list_segments(srv.config.state_dir) for kinds in _raw(path)]
+    claims = [meta for kind, meta, tensors in raw if kind == "update"]
+    assert len(claims) == 3 and all("parts" in m and m["part_tensors"] == [["update", d]]
+                                    for m in claims)  # fmt: skip
+    assert not [t for kind, _, t in raw if kind == "update" and t]  # no tensor bytes in them
+    parts = [(meta["key"], meta["start"], t) for kind, meta, t in raw if kind == "part"]
+    assert sorted(parts) == sorted(
+        (m["parts"], start, [["data", min(MIB // 4, d - start)]])
+        for m in claims for start in range(0, d, MIB // 4)
+    )  # fmt: skip
+    updates = [r for r in logged(srv) if r.kind == "update"]
+    assert len(updates) == 3
+    for record, delta in zip(updates, sent, strict=True):
+        assert torch.equal(record.tensors["update"], delta)
+        assert "parts" not in record.meta
+    state = Path(srv.config.state_dir)
+    D.list_checkpoints(state)[-1][1].unlink()  # the final one: recovery must replay the log
+    resumed = durable(tmp_path, strategy="fedasync", checkpoint_every_updates=0, resume=True)
+    try:
+        assert torch.equal(resumed.state()["model"], live["model"])
+    finally:
+        resumed.stop()
+
+
+MIB = 1 << 20
+
+
+def _raw(path: Path) -> list[tuple[str, dict, list]]:
+    """(kind, meta, tensors) of every record of a segment as it is on disk (the format of
+    aggsrv.server.durability's docstring: magic, body length u64, CRC u32, then the body, whose
+    first u32 is the meta's length)."""
+    import json
+    import struct
+
+    out, data, at = [], path.read_bytes(), 0
+    while at < len(data):
+        magic, length, _ = struct.unpack_from("<4sQI", data, at)
+        assert magic == b"AWL1"
+        (meta_len,) = struct.unpack_from("<I", data, at + 16)
+        doc = json.loads(data[at + 20 : at + 20 + meta_len])
+        out.append((doc["kind"], doc["meta"], doc["tensors"]))
+        at += 16 + length
+    return out

@@ -1,0 +1,195 @@
+"""A record whose tensors were logged ahead of it in parts (aggsrv.server.upload_log): it reads
+back whole and bit for bit, with parts out of order, interleaved with other records and with
+parts that no record claims; it is never written into another segment than its parts; a log
+whose claimed parts are missing is refused, not read short; a torn tail through the parts
+loses nothing before it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from aggsrv.server import durability as D
+from aggsrv.server.call_log import CallLog
+from aggsrv.server.fail_stop import FailStop
+from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.upload_log import UploadLog
+
+
+def _records(directory: Path) -> list[D.WalRecord]:
+    return [r for _, r in D.iter_records(directory, 0)]
+
+
+def _parts(wal: D.WriteAheadLog, key: str, name: str, t: torch.Tensor, cuts: list[int]) -> int:
+    """Log ``t`` as parts cut at ``cuts``, in a shuffled order; the first part's LSN."""
+    bounds = [0, *cuts, t.numel()]
+    pieces = list(zip(bounds, bounds[1:], strict=False))
+    random.shuffle(pieces)
+    lsns = [
+        wal.append(D.PART_KIND, {"key": key, "tensor": name, "start": a}, {"data": t[a:b]})
+        for a, b in pieces
+    ]
+    return min(lsns)
+
+
+def test_a_record_written_in_parts_reads_back_whole(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    random.seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+    update = torch.randn(10_007, generator=g)
+    buffers = torch.randn(13, generator=g)
+    stray = torch.randn(999, generator=g)
+    with D.WriteAheadLog(tmp_path, 1) as wal:
+        wal.append("job", {"n": 1})
+        # Another upload's parts that nothing claims (it was refused), under a key of its own.
+        _parts(wal, "refused", "update", stray, [500])
+        _parts(wal, "k1", "update", update, sorted(random.sample(range(1, 10_007), 6)))
+        wal.append("job", {"n": 2})
+        _parts(wal, "k1", "buffers", buffers, [])
+        claim = {"parts": "k1", "part_tensors": [["update", 10_007], ["buffers", 13]]}
+        wal.append("update", {"client": "a", **claim})
+        wal.append("update", {"client": "b"}, {"update": stray[:5]})
+    records = _records(tmp_path)
+    assert [r.kind for r in records] == ["job", "job", "update", "update"]
+    whole = records[2]
+    assert whole.meta == {"client": "a"}  # the claim is the reader's business
+    assert list(whole.tensors) == ["update", "buffers"]
+    assert torch.equal(whole.tensors["update"], update)
+    assert torch.equal(whole.tensors["buffers"], buffers)
+    assert torch.equal(records[3].tensors["update"], stray[:5])
+
+
+def test_a_claim_is_not_written_into_another_segment_than_its_parts(tmp_path: Path) -> None:
+    data = torch.arange(300, dtype=torch.float32)
+    with D.WriteAheadLog(tmp_path, 1) as wal:
+        first = _parts(wal, "old", "update", data, [100])
+        wal.rotate(2)
+        written = wal.written_lsn
+        claim = {"parts": "old", "part_tensors": [["update", 300]]}
+        assert wal.append("update", claim, same_segment_as=first) is None
+        assert wal.written_lsn == written  # nothing written
+        here = _parts(wal, "new", "update", data, [7, 200])
+        claim = {"parts": "new", "part_tensors": [["update", 300]]}
+        assert wal.append("update", claim, same_segment_as=here) is not None
+    records = _records(tmp_path)
+    assert len(records) == 1 and torch.equal(records[0].tensors["update"], data)
+
+
+@pytest.mark.parametrize(
+    ("cuts", "claimed", "what"),
+    [
+        ([100], 300, "a part missing"),
+        ([100], 301, "parts shorter than the record says"),
+        ([100, 100], 300, "the same elements twice"),
+    ],
+)
+def test_a_claim_whose_parts_do_not_cover_it_is_refused(
+    tmp_path: Path, cuts: list[int], claimed: int, what: str
+) -> None:
+    data = torch.arange(300, dtype=torch.float32)
+    with D.WriteAheadLog(tmp_path, 1) as wal:
+        if what == "a part missing":
+            part = {"key": "k", "tensor": "update", "start": 0}
+            wal.append(D.PART_KIND, part, {"data": data[:100]})
+        else:
+            _parts(wal, "k", "update", data, [c for c in cuts if c < 300])
+            if what == "the same elements twice":
+                part = {"key": "k", "tensor": "update", "start": 50}
+                wal.append(D.PART_KIND, part, {"data": data[50:60]})
+        wal.append("update", {"parts": "k", "part_tensors": [["update", claimed]]})
+    with pytest.raises(D.WalDamaged, match="parts"):
+        _records(tmp_path)
+
+
+def test_a_torn_tail_through_parts_keeps_the_records_before_it(tmp_path: Path) -> None:
+    data = torch.randn(4_001)
+    with D.WriteAheadLog(tmp_path, 1) as wal:
+        _parts(wal, "a", "update", data, [2_000])
+        wal.append("update", {"n": 1, "parts": "a", "part_tensors": [["update", 4_001]]})
+        _parts(wal, "b", "update", data, [1_000, 3_000])  # the crash came before its claim
+    path = D.segment_path(tmp_path, 1)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1_234)
+    records = _records(tmp_path)
+    assert [r.meta for r in records] == [{"n": 1}]
+    assert torch.equal(records[0].tensors["update"], data)
+
+
+def _call_log(tmp_path: Path) -> tuple[CallLog, D.WriteAheadLog]:
+    call_log = CallLog(FailStop(lambda reason: None), ServerMetrics(CollectorRegistry()))
+    wal = D.WriteAheadLog(tmp_path, 1)
+    call_log.store = SimpleNamespace(wal=wal)
+    return call_log, wal
+
+
+def _upload(call_log: CallLog, views: dict[str, torch.Tensor], steps: int) -> UploadLog:
+    upload = call_log.upload_log()
+    assert upload is not None
+    upload._part_elements = 97  # parts of an odd size, several per tensor
+    for i in range(1, steps + 1):  # the chunks arrive
+        upload.progress([(n, v, v.numel() * i // (steps + 1)) for n, v in views.items()])
+    upload.finish(views)
+    return upload
+
+
+def test_the_call_log_claims_an_uploads_parts_or_writes_the_tensors(tmp_path: Path) -> None:
+    views = {"update": torch.randn(1_001), "buffers": torch.randn(31)}
+    call_log, wal = _call_log(tmp_path)
+    try:
+        upload = _upload(call_log, views, steps=3)
+        upload.written()  # the parts are down
+        before = wal.written_lsn
+        call_log.append_claiming("update", {"n": 1}, upload, views, jobs_issued=0)
+        small = wal.written_lsn - before
+        assert small < 400  # the record names the parts: no tensor bytes again
+        # A checkpoint began a segment between the parts and the record: the record holds them.
+        upload = _upload(call_log, views, steps=2)
+        upload.written()
+        wal.rotate(2)
+        before = wal.written_lsn
+        call_log.append_claiming("update", {"n": 2}, upload, views, jobs_issued=0)
+        assert wal.written_lsn - before > 4 * 1_032
+        upload.settle()
+    finally:
+        call_log.shutdown()
+        wal.close()
+    records = _records(tmp_path)
+    assert [r.meta["n"] for r in records] == [1, 2]
+    for record in records:
+        assert record.tensors.keys() == views.keys()
+        for name, view in views.items():
+            assert torch.equal(record.tensors[name], view)
+    assert call_log.updates_since_checkpoint == 2  # counted once each
+
+
+def test_an_upload_settled_before_its_parts_are_written_is_logged_whole(tmp_path: Path) -> None:
+    """A caller that leaves (settle) drops the parts not yet written; a record made after that
+    holds the tensors instead of naming parts that are not all there."""
+    import threading
+
+    views = {"update": torch.randn(500)}
+    call_log, wal = _call_log(tmp_path)
+    gate = threading.Event()
+    busy = [call_log._part_pool.submit(gate.wait) for _ in range(2)]  # every writer is busy
+    try:
+        upload = _upload(call_log, views, steps=2)
+        gate_opener = threading.Timer(0.2, gate.set)
+        gate_opener.start()
+        upload.settle()  # returns once nothing reads the slot: the queued parts are dropped
+        assert all(w.cancelled() for w in upload._writes)
+        assert upload.written() is None
+        call_log.append_claiming("update", {"n": 1}, upload, views, jobs_issued=0)
+        for b in busy:
+            b.result()
+    finally:
+        gate.set()
+        call_log.shutdown()
+        wal.close()
+    (record,) = _records(tmp_path)
+    assert torch.equal(record.tensors["update"], views["update"])
