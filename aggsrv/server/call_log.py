@@ -92,11 +92,12 @@ class CallLog:
             self.issue_lsn = lsn
         return lsn
 
-    def upload_log(self) -> UploadLog | None:
-        """(event loop) Where an upload's bytes are logged while it arrives; None without a log."""
+    def upload_log(self, part_bytes: int) -> UploadLog | None:
+        """(event loop) Where an upload's bytes are logged while it arrives, in parts of
+        ``part_bytes``; None without a log."""
         if self.wal is None:
             return None
-        return UploadLog(self._append_part, self._part_pool)
+        return UploadLog(self._append_part, self._part_pool, part_bytes)
 
     def _append_part(
         self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]

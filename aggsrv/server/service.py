@@ -495,7 +495,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         try:
             slot = await fed.acquire_slot()
             fed.uploads_in_progress += 1
-            upload_log = fed.call_log.upload_log()  # logged as it arrives, when there is a log
+            # Logged as it arrives, when there is a log.
+            upload_log = fed.call_log.upload_log(fed.config.wal_part_bytes)
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
                 context, stats=seen,

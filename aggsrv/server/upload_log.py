@@ -26,19 +26,15 @@ import torch
 
 from aggsrv.server.durability import PART_KIND
 
-# The decoded bytes collected into one part (the default chunk of an upload): a part costs a
-# record header and a syscall, and the kernel starts writing each part as it is appended.
-PART_BYTES = 1 << 20
-
 
 class UploadLog:
     """The parts of one upload (event loop: :meth:`progress`, :meth:`finish`, :meth:`settle`;
     the aggregation thread: :meth:`written`, via the call log)."""
 
-    def __init__(self, append: Any, pool: ThreadPoolExecutor, part_bytes: int = PART_BYTES):
+    def __init__(self, append: Any, pool: ThreadPoolExecutor, part_bytes: int):
         """``append``: the call log's append of one part record, (the log, its LSN) (it stops
         the federation when the log cannot be written); ``pool``: the threads that write the
-        parts."""
+        parts; ``part_bytes``: the decoded bytes of one part (``wal_part_bytes``)."""
         self._append = append
         self._pool = pool
         self._part_elements = max(1, part_bytes // 4)

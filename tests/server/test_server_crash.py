@@ -178,9 +178,11 @@ def test_sigkill_loses_no_acknowledged_update(tmp_path: Path, case: str) -> None
     config = tmp_path / "server.toml"
     config.write_text(
         f'host = "127.0.0.1"\nstrategy = "{strategy}"\nauth = "none"\n'
-        # Small checkpoint interval: kills land before, during and after checkpoints.
+        # Small checkpoint interval: kills land before, during and after checkpoints. Small
+        # log parts: an update (668 floats) is logged in 11 of them while it arrives, so kills
+        # land between its parts and its record too.
         "checkpoint_every_updates = 9\ncheckpoint_keep = 1000\nrate_limit_per_second = 0.0\n"
-        "[strategy_config]\n" + strategy_lines
+        "wal_part_bytes = 256\n[strategy_config]\n" + strategy_lines
     )
     sup = Supervisor(tmp_path, config)
     pushers: list[Pusher] = []

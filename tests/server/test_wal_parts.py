@@ -129,9 +129,8 @@ def _call_log(tmp_path: Path) -> tuple[CallLog, D.WriteAheadLog]:
 
 
 def _upload(call_log: CallLog, views: dict[str, torch.Tensor], steps: int) -> UploadLog:
-    upload = call_log.upload_log()
+    upload = call_log.upload_log(part_bytes=4 * 97)  # parts of an odd size, several per tensor
     assert upload is not None
-    upload._part_elements = 97  # parts of an odd size, several per tensor
     for i in range(1, steps + 1):  # the chunks arrive
         upload.progress([(n, v, v.numel() * i // (steps + 1)) for n, v in views.items()])
     upload.finish(views)

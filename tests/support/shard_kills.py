@@ -33,6 +33,7 @@ shard_timeout_seconds = 20.0
 rate_limit_per_second = 0.0
 checkpoint_every_updates = 7
 lease_seconds = 600.0
+wal_part_bytes = 64
 
 [strategy_config]
 buffer_size = 4
