@@ -38,6 +38,9 @@ class CallLog:
         # number of jobs issued by then: a job handed out again is durable once that LSN is.
         self.issue_lsn: int | None = None
         self._jobs_logged = 0
+        # Bytes of upload parts that no record named, in the segment (log, start) named here.
+        self._unclaimed = 0
+        self._unclaimed_where: tuple[int, int] | None = None
 
     @property
     def wal(self) -> Any:
@@ -92,12 +95,32 @@ class CallLog:
             self.issue_lsn = lsn
         return lsn
 
-    def upload_log(self, part_bytes: int) -> UploadLog | None:
+    def upload_log(self, part_bytes: int, unclaimed_limit: int) -> UploadLog | None:
         """(event loop) Where an upload's bytes are logged while it arrives, in parts of
-        ``part_bytes``; None without a log."""
-        if self.wal is None:
+        ``part_bytes``; None without a log, or while the current segment holds
+        ``unclaimed_limit`` bytes (> 0) of parts no record named: a client whose uploads are
+        never applied (refused, or slices sent to a shard of rank >= 1 only, which cannot
+        checkpoint on its own) cannot grow the log without bound. The next segment (a
+        checkpoint) logs uploads ahead again; until then they are logged whole when applied."""
+        wal = self.wal
+        if wal is None:
+            return None
+        if unclaimed_limit and self._unclaimed_in(wal) >= unclaimed_limit:
             return None
         return UploadLog(self._append_part, self._part_pool, part_bytes)
+
+    def settled(self, upload: UploadLog) -> None:
+        """(event loop) ``upload`` is done with: count what it logged that nothing claimed."""
+        wal = self.wal
+        if wal is not None:
+            self._unclaimed = self._unclaimed_in(wal) + upload.unclaimed_bytes()
+
+    def _unclaimed_in(self, wal: Any) -> int:
+        """Bytes of unclaimed parts in ``wal``'s current segment (as far as counted)."""
+        where = (id(wal), wal.segment_start)
+        if where != self._unclaimed_where:
+            self._unclaimed_where, self._unclaimed = where, 0
+        return self._unclaimed
 
     def _append_part(
         self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
@@ -131,6 +154,7 @@ class CallLog:
             claim = {**meta, **upload.claim()}
             lsn = self.append(kind, claim, None, jobs_issued, same_segment_as=placed[1])
             if lsn is not None:
+                upload.claimed = True
                 return lsn
         return self.append(kind, meta, tensors, jobs_issued)
 

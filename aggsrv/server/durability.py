@@ -343,6 +343,12 @@ class WriteAheadLog:
             return self._durable
 
     @property
+    def segment_start(self) -> int:
+        """The LSN at which the current segment began (it changes when the log rotates)."""
+        with self._cond:
+            return self._segment_start
+
+    @property
     def bytes_written(self) -> int:
         """Total bytes written (equal to `written_lsn`; kept as a separate name for metrics)."""
         return self.written_lsn

@@ -43,7 +43,9 @@ class UploadLog:
         self._logged: dict[str, int] = {}  # elements of each tensor handed to a writer
         self._sizes: dict[str, int] = {}
         self._writes: list[Future[tuple[Any, int | None]]] = []
+        self._write_bytes: list[int] = []
         self.finished = False
+        self.claimed = False  # a record named the parts
 
     def progress(self, decoded: Iterable[tuple[str, torch.Tensor, int]]) -> None:
         """(event loop) The upload so far: (name, the tensor's view in the slot, elements of it
@@ -70,6 +72,7 @@ class UploadLog:
         meta = {"key": self.key, "tensor": name, "start": start}
         part = view[start:end]
         self._writes.append(self._pool.submit(self._append, PART_KIND, meta, {"data": part}))
+        self._write_bytes.append(4 * (end - start))
 
     def written(self) -> tuple[Any, int] | None:
         """(aggregation thread) Wait until every part is written: (the log they are in, the LSN
@@ -97,3 +100,10 @@ class UploadLog:
         for write in self._writes:
             write.cancel()
         concurrent.futures.wait(self._writes)
+
+    def unclaimed_bytes(self) -> int:
+        """(after :meth:`settle`) The bytes of the parts written that no record named."""
+        if self.claimed:
+            return 0
+        written = zip(self._writes, self._write_bytes, strict=True)
+        return sum(n for w, n in written if not w.cancelled() and w.exception() is None)

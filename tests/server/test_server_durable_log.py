@@ -188,6 +188,35 @@ def test_log_stays_bounded_under_getjob_and_register_floods(tmp_path: Path) -> N
         srv.stop()
 
 
+def test_log_stays_bounded_under_uploads_that_log_nothing(tmp_path: Path) -> None:
+    """An upload is written to the log while it arrives, before anything decides whether it is
+    applied: one refused once it arrived whole leaves its bytes in the log with no record. They
+    count toward checkpoint_every_bytes like any others, so a flood of them is bounded."""
+    limit = 64 * 1024
+    srv = durable(
+        tmp_path, strategy="fedasync", checkpoint_every_bytes=limit, checkpoint_keep=2,
+        checkpoint_every_updates=0, checkpoint_every_seconds=0, wal_part_bytes=1024,
+    )  # fmt: skip
+    layout = odd_layout(3_001)
+    state = Path(srv.config.state_dir)
+    try:
+        with Client(srv.address, "a") as c:
+            c.register(layout=layout, initial=torch.randn(layout.numel))
+            job = c.get_job()
+            delta = torch.randn(layout.numel) * 0.01
+            assert c.push(job, delta, update_id="u").status is Status.APPLIED
+            bad = delta.clone()
+            bad[-1] = float("nan")  # refused once it arrived whole: its parts are logged
+            for i in range(60):  # 12 KB each
+                with pytest.raises(grpc.RpcError) as refused:
+                    c.push(job, bad, update_id=f"nan{i}")
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                on_disk = sum(p.stat().st_size for _, p in D.list_segments(state))
+                assert on_disk <= 3 * limit, f"{on_disk} log bytes on disk after {i} uploads"
+    finally:
+        srv.stop()
+
+
 def test_fedogd_checkpoint_holds_a_basis_shared_by_fifty_jobs_once(tmp_path: Path) -> None:
     d = 30_011
     srv = durable(tmp_path, strategy="fedogd", retained_versions=1, max_clients=64)

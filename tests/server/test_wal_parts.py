@@ -129,7 +129,8 @@ def _call_log(tmp_path: Path) -> tuple[CallLog, D.WriteAheadLog]:
 
 
 def _upload(call_log: CallLog, views: dict[str, torch.Tensor], steps: int) -> UploadLog:
-    upload = call_log.upload_log(part_bytes=4 * 97)  # parts of an odd size, several per tensor
+    # Parts of an odd size, several per tensor.
+    upload = call_log.upload_log(part_bytes=4 * 97, unclaimed_limit=0)
     assert upload is not None
     for i in range(1, steps + 1):  # the chunks arrive
         upload.progress([(n, v, v.numel() * i // (steps + 1)) for n, v in views.items()])
@@ -192,3 +193,43 @@ def test_an_upload_settled_before_its_parts_are_written_is_logged_whole(tmp_path
         wal.close()
     (record,) = _records(tmp_path)
     assert torch.equal(record.tensors["update"], views["update"])
+
+
+def test_uploads_nothing_claims_stop_being_logged_ahead_until_the_next_segment(
+    tmp_path: Path,
+) -> None:
+    """A shard of rank >= 1 cannot checkpoint on its own: slices sent to it alone are never
+    ordered, and logging them ahead would grow its log without bound. Past the limit of
+    unclaimed part bytes in a segment, uploads are not logged ahead (the record of one that is
+    applied holds its tensors); a new segment starts the count again."""
+    views = {"update": torch.randn(1_000)}  # 4,000 bytes a time
+    call_log, wal = _call_log(tmp_path)
+    limit = 10_000
+    try:
+        for _ in range(3):  # 12,000 bytes that no record names
+            upload = call_log.upload_log(1024, limit)
+            assert upload is not None
+            upload.progress([("update", views["update"], 1_000)])
+            upload.finish(views)
+            upload.written()
+            upload.settle()
+            call_log.settled(upload)
+        assert call_log.upload_log(1024, limit) is None
+        assert call_log.upload_log(1024, 0) is not None  # 0: no limit
+        # An applied upload that was not logged ahead is logged whole.
+        call_log.append_claiming("update", {"n": 1}, None, views, jobs_issued=0)
+        wal.rotate(2)  # a checkpoint
+        upload = call_log.upload_log(1024, limit)
+        assert upload is not None
+        upload.finish(views)
+        call_log.append_claiming("update", {"n": 2}, upload, views, jobs_issued=0)
+        upload.settle()
+        call_log.settled(upload)
+        assert upload.unclaimed_bytes() == 0  # claimed: it counts for nothing
+        assert call_log.upload_log(1024, limit) is not None
+    finally:
+        call_log.shutdown()
+        wal.close()
+    records = _records(tmp_path)
+    assert [r.meta["n"] for r in records] == [1, 2]
+    assert all(torch.equal(r.tensors["update"], views["update"]) for r in records)
