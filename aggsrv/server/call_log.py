@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from aggsrv.server.durability import PART_KIND
 from aggsrv.server.fail_stop import DurabilityError, FailStop
 from aggsrv.server.metrics import ServerMetrics
 from aggsrv.server.upload_log import UploadLog
@@ -40,7 +41,7 @@ class CallLog:
         self._jobs_logged = 0
         # Bytes of upload parts that no record named, in the segment (log, start) named here.
         self._unclaimed = 0
-        self._unclaimed_where: tuple[int, int] | None = None
+        self._unclaimed_where: tuple[Any, int] = (None, 0)
 
     @property
     def wal(self) -> Any:
@@ -97,15 +98,15 @@ class CallLog:
 
     def upload_log(self, part_bytes: int, unclaimed_limit: int) -> UploadLog | None:
         """(event loop) Where an upload's bytes are logged while it arrives, in parts of
-        ``part_bytes``; None without a log, or while the current segment holds
-        ``unclaimed_limit`` bytes (> 0) of parts no record named: a client whose uploads are
+        ``part_bytes`` (0: not logged ahead); None without a log, or while the current segment
+        holds ``unclaimed_limit`` bytes of parts no record named: a client whose uploads are
         never applied (refused, or slices sent to a shard of rank >= 1 only, which cannot
         checkpoint on its own) cannot grow the log without bound. The next segment (a
         checkpoint) logs uploads ahead again; until then they are logged whole when applied."""
         wal = self.wal
-        if wal is None:
+        if wal is None or not part_bytes:
             return None
-        if unclaimed_limit and self._unclaimed_in(wal) >= unclaimed_limit:
+        if self._unclaimed_in(wal) >= unclaimed_limit:
             return None
         return UploadLog(self._append_part, self._part_pool, part_bytes)
 
@@ -117,22 +118,26 @@ class CallLog:
 
     def _unclaimed_in(self, wal: Any) -> int:
         """Bytes of unclaimed parts in ``wal``'s current segment (as far as counted)."""
-        where = (id(wal), wal.segment_start)
-        if where != self._unclaimed_where:
-            self._unclaimed_where, self._unclaimed = where, 0
+        log, start = self._unclaimed_where
+        if log is not wal or start != wal.segment_start:
+            self._unclaimed_where, self._unclaimed = (wal, wal.segment_start), 0
         return self._unclaimed
 
     def _append_part(
         self, kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
     ) -> tuple[Any, int | None]:
-        """(a part writer) Append a part of an upload and start writing it to disk; (the log it
-        went to, its LSN)."""
+        """(a part writer; the aggregation thread for a part written again) Append a part of an
+        upload and start writing it to disk; (the log it went to, its LSN), (None, None) when
+        the log was closed under it (recovery, shutdown: the part is written again, or not
+        needed)."""
         wal = self.wal
-        if wal is None:  # the log was closed under the upload: the record carries its tensors
+        if wal is None:
             return None, None
         try:
             return wal, wal.append(kind, meta, tensors, writeback=True)
         except Exception as exc:
+            if wal.closed:
+                return None, None
             fail_stop = self._fail_stop
             fail_stop.fail(f"could not append to the write-ahead log: {exc}")
             raise DurabilityError(fail_stop.failure) from exc
@@ -145,14 +150,26 @@ class CallLog:
         tensors: dict[str, torch.Tensor],
         jobs_issued: int,
     ) -> int | None:
-        """(aggregation thread) :meth:`append` a record whose ``tensors`` are ``upload``'s: one
-        that names the upload's parts when they are all written in the current segment, else
-        (no upload log, or a checkpoint began a segment since) one that holds the tensors."""
-        placed = upload.written() if upload is not None else None
-        if placed is not None and placed[0] is self.wal:
-            assert upload is not None
+        """(aggregation thread) :meth:`append` a record whose ``tensors`` are ``upload``'s, as
+        one that names the upload's parts. A record and its parts are in one segment: a part
+        that is not in the current one (a checkpoint began a segment since, or the log was
+        reopened, or the part was not written) is written again first. Without an upload log
+        (or parts) the record holds the tensors."""
+        wal = self.wal
+        if upload is None or wal is None or not upload.finished or not upload.parts:
+            return self.append(kind, meta, tensors, jobs_issued)
+        placed = upload.placed()
+        # Rotations happen on this thread (checkpoint cuts, recovery), so none comes between
+        # the parts written here and the record.
+        start = wal.segment_start
+        for i, (log, lsn) in enumerate(placed):
+            if log is not wal or lsn is None or lsn <= start:
+                part = upload.parts[i]
+                placed[i] = self._append_part(PART_KIND, part.meta, {"data": part.data})
+        first = min((lsn for log, lsn in placed if log is wal and lsn is not None), default=None)
+        if first is not None and len([p for p in placed if p[0] is wal]) == len(placed):
             claim = {**meta, **upload.claim()}
-            lsn = self.append(kind, claim, None, jobs_issued, same_segment_as=placed[1])
+            lsn = self.append(kind, claim, None, jobs_issued, same_segment_as=first)
             if lsn is not None:
                 upload.claimed = True
                 return lsn

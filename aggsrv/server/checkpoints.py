@@ -171,9 +171,18 @@ class Checkpoints:
         every = self._config.checkpoint_every_bytes
         if every is not None:
             return every
+        return self._default_bytes_limit()
+
+    def _default_bytes_limit(self) -> int:
         model_bytes = self._model_bytes or 0
         newest = self.store.checkpoint_bytes if self.store is not None else 0
         return max(4 * model_bytes, 2 * newest, MIN_CHECKPOINT_EVERY_BYTES)
+
+    def unclaimed_bytes_limit(self) -> int:
+        """How many bytes of uploads logged ahead and never applied a log segment may hold
+        before uploads are no longer logged ahead (aggsrv.server.call_log): the size at which
+        a checkpoint is due, the default one when checkpoints are not cut by size."""
+        return self.checkpoint_bytes_limit() or self._default_bytes_limit()
 
     def checkpoint_soon(self) -> None:
         """Start a checkpoint in the background unless one is running."""

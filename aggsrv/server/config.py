@@ -88,7 +88,7 @@ class ServerConfig(TomlConfig):
     checkpoint_keep: Count = 2  # newest checkpoints kept, with the log segments after the oldest
     # An update is logged while it arrives, in records of this many decoded bytes, each sent on
     # to the disk at once: smaller parts leave less for the acknowledging fsync, cost a record
-    # header (about 100 bytes) and a write each.
+    # header (about 100 bytes) and a write each. 0: logged whole once applied.
     wal_part_bytes: int = MIB
 
     # --- operations
@@ -238,9 +238,10 @@ class ServerConfig(TomlConfig):
             )
         if self.resume and not self.state_dir:
             raise ValueError("resume needs a state_dir")
-        if self.wal_part_bytes < 4 or self.wal_part_bytes % 4:
+        if self.wal_part_bytes and (self.wal_part_bytes < 64 or self.wal_part_bytes % 4):
             raise ValueError(
-                f"wal_part_bytes must be a multiple of 4 and >= 4, got {self.wal_part_bytes}"
+                f"wal_part_bytes must be 0 (off) or a multiple of 4 and >= 64, got "
+                f"{self.wal_part_bytes}"
             )
         if self.checkpoint_every_updates < 0 or self.checkpoint_every_seconds < 0:
             raise ValueError("checkpoint_every_updates and checkpoint_every_seconds must be >= 0")

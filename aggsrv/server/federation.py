@@ -640,8 +640,15 @@ class Federation:
                 return s, outcome, self.call_log.written_lsn(), took
             return s, outcome, self._log("update", record, jobs_issued, wire, upload), took
 
+        call = asyncio.ensure_future(self.aggregation.call(run))
         try:
-            staleness, outcome, lsn, took = await self.aggregation.call(run)
+            staleness, outcome, lsn, took = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The caller went away: the update's tensors are views of its staging slot, which
+            # is freed after we return, so the aggregation thread must be done with them.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(call)
+            raise
         except PrivacyBudgetSpent:
             # The record that says so is durable first (the refused call published nothing).
             self.publication.publish(await self.call_log.make_durable(self._budget_lsn))

@@ -174,8 +174,12 @@ class StateStore:
         return [n for n, _ in D.list_checkpoints(self.directory)]
 
     def records(self, number: int) -> Iterator[tuple[int, D.WalRecord]]:
-        """(segment, record) of every record logged after checkpoint ``number``, in order."""
-        return D.iter_records(self.directory, number)
+        """(segment, record) of every record logged after checkpoint ``number``, in order;
+        RecoveryError for a record that cannot be read whole."""
+        try:
+            yield from D.iter_records(self.directory, number)
+        except D.WalDamaged as exc:
+            raise RecoveryError(f"the write-ahead log cannot be replayed: {exc}") from exc
 
     def reopen(self, number: int) -> None:
         """After the records after checkpoint ``number`` were replayed: the next records go to a

@@ -497,7 +497,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             fed.uploads_in_progress += 1
             # Logged as it arrives, when there is a log.
             upload_log = fed.call_log.upload_log(
-                fed.config.wal_part_bytes, fed.checkpoints.checkpoint_bytes_limit()
+                fed.config.wal_part_bytes, fed.checkpoints.unclaimed_bytes_limit()
             )
             views = await self._decode(
                 request_iterator, slot, list(h.tensors), payload_sizes(fed.layout, "update"), dtype,
@@ -535,7 +535,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             if slot is not None:
                 fed.uploads_in_progress -= 1
                 if upload_log is not None:
-                    upload_log.settle()  # its writers read the slot
+                    await upload_log.settle()  # its writers read the slot
                     fed.call_log.settled(upload_log)
                     # What it logged counts toward a checkpoint, applied or not.
                     fed.checkpoints.checkpoint_if_due()

@@ -11,25 +11,40 @@ makes it durable has little left to write. Readers make the record whole from it
 (aggsrv.server.durability).
 
 The parts are views of the staging slot the upload lands in: the slot is reused only after
-:meth:`UploadLog.settle`.
+:meth:`UploadLog.settle`, and only once the call that used the upload is over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import secrets
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from aggsrv.server.durability import PART_KIND
 
+# A part record's bytes besides its data, at most (header, meta JSON, alignment).
+PART_OVERHEAD = 128
+
+
+@dataclass
+class Part:
+    """One part of an upload: its record's meta, its data (a view of the staging slot) and the
+    write that appends it, whose result is (the log written to, the record's LSN)."""
+
+    meta: dict[str, Any]
+    data: torch.Tensor
+    write: Future[tuple[Any, int | None]]
+
 
 class UploadLog:
     """The parts of one upload (event loop: :meth:`progress`, :meth:`finish`, :meth:`settle`;
-    the aggregation thread: :meth:`written`, via the call log)."""
+    the aggregation thread: :meth:`placed`, via the call log)."""
 
     def __init__(self, append: Any, pool: ThreadPoolExecutor, part_bytes: int):
         """``append``: the call log's append of one part record, (the log, its LSN) (it stops
@@ -42,8 +57,7 @@ class UploadLog:
         self.key = secrets.token_hex(8)
         self._logged: dict[str, int] = {}  # elements of each tensor handed to a writer
         self._sizes: dict[str, int] = {}
-        self._writes: list[Future[tuple[Any, int | None]]] = []
-        self._write_bytes: list[int] = []
+        self.parts: list[Part] = []
         self.finished = False
         self.claimed = False  # a record named the parts
 
@@ -70,40 +84,46 @@ class UploadLog:
 
     def _write(self, name: str, view: torch.Tensor, start: int, end: int) -> None:
         meta = {"key": self.key, "tensor": name, "start": start}
-        part = view[start:end]
-        self._writes.append(self._pool.submit(self._append, PART_KIND, meta, {"data": part}))
-        self._write_bytes.append(4 * (end - start))
+        data = view[start:end]
+        write = self._pool.submit(self._append, PART_KIND, meta, {"data": data})
+        self.parts.append(Part(meta, data, write))
 
-    def written(self) -> tuple[Any, int] | None:
-        """(aggregation thread) Wait until every part is written: (the log they are in, the LSN
-        of the first one), or None (the upload did not finish, or it has no parts, or its parts
-        went to more than one log). Raises what a write raised."""
-        if not self.finished:
-            return None
-        try:
-            placed = [w.result() for w in self._writes]
-        except concurrent.futures.CancelledError:  # settled under the call: its caller left
-            return None
-        logs = {id(wal) for wal, _ in placed}
-        if len(logs) != 1 or any(lsn is None for _, lsn in placed):
-            return None
-        return placed[0][0], min(lsn for _, lsn in placed)
+    def placed(self) -> list[tuple[Any, int | None]]:
+        """(aggregation thread) Wait until every part is written: where each one went, (the
+        log, its LSN), or (None, None) for one not written (dropped by :meth:`settle`, or the
+        log was closed under it). Raises what a write raised."""
+        out: list[tuple[Any, int | None]] = []
+        for part in self.parts:
+            try:
+                out.append(part.write.result())
+            except concurrent.futures.CancelledError:
+                out.append((None, None))
+        return out
 
     def claim(self) -> dict[str, Any]:
         """The meta by which a record claims these parts as its tensors."""
         return {"parts": self.key, "part_tensors": [[n, s] for n, s in self._sizes.items()]}
 
-    def settle(self) -> None:
+    async def settle(self) -> None:
         """(event loop, the upload is done with) Drop the writes not begun and wait out those
         still reading the slot, which is then free to reuse; their errors were the
         federation's to handle. After a record claimed the parts there is nothing left."""
-        for write in self._writes:
-            write.cancel()
-        concurrent.futures.wait(self._writes)
+        running = [part.write for part in self.parts if not part.write.cancel()]
+        if not running:
+            return
+        done = asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # Cancelled again: the slot must still not be reused under a writer.
+            concurrent.futures.wait(running)
 
     def unclaimed_bytes(self) -> int:
-        """(after :meth:`settle`) The bytes of the parts written that no record named."""
+        """(after :meth:`settle`) The log bytes of the parts written that no record named."""
         if self.claimed:
             return 0
-        written = zip(self._writes, self._write_bytes, strict=True)
-        return sum(n for w, n in written if not w.cancelled() and w.exception() is None)
+        return sum(
+            4 * part.data.numel() + PART_OVERHEAD
+            for part in self.parts
+            if not part.write.cancelled() and part.write.exception() is None
+        )

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -211,7 +212,7 @@ def test_log_stays_bounded_under_uploads_that_log_nothing(tmp_path: Path) -> Non
                 with pytest.raises(grpc.RpcError) as refused:
                     c.push(job, bad, update_id=f"nan{i}")
                 assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
-                on_disk = sum(p.stat().st_size for _, p in D.list_segments(state))
+                on_disk = _log_bytes_on_disk(state)
                 assert on_disk <= 3 * limit, f"{on_disk} log bytes on disk after {i} uploads"
     finally:
         srv.stop()
@@ -468,3 +469,61 @@ def _raw(path: Path) -> list[tuple[str, dict, list]]:
         out.append((doc["kind"], doc["meta"], doc["tensors"]))
         at += 16 + length
     return out
+
+
+def test_a_push_whose_caller_left_keeps_its_slot_until_its_update_is_applied(tmp_path) -> None:
+    """A client that gives up (its deadline passes) while its update is being applied must not
+    free the staging slot under it: the next upload would land there, and the model would
+    apply those bytes while the log holds the first update's. The live model and the one a
+    restart rebuilds from the log are the same."""
+    d = 50_003
+    srv = durable(tmp_path, strategy="fedasync", max_concurrent_uploads=1, wal_part_bytes=4096)
+    layout = odd_layout(d)
+    entered, release = threading.Event(), threading.Event()
+    try:
+        with Client(srv.address, "a") as a, Client(srv.address, "b", timeout=1.0) as b:
+            a.register(layout=layout, initial=torch.randn(d))
+            b.register(layout=layout)
+            strategy = srv.federation.strategy
+            on_update = strategy.on_update
+
+            def slow_first(update, now):  # the aggregation thread, before it reads the update
+                if not entered.is_set():
+                    entered.set()
+                    assert release.wait(30)
+                return on_update(update, now)
+
+            strategy.on_update = slow_first
+            job_b, job_a = b.get_job(), a.get_job()
+            first, second = torch.randn(d) * 0.01, torch.randn(d) * 0.01
+            with pytest.raises(grpc.RpcError) as gave_up:
+                b.push(job_b, first, update_id="b1")  # waits in on_update, then gives up
+            assert gave_up.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert entered.is_set()
+            pushed = threading.Thread(target=a.push, args=(job_a, second), daemon=True)
+            pushed.start()  # its upload wants the one slot
+            time.sleep(0.5)
+            release.set()
+            pushed.join(30)
+            assert not pushed.is_alive()
+        live = srv.state()
+    finally:
+        release.set()
+        srv.stop()
+    updates = [r.tensors["update"] for r in logged(srv) if r.kind == "update"]
+    assert len(updates) == 2 and torch.equal(updates[0], first) and torch.equal(updates[1], second)
+    D.list_checkpoints(Path(srv.config.state_dir))[-1][1].unlink()
+    resumed = durable(tmp_path, strategy="fedasync", resume=True)
+    try:
+        assert torch.equal(resumed.state()["model"], live["model"])
+    finally:
+        resumed.stop()
+
+
+def _log_bytes_on_disk(state: Path) -> int:
+    """The segments' sizes (a checkpoint may delete one while they are counted)."""
+    total = 0
+    for _, path in D.list_segments(state):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total

@@ -7,8 +7,13 @@ loses nothing before it.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
+import struct
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +25,7 @@ from aggsrv.server import durability as D
 from aggsrv.server.call_log import CallLog
 from aggsrv.server.fail_stop import FailStop
 from aggsrv.server.metrics import ServerMetrics
+from aggsrv.server.persistence import RecoveryError, StateStore
 from aggsrv.server.upload_log import UploadLog
 
 
@@ -107,6 +113,13 @@ def test_a_claim_whose_parts_do_not_cover_it_is_refused(
         _records(tmp_path)
 
 
+def test_recovery_refuses_a_log_whose_claimed_parts_are_missing(tmp_path: Path) -> None:
+    with D.WriteAheadLog(tmp_path, 1) as wal:
+        wal.append("update", {"parts": "gone", "part_tensors": [["update", 3]]})
+    with pytest.raises(RecoveryError, match="cannot be replayed.*gone"):
+        list(StateStore(tmp_path, durable=True).records(0))
+
+
 def test_a_torn_tail_through_parts_keeps_the_records_before_it(tmp_path: Path) -> None:
     data = torch.randn(4_001)
     with D.WriteAheadLog(tmp_path, 1) as wal:
@@ -130,7 +143,7 @@ def _call_log(tmp_path: Path) -> tuple[CallLog, D.WriteAheadLog]:
 
 def _upload(call_log: CallLog, views: dict[str, torch.Tensor], steps: int) -> UploadLog:
     # Parts of an odd size, several per tensor.
-    upload = call_log.upload_log(part_bytes=4 * 97, unclaimed_limit=0)
+    upload = call_log.upload_log(part_bytes=4 * 97, unclaimed_limit=1 << 30)
     assert upload is not None
     for i in range(1, steps + 1):  # the chunks arrive
         upload.progress([(n, v, v.numel() * i // (steps + 1)) for n, v in views.items()])
@@ -138,52 +151,72 @@ def _upload(call_log: CallLog, views: dict[str, torch.Tensor], steps: int) -> Up
     return upload
 
 
-def test_the_call_log_claims_an_uploads_parts_or_writes_the_tensors(tmp_path: Path) -> None:
+def _kinds(directory: Path) -> list[tuple[int, str]]:
+    """(segment, kind) of every record on disk, part records included."""
+    out = []
+    for number, path in D.list_segments(directory):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            _, length, _ = struct.unpack_from("<4sQI", data, at)
+            (meta_len,) = struct.unpack_from("<I", data, at + 16)
+            out.append((number, json.loads(data[at + 20 : at + 20 + meta_len])["kind"]))
+            at += 16 + length
+    return out
+
+
+def test_the_call_log_claims_an_uploads_parts_in_the_records_segment(tmp_path: Path) -> None:
     views = {"update": torch.randn(1_001), "buffers": torch.randn(31)}
     call_log, wal = _call_log(tmp_path)
     try:
         upload = _upload(call_log, views, steps=3)
-        upload.written()  # the parts are down
+        first_parts = len(upload.parts)
+        upload.placed()  # the parts are down
         before = wal.written_lsn
         call_log.append_claiming("update", {"n": 1}, upload, views, jobs_issued=0)
-        small = wal.written_lsn - before
-        assert small < 400  # the record names the parts: no tensor bytes again
-        # A checkpoint began a segment between the parts and the record: the record holds them.
+        assert wal.written_lsn - before < 400  # the record names the parts: no tensor bytes
+        # A checkpoint began a segment between the parts and the record: the parts are written
+        # again in the record's segment (the older one goes with the checkpoint).
         upload = _upload(call_log, views, steps=2)
-        upload.written()
+        second_parts = len(upload.parts)
+        upload.placed()
         wal.rotate(2)
-        before = wal.written_lsn
         call_log.append_claiming("update", {"n": 2}, upload, views, jobs_issued=0)
-        assert wal.written_lsn - before > 4 * 1_032
-        upload.settle()
+        asyncio.run(upload.settle())
     finally:
         call_log.shutdown()
         wal.close()
+    kinds = _kinds(tmp_path)
+    assert first_parts > 4 and second_parts > 4
+    assert kinds.count((1, "part")) == first_parts + second_parts
+    assert kinds.count((2, "part")) == second_parts
+    assert kinds[-1] == (2, "update")
+    D.list_segments(tmp_path)[0][1].unlink()  # what a checkpoint lets go
     records = _records(tmp_path)
-    assert [r.meta["n"] for r in records] == [1, 2]
-    for record in records:
-        assert record.tensors.keys() == views.keys()
-        for name, view in views.items():
-            assert torch.equal(record.tensors[name], view)
+    assert [r.meta["n"] for r in records] == [2]
+    for name, view in views.items():
+        assert torch.equal(records[0].tensors[name], view)
     assert call_log.updates_since_checkpoint == 2  # counted once each
 
 
-def test_an_upload_settled_before_its_parts_are_written_is_logged_whole(tmp_path: Path) -> None:
-    """A caller that leaves (settle) drops the parts not yet written; a record made after that
-    holds the tensors instead of naming parts that are not all there."""
-    import threading
-
+def test_settle_drops_the_parts_not_begun_without_waiting_for_the_writers(
+    tmp_path: Path,
+) -> None:
+    """An upload that is done with (refused, its caller gone) frees its slot at once, even when
+    every part writer is busy with other uploads: its parts not yet begun are dropped. (A record
+    made after that writes them again: the slot is freed only after the call that used it.)"""
     views = {"update": torch.randn(500)}
     call_log, wal = _call_log(tmp_path)
     gate = threading.Event()
-    busy = [call_log._part_pool.submit(gate.wait) for _ in range(2)]  # every writer is busy
+    busy = [call_log._part_pool.submit(gate.wait, 30) for _ in range(2)]  # every writer is busy
     try:
         upload = _upload(call_log, views, steps=2)
-        gate_opener = threading.Timer(0.2, gate.set)
-        gate_opener.start()
-        upload.settle()  # returns once nothing reads the slot: the queued parts are dropped
-        assert all(w.cancelled() for w in upload._writes)
-        assert upload.written() is None
+        t0 = time.monotonic()
+        asyncio.run(upload.settle())
+        assert time.monotonic() - t0 < 5
+        assert all(part.write.cancelled() for part in upload.parts)
+        assert upload.unclaimed_bytes() == 0  # nothing was written
+        assert all(where == (None, None) for where in upload.placed())
+        gate.set()
         call_log.append_claiming("update", {"n": 1}, upload, views, jobs_issued=0)
         for b in busy:
             b.result()
@@ -211,11 +244,11 @@ def test_uploads_nothing_claims_stop_being_logged_ahead_until_the_next_segment(
             assert upload is not None
             upload.progress([("update", views["update"], 1_000)])
             upload.finish(views)
-            upload.written()
-            upload.settle()
+            upload.placed()
+            asyncio.run(upload.settle())
             call_log.settled(upload)
         assert call_log.upload_log(1024, limit) is None
-        assert call_log.upload_log(1024, 0) is not None  # 0: no limit
+        assert call_log.upload_log(0, 10 * limit) is None  # wal_part_bytes = 0: off
         # An applied upload that was not logged ahead is logged whole.
         call_log.append_claiming("update", {"n": 1}, None, views, jobs_issued=0)
         wal.rotate(2)  # a checkpoint
@@ -223,7 +256,7 @@ def test_uploads_nothing_claims_stop_being_logged_ahead_until_the_next_segment(
         assert upload is not None
         upload.finish(views)
         call_log.append_claiming("update", {"n": 2}, upload, views, jobs_issued=0)
-        upload.settle()
+        asyncio.run(upload.settle())
         call_log.settled(upload)
         assert upload.unclaimed_bytes() == 0  # claimed: it counts for nothing
         assert call_log.upload_log(1024, limit) is not None
