@@ -11,7 +11,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from aggsrv.layout import ModelLayout
-from aggsrv.transport import Crc32c, Encoder, Encoding, WireDtype
+from aggsrv.transport import Crc32c, Encoder, Encoding, Quantization, WireDtype, check_block
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
 from aggsrv.values import FilterReason, ProjectionMode, Recipe, Status, UpdateKind
@@ -27,6 +27,11 @@ def _same_names(ours: type[Enum], wire: EnumTypeWrapper, prefix: str) -> tuple[d
 WIRE_TO_PB, PB_TO_WIRE = _same_names(WireDtype, tpb.WireDtype, "WIRE_DTYPE")
 ENCODING_TO_PB, PB_TO_ENCODING = _same_names(Encoding, tpb.TensorEncoding, "TENSOR_ENCODING")
 PB_TO_ENCODING[tpb.TENSOR_ENCODING_UNSPECIFIED] = Encoding.DENSE
+QUANTIZATION_TO_PB = {
+    Quantization.INT8: tpb.VALUE_QUANTIZATION_INT8,
+    Quantization.INT4: tpb.VALUE_QUANTIZATION_INT4,
+}
+PB_TO_QUANTIZATION = {v: k for k, v in QUANTIZATION_TO_PB.items()}
 KIND_TO_PB, PB_TO_KIND = _same_names(UpdateKind, pb.UpdateKind, "UPDATE_KIND")
 STATUS_TO_PB, PB_TO_STATUS = _same_names(Status, pb.Outcome, "OUTCOME")
 # FilterReason's numbers are the wire's (values.FilterReason), so the value travels as is.
@@ -109,6 +114,10 @@ def recipe_to_pb(recipe: Recipe) -> pb.Recipe:
     )
     if recipe.clip_norm is not None:
         msg.clip_norm = recipe.clip_norm
+    msg.update_quantizations.extend(
+        QUANTIZATION_TO_PB[Quantization(q)] for q in recipe.update_quantizations
+    )
+    msg.quantization_block = recipe.quantization_block
     extra = dict(recipe.extra)
     for key, (field, off, on) in ELASTIC_ENUMS.items():
         if extra.get(key) in (0.0, 1.0):
@@ -158,6 +167,10 @@ def recipe_from_pb(msg: pb.Recipe) -> Recipe:
         proximal_mu=msg.proximal_mu,
         extra=extra,
         clip_norm=msg.clip_norm if msg.HasField("clip_norm") else None,
+        update_quantizations=tuple(
+            PB_TO_QUANTIZATION[q].value for q in msg.update_quantizations if q in PB_TO_QUANTIZATION
+        ),
+        quantization_block=msg.quantization_block,
     )
 
 
@@ -238,6 +251,29 @@ def sparse_infos(
             raise ValueError(f"tensor {info.name!r} has an unknown encoding {info.encoding}")
         if encoding is not Encoding.DENSE:
             out[info.name] = (encoding, int(info.nnz))
+    return out
+
+
+def quantized_infos(infos: list[tpb.TensorInfo]) -> dict[str, tuple[Quantization, int]]:
+    """The (quantization, block size) of each announced tensor whose values are quantized;
+    ValueError for an unknown quantization or a block size out of range."""
+    out = {}
+    for info in infos:
+        if info.quantization == tpb.VALUE_QUANTIZATION_UNSPECIFIED:
+            if info.block_size:
+                raise ValueError(
+                    f"tensor {info.name!r} has block_size {info.block_size} but no quantization"
+                )
+            continue
+        q = PB_TO_QUANTIZATION.get(info.quantization)
+        if q is None:
+            raise ValueError(
+                f"tensor {info.name!r} has an unknown quantization {info.quantization}"
+            )
+        try:
+            out[info.name] = (q, check_block(int(info.block_size)))
+        except ValueError as exc:
+            raise ValueError(f"tensor {info.name!r}: {exc}") from None
     return out
 
 

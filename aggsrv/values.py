@@ -84,6 +84,10 @@ class Recipe:
     proximal_mu: float = 0.0
     extra: Mapping[str, float] = field(default_factory=dict, hash=False)
     clip_norm: float | None = None
+    # The quantized values the server accepts in the update ("int8", "int4"; docs/wire.md
+    # "Quantized values") and the block size it suggests (0: 128).
+    update_quantizations: tuple[str, ...] = ()
+    quantization_block: int = 0
 
     def __post_init__(self) -> None:
         """Check the values and freeze ``extra`` so a shared recipe cannot change."""
@@ -106,6 +110,14 @@ class Recipe:
         c = self.clip_norm
         if c is not None and not (math.isfinite(c) and c > 0):
             raise ValueError(f"clip_norm must be a finite number > 0 or None, got {c}")
+        unknown = set(self.update_quantizations) - {"int8", "int4"}
+        if unknown:
+            raise ValueError(f"update_quantizations are int8 and int4, got {sorted(unknown)}")
+        object.__setattr__(self, "update_quantizations", tuple(self.update_quantizations))
+        if not 0 <= self.quantization_block <= 1 << 16:
+            raise ValueError(
+                f"quantization_block must be in [0, 65536], got {self.quantization_block}"
+            )
         object.__setattr__(self, "projection", ProjectionMode(self.projection))
         object.__setattr__(
             self, "extra", types.MappingProxyType({str(k): float(v) for k, v in self.extra.items()})

@@ -3,8 +3,10 @@
 from aggsrv.values import PendingReason
 
 from .client import Client, ClientJob, Pending, PushResult
+from .compression import Compression
 from .train import TrainResult, train
 
 __all__ = [
-    "Client", "ClientJob", "Pending", "PendingReason", "PushResult", "TrainResult", "train",
+    "Client", "ClientJob", "Compression", "Pending", "PendingReason", "PushResult",
+    "TrainResult", "train",
 ]  # fmt: skip

@@ -25,6 +25,7 @@ import torch
 from aggsrv import protocol as P
 from aggsrv.client.channel import open_channel, read_token
 from aggsrv.client.clipping import clip_update
+from aggsrv.client.compression import Compression, Compressor, Section
 from aggsrv.layout import ModelLayout
 from aggsrv.sharding import ShardMap
 from aggsrv.transport import (
@@ -119,13 +120,18 @@ class Client:
         tls_key: str | None = None,
         tls: bool | None = None,
         direct_to_shards: bool = True,
+        compression: Compression | None = None,
     ) -> None:
         """``token``/``token_file``: the bearer token the server issued for this client id.
         ``tls_ca``: the CA that signed the server's certificate (TLS on; ``tls=True`` uses the
         system roots); ``tls_cert``/``tls_key``: this client's certificate for mutual TLS.
         ``direct_to_shards``: on a sharded server, stream each update's slices to every shard
         and assemble jobs and models from them (the default); False: talk to rank 0 only, which
-        relays (twice rank 0's ingress per update, and one more hop: docs/sharding.md)."""
+        relays (twice rank 0's ingress per update, and one more hop: docs/sharding.md).
+        ``compression``: how DELTA updates are compressed where the job's recipe allows it,
+        with error feedback (docs/compression.md)."""
+        self.compression = compression
+        self._compressor: Compressor | None = None
         self.address = address
         self.client_id = client_id
         self.direct_to_shards = direct_to_shards
@@ -471,12 +477,34 @@ class Client:
         flat = tensor.detach().reshape(-1)
         extra = {} if buffers is None else {"buffers": buffers.detach().reshape(-1)}
         # A sharded server takes slice r on shard r, the float buffers on rank 0.
-        parts = [flat] if self.shard_map is None else self.shard_map.split(flat)
-        streams = [
-            self._update_stream(header, part, extra if r == 0 else {}, encoding, r)
-            for r, part in enumerate(parts)
-        ]
-        resp = self._retry("push", lambda: self._push_streams(streams))
+        compressor = self._compressor_for(kind, job)
+        sections = None
+        if compressor is not None:
+            bounds = [0, flat.numel()] if self.shard_map is None else list(self.shard_map.bounds)
+            recipe = job.recipe
+            sections = compressor.compress(
+                flat, bounds, recipe.update_quantizations, recipe.quantization_block,
+                self.upload_dtype,
+            )  # fmt: skip
+        if sections is not None:
+            streams = [
+                self._section_stream(header, section, extra if r == 0 else {}, r)
+                for r, section in enumerate(sections)
+            ]
+        else:
+            parts = [flat] if self.shard_map is None else self.shard_map.split(flat)
+            streams = [
+                self._update_stream(header, part, extra if r == 0 else {}, encoding, r)
+                for r, part in enumerate(parts)
+            ]
+        try:
+            resp = self._retry("push", lambda: self._push_streams(streams))
+        except BaseException:
+            if compressor is not None:
+                compressor.discard()
+            raise
+        if compressor is not None:
+            compressor.commit()
         return PushResult(
             status=P.PB_TO_STATUS[resp.outcome],
             version=int(resp.version),
@@ -514,6 +542,47 @@ class Client:
                     "disagree (report this as a bug)"
                 )
         return first
+
+    def _compressor_for(self, kind: UpdateKind, job: ClientJob) -> Compressor | None:
+        """The compression state for this update: DELTA updates only, and not under
+        differential privacy's client-side clipping (the recipe then offers none)."""
+        if self.compression is None or kind is not UpdateKind.DELTA:
+            return None
+        if job.recipe.clip_norm is not None:
+            return None
+        numel = self._require_layout().numel
+        if self._compressor is None or self._compressor.numel != numel:
+            self._compressor = Compressor(self.compression, numel)
+        return self._compressor
+
+    def _section_stream(
+        self,
+        base: pb.UpdateHeader,
+        section: Section,
+        extra: dict[str, torch.Tensor],
+        shard_rank: int,
+    ) -> Callable[[], Iterator[pb.UpdateMessage]]:
+        """The messages of one compressed update (or slice) under the header ``base``."""
+        header = pb.UpdateHeader()
+        header.CopyFrom(base)
+        header.shard_rank = shard_rank
+        info = tpb.TensorInfo(name="update", numel=section.numel, nnz=section.nnz)
+        info.encoding = P.ENCODING_TO_PB[section.encoding]
+        if section.quantization is not None:
+            info.quantization = P.QUANTIZATION_TO_PB[section.quantization]
+            info.block_size = section.block
+        header.tensors.append(info)
+        for name, t in extra.items():
+            header.tensors.append(tpb.TensorInfo(name=name, numel=t.numel()))
+
+        def messages() -> Iterator[pb.UpdateMessage]:
+            yield pb.UpdateMessage(header=header)
+            sections = [("update", section.payload)]
+            for name, t in extra.items():
+                sections.append((name, wire_view(to_wire(t, self.upload_dtype))))
+            yield from P.byte_stream(sections, self.chunk_bytes, pb.UpdateMessage)
+
+        return messages
 
     def _update_stream(
         self,

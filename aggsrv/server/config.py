@@ -30,6 +30,10 @@ class ServerConfig(TomlConfig):
     max_clients: Count = 1024
     max_concurrent_uploads: Count = 4
     chunk_bytes: int = MIB
+    # Quantized values a client may send in its updates (docs/compression.md): offered in every
+    # job's recipe (not under differential privacy), with the block size suggested.
+    update_quantizations: list[str] = field(default_factory=lambda: ["int8", "int4"])
+    quantization_block: int = 128
     max_receive_message_bytes: int = 4 * MIB
     # HTTP/2 flow-control window per stream: what gRPC may buffer for an upload that waits for a
     # staging slot (memory <= waiting uploads x this); smaller windows slow single uploads.
@@ -130,6 +134,13 @@ class ServerConfig(TomlConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        unknown = set(self.update_quantizations) - {"int8", "int4"}
+        if unknown:
+            raise ValueError(f"update_quantizations are among int8 and int4, got {sorted(unknown)}")
+        if not 1 <= self.quantization_block <= 1 << 16:
+            raise ValueError(
+                f"quantization_block must be in [1, 65536], got {self.quantization_block}"
+            )
         if self.chunk_bytes < 64 or self.chunk_bytes % 4:
             raise ValueError(
                 f"chunk_bytes must be a multiple of 4 and >= 64, got {self.chunk_bytes}"

@@ -808,6 +808,11 @@ class Federation:
             rec.lease_expires = now + self.config.lease_seconds
             self.activity.seen(client_id, now)
 
+    def update_quantizations(self) -> tuple[str, ...]:
+        """The quantized values an update may carry (``update_quantizations``); none under
+        differential privacy, whose clipping bounds the norm of what a client sends."""
+        return () if self.private else tuple(self.config.update_quantizations)
+
     def privacy_now(self) -> dict[str, Any] | None:
         """Differential privacy's spending (None without it): any thread."""
         strategy = self.strategy

@@ -375,10 +375,12 @@ class RequestChecks:
         exact_norm: bool = False,
         refuse_non_finite: bool = True,
         upload_log: Any = None,
+        quantizable: tuple[str, ...] = (),
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``upload_log`` (aggsrv.server.upload_log.UploadLog): where the decoded bytes are logged
-        as they arrive.
+        as they arrive. ``quantizable``: the quantizations the "update" tensor may be sent in
+        (the job's recipe's); any other quantized tensor is refused.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
         a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass.
         ``refuse_non_finite`` False: NaN/Inf in the main tensor are left for the strategy
@@ -394,12 +396,25 @@ class RequestChecks:
             )
         try:
             sparse = P.sparse_infos(infos)
+            quantized = P.quantized_infos(infos)
         except ValueError as exc:
             await self._abort(context, SC.INVALID_ARGUMENT, str(exc))
+        for name, (q, _) in quantized.items():
+            if name != "update" or q.value not in quantizable:
+                offered = ", ".join(quantizable) or "none"
+                await self._abort(
+                    context,
+                    SC.INVALID_ARGUMENT,
+                    f"tensor {name!r} is quantized ({q.value}); this server takes quantized "
+                    f"values only in an update's \"update\" tensor, in the recipe's "
+                    f"update_quantizations ({offered})",
+                    reason="bad_header",
+                )
         try:
             decoder = Decoder(
                 slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse,
                 reference=reference, exact_norm=exact_norm, refuse_non_finite=refuse_non_finite,
+                quantized=quantized,
             )  # fmt: skip
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")

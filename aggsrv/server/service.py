@@ -11,6 +11,7 @@ GetStatus shows what depends on updates' values to admin tokens only (aggsrv.ser
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -302,7 +303,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             client_id=job.client_id,
             base_version=job.base_version,
             layout_hash=fed.layout.hash,
-            recipe=P.recipe_to_pb(job.recipe),
+            recipe=P.recipe_to_pb(
+                dataclasses.replace(
+                    job.recipe,
+                    update_quantizations=fed.update_quantizations(),
+                    quantization_block=fed.config.quantization_block,
+                )
+            ),
             dtype=P.WIRE_TO_PB[dtype],
             tensors=P.tensor_infos(job.tensors),
             update_kind=pb.UPDATE_KIND_DELTA,
@@ -508,6 +515,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 # Under DP a NaN/Inf delta is not refused (a refusal would tell everyone): the
                 # strategy takes it as clipped to zero.
                 refuse_non_finite=not private, upload_log=upload_log,
+                quantizable=fed.update_quantizations(),
             )  # fmt: skip
             self._note_received(h.client_id, job_id, views, dtype, seen)
             buffers = views.get("buffers")
@@ -684,6 +692,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     views = await self._decode(
                         stream, slot, list(h.tensors), payload_sizes(fed.layout.whole, "update"),
                         dtype, context, stats=seen, refuse_non_finite=not private,
+                        quantizable=fed.update_quantizations(),
                     )  # fmt: skip
                     self._note_received(h.client_id, job_id, views, dtype, seen)
                     parts = links.shard_map.split(views["update"])

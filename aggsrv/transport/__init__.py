@@ -6,12 +6,13 @@ elements at most the negotiated size, CRC-32C over all payload bytes in order in
 """
 
 # The package's names are its modules' public ones (each module's __all__), listed once there.
-from . import crc, decoder, dtypes, encoder, errors, sparse
+from . import crc, decoder, dtypes, encoder, errors, quantized, sparse
 from .crc import *  # noqa: F403
 from .decoder import *  # noqa: F403
 from .dtypes import *  # noqa: F403
 from .encoder import *  # noqa: F403
 from .errors import *  # noqa: F403
+from .quantized import *  # noqa: F403
 from .sparse import *  # noqa: F403
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     *dtypes.__all__,
     *encoder.__all__,
     *errors.__all__,
+    *quantized.__all__,
     *sparse.__all__,
 ]

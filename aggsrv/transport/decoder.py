@@ -31,6 +31,7 @@ from .errors import (
     Truncated,
     WrongLength,
 )
+from .quantized import Quantization
 from .sparse import Encoding, decode_sparse, encoded_nbytes
 
 __all__ = ["Decoder", "StagingSlot", "device_event"]
@@ -106,9 +107,11 @@ class _Target:
     # then land with one memcpy under the GIL instead of a torch op, which costs more than the
     # copy itself for 1 MiB chunks while a client competes for the cores.
     raw: memoryview | None = None
-    # A sparse section (transport/sparse.py): (encoding, nnz); its bytes land in `raw` (a
-    # buffer of its own) and are decoded into `view` by finish().
+    # A section decoded whole by finish() (its bytes land in `raw`, a buffer of its own): a
+    # sparse one (transport/sparse.py), (encoding, nnz), or quantized values (DENSE, numel).
     sparse: tuple[Encoding, int] | None = None
+    # Quantized values (transport/quantized.py): (quantization, block size).
+    quantized: tuple[Quantization, int] | None = None
 
 
 class Decoder:
@@ -130,9 +133,12 @@ class Decoder:
         reference: Any = None,
         exact_norm: bool = False,
         refuse_non_finite: bool = True,
+        quantized: Mapping[str, tuple[Quantization, int]] | None = None,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
         a sparse section that is not smaller than the dense bytes is refused (WrongLength).
+        ``quantized`` names the tensors whose values are quantized, with (quantization, block
+        size) (transport/quantized.py); they are decoded whole by :meth:`finish`.
         ``reference``: where to find a CPU float32 direction the size of the main buffer, to
         which the finished upload's :attr:`cosine` is taken in the same pass as its check: an
         object with ``current`` ((direction, its norm) or None) and ``generation`` (odd while
@@ -184,18 +190,22 @@ class Decoder:
             if native and view.device.type == "cpu" and view.is_contiguous():
                 raw = memoryview(view.numpy()).cast("B")
             spec = (sparse or {}).get(name)
-            if spec is not None and spec[0] is not Encoding.DENSE:
-                encoding, nnz = spec
-                nbytes = encoded_nbytes(encoding, numel, nnz, self.wire_dtype)
-                if not 0 <= nnz <= numel or nbytes >= numel * itemsize:
+            quant = (quantized or {}).get(name)
+            if quant is not None or (spec is not None and spec[0] is not Encoding.DENSE):
+                encoding, nnz = spec if spec is not None else (Encoding.DENSE, numel)
+                dense = encoded_nbytes(Encoding.DENSE, numel, numel, self.wire_dtype, quant)
+                nbytes = encoded_nbytes(encoding, numel, nnz, self.wire_dtype, quant)
+                if encoding is not Encoding.DENSE and (not 0 <= nnz <= numel or nbytes >= dense):
                     raise WrongLength(
                         f"tensor {name!r}: {encoding.value} encoding with nnz={nnz} of {numel} "
                         f"elements ({nbytes} bytes) is not smaller than dense "
-                        f"({numel * itemsize} bytes): send it dense",
+                        f"({dense} bytes): send it dense",
                         tensor=name,
                     )
                 raw = memoryview(bytearray(nbytes))
-                self._targets[name] = _Target(name, view, nbytes, raw=raw, sparse=spec)
+                self._targets[name] = _Target(
+                    name, view, nbytes, raw=raw, sparse=(encoding, nnz), quantized=quant
+                )
                 continue
             self._targets[name] = _Target(name, view, numel * itemsize, raw=raw)
         self.flat = slot.flat[:packed]
@@ -340,11 +350,17 @@ class Decoder:
         missing = [t for t in self._targets.values() if t.received != t.nbytes]
         if missing:
             t = missing[0]
+            elements = (
+                ""
+                if t.sparse is not None  # a section of its own format: bytes say it all
+                else f" ({t.received // wd.itemsize} of {t.nbytes // wd.itemsize} "
+                f"{wd.wire_name} elements)"
+            )
             raise self._fail(
                 Truncated(
-                    f"upload truncated: tensor {t.name!r} has {t.received} of {t.nbytes} bytes "
-                    f"({t.received // wd.itemsize} of {t.nbytes // wd.itemsize} {wd.wire_name} "
-                    f"elements); {len(missing)} of {len(self._targets)} tensors incomplete",
+                    f"upload truncated: tensor {t.name!r} has {t.received} of {t.nbytes} "
+                    f"bytes{elements}; {len(missing)} of {len(self._targets)} tensors "
+                    "incomplete",
                     tensor=t.name,
                 )
             )
@@ -365,7 +381,9 @@ class Decoder:
             if t.sparse is not None:
                 try:
                     encoding, nnz = t.sparse
-                    decode_sparse(t.raw, encoding, t.view.numel(), nnz, wd, t.view, t.name)
+                    decode_sparse(
+                        t.raw, encoding, t.view.numel(), nnz, wd, t.view, t.name, t.quantized
+                    )
                 except CodecError as exc:
                     raise self._fail(exc) from None
         self._check_finite()

@@ -24,6 +24,7 @@ import torch
 
 from .dtypes import WireDtype, from_wire, to_wire, wire_view
 from .errors import BadChunk, WrongLength
+from .quantized import Quantization, decode_quantized, quantized_nbytes
 
 __all__ = [
     "Encoding",
@@ -54,14 +55,25 @@ def bitmap_nbytes(numel: int) -> int:
     return 4 * ((numel + 31) // 32)
 
 
-def encoded_nbytes(encoding: Encoding, numel: int, nnz: int, wire_dtype: WireDtype) -> int:
-    """Wire bytes of a tensor of ``numel`` elements with ``nnz`` stored values."""
-    values = nnz * wire_dtype.itemsize
+def encoded_nbytes(
+    encoding: Encoding,
+    numel: int,
+    nnz: int,
+    wire_dtype: WireDtype,
+    quantized: tuple[Quantization, int] | None = None,
+) -> int:
+    """Wire bytes of a tensor of ``numel`` elements with ``nnz`` stored values (all of them when
+    dense), the values in the wire dtype or ``quantized`` (quantization, block size)."""
+    stored = numel if encoding is Encoding.DENSE else nnz
+    if quantized is not None:
+        values = quantized_nbytes(quantized[0], stored, quantized[1])
+    else:
+        values = stored * wire_dtype.itemsize
     if encoding is Encoding.COO:
         return 4 * nnz + values
     if encoding is Encoding.BITMAP:
         return bitmap_nbytes(numel) + values
-    return numel * wire_dtype.itemsize
+    return values
 
 
 def choose_encoding(numel: int, nnz: int) -> Encoding:
@@ -105,9 +117,16 @@ def decode_sparse(
     wire_dtype: WireDtype,
     out: torch.Tensor,
     name: str,
+    quantized: tuple[Quantization, int] | None = None,
 ) -> None:
-    """Write the dense float32 values of a sparse section into ``out`` [numel]; BadChunk if the
-    indices or bitmap are malformed (out is then garbage: the caller applies nothing)."""
+    """Write the dense float32 values of a section into ``out`` [numel]: a sparse one, or a
+    dense one of quantized values (``quantized``: quantization, block size); BadChunk if the
+    indices, bitmap or codes are malformed (out is then garbage: the caller applies nothing)."""
+    if encoding is Encoding.DENSE:
+        if quantized is None:
+            raise ValueError("a dense section of plain values is decoded as it arrives")
+        out.copy_(decode_quantized(raw, quantized[0], numel, quantized[1], name))
+        return
     if encoding is Encoding.COO:
         head = 4 * nnz
         idx = np.frombuffer(raw[:head], dtype="<u4").astype(np.int64)
@@ -127,7 +146,10 @@ def decode_sparse(
                 f"tensor {name!r}: the bitmap marks {idx.size} elements, the header says nnz={nnz}",
                 tensor=name,
             )
-    values = from_wire(raw[head:], wire_dtype) if nnz else torch.empty(0)
+    if quantized is not None:
+        values = decode_quantized(raw[head:], quantized[0], nnz, quantized[1], name)
+    else:
+        values = from_wire(raw[head:], wire_dtype) if nnz else torch.empty(0)
     out.zero_()
     if nnz:
         out[torch.from_numpy(idx)] = values.to(out.dtype)

@@ -190,7 +190,7 @@ class ElasticNet(_message.Message):
     def __init__(self, penalty_lambda: _Optional[float] = ..., mixing_alpha: _Optional[float] = ..., anchor: _Optional[_Union[ElasticNetAnchor, str]] = ..., solver: _Optional[_Union[ElasticNetSolver, str]] = ..., exclude_biases: _Optional[bool] = ...) -> None: ...
 
 class Recipe(_message.Message):
-    __slots__ = ("local_epochs", "local_steps", "learning_rate", "batch_size", "momentum", "weight_decay", "projection", "elastic_net", "proximal_mu", "partial_work", "seed", "optimizer", "clip_norm", "extra")
+    __slots__ = ("local_epochs", "local_steps", "learning_rate", "batch_size", "momentum", "weight_decay", "projection", "elastic_net", "proximal_mu", "partial_work", "seed", "optimizer", "clip_norm", "extra", "update_quantizations", "quantization_block")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class Recipe(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_QUANTIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_BLOCK_FIELD_NUMBER: _ClassVar[int]
     local_epochs: int
     local_steps: int
     learning_rate: float
@@ -226,7 +228,9 @@ class Recipe(_message.Message):
     optimizer: str
     clip_norm: float
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., learning_rate: _Optional[float] = ..., batch_size: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., projection: _Optional[_Union[Projection, _Mapping]] = ..., elastic_net: _Optional[_Union[ElasticNet, _Mapping]] = ..., proximal_mu: _Optional[float] = ..., partial_work: _Optional[bool] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., clip_norm: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    update_quantizations: _containers.RepeatedScalarFieldContainer[_tensor_pb2.ValueQuantization]
+    quantization_block: int
+    def __init__(self, local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., learning_rate: _Optional[float] = ..., batch_size: _Optional[int] = ..., momentum: _Optional[float] = ..., weight_decay: _Optional[float] = ..., projection: _Optional[_Union[Projection, _Mapping]] = ..., elastic_net: _Optional[_Union[ElasticNet, _Mapping]] = ..., proximal_mu: _Optional[float] = ..., partial_work: _Optional[bool] = ..., seed: _Optional[int] = ..., optimizer: _Optional[str] = ..., clip_norm: _Optional[float] = ..., extra: _Optional[_Mapping[str, float]] = ..., update_quantizations: _Optional[_Iterable[_Union[_tensor_pb2.ValueQuantization, str]]] = ..., quantization_block: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

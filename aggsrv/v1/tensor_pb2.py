@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61ggsrv/v1/tensor.proto\x12\taggsrv.v1\"<\n\x0cLayoutTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07is_norm\x18\x03 \x01(\x08\"a\n\x0bModelLayout\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.aggsrv.v1.LayoutTensor\x12(\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x17.aggsrv.v1.LayoutTensor\"c\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.aggsrv.v1.TensorEncoding\x12\x0b\n\x03nnz\x18\x04 \x01(\x04\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"6\n\rStreamTrailer\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\x07\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04*p\n\tWireDtype\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x16\n\x12WIRE_DTYPE_FLOAT32\x10\x01\x12\x16\n\x12WIRE_DTYPE_FLOAT16\x10\x02\x12\x17\n\x13WIRE_DTYPE_BFLOAT16\x10\x03*\x81\x01\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13TENSOR_ENCODING_COO\x10\x01\x12\x1a\n\x16TENSOR_ENCODING_BITMAP\x10\x02\x12\x19\n\x15TENSOR_ENCODING_DENSE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61ggsrv/v1/tensor.proto\x12\taggsrv.v1\"<\n\x0cLayoutTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07is_norm\x18\x03 \x01(\x08\"a\n\x0bModelLayout\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.aggsrv.v1.LayoutTensor\x12(\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x17.aggsrv.v1.LayoutTensor\"\xab\x01\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.aggsrv.v1.TensorEncoding\x12\x0b\n\x03nnz\x18\x04 \x01(\x04\x12\x32\n\x0cquantization\x18\x05 \x01(\x0e\x32\x1c.aggsrv.v1.ValueQuantization\x12\x12\n\nblock_size\x18\x06 \x01(\r\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"6\n\rStreamTrailer\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\x07\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04*p\n\tWireDtype\x12\x1a\n\x16WIRE_DTYPE_UNSPECIFIED\x10\x00\x12\x16\n\x12WIRE_DTYPE_FLOAT32\x10\x01\x12\x16\n\x12WIRE_DTYPE_FLOAT16\x10\x02\x12\x17\n\x13WIRE_DTYPE_BFLOAT16\x10\x03*q\n\x11ValueQuantization\x12\"\n\x1eVALUE_QUANTIZATION_UNSPECIFIED\x10\x00\x12\x1b\n\x17VALUE_QUANTIZATION_INT8\x10\x01\x12\x1b\n\x17VALUE_QUANTIZATION_INT4\x10\x02*\x81\x01\n\x0eTensorEncoding\x12\x1f\n\x1bTENSOR_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13TENSOR_ENCODING_COO\x10\x01\x12\x1a\n\x16TENSOR_ENCODING_BITMAP\x10\x02\x12\x19\n\x15TENSOR_ENCODING_DENSE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'aggsrv.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WIREDTYPE']._serialized_start=416
-  _globals['_WIREDTYPE']._serialized_end=528
-  _globals['_TENSORENCODING']._serialized_start=531
-  _globals['_TENSORENCODING']._serialized_end=660
+  _globals['_WIREDTYPE']._serialized_start=489
+  _globals['_WIREDTYPE']._serialized_end=601
+  _globals['_VALUEQUANTIZATION']._serialized_start=603
+  _globals['_VALUEQUANTIZATION']._serialized_end=716
+  _globals['_TENSORENCODING']._serialized_start=719
+  _globals['_TENSORENCODING']._serialized_end=848
   _globals['_LAYOUTTENSOR']._serialized_start=37
   _globals['_LAYOUTTENSOR']._serialized_end=97
   _globals['_MODELLAYOUT']._serialized_start=99
   _globals['_MODELLAYOUT']._serialized_end=196
-  _globals['_TENSORINFO']._serialized_start=198
-  _globals['_TENSORINFO']._serialized_end=297
-  _globals['_TENSORCHUNK']._serialized_start=299
-  _globals['_TENSORCHUNK']._serialized_end=358
-  _globals['_STREAMTRAILER']._serialized_start=360
-  _globals['_STREAMTRAILER']._serialized_end=414
+  _globals['_TENSORINFO']._serialized_start=199
+  _globals['_TENSORINFO']._serialized_end=370
+  _globals['_TENSORCHUNK']._serialized_start=372
+  _globals['_TENSORCHUNK']._serialized_end=431
+  _globals['_STREAMTRAILER']._serialized_start=433
+  _globals['_STREAMTRAILER']._serialized_end=487
 # @@protoc_insertion_point(module_scope)

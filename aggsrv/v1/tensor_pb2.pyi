@@ -14,6 +14,12 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_FLOAT16: _ClassVar[WireDtype]
     WIRE_DTYPE_BFLOAT16: _ClassVar[WireDtype]
 
+class ValueQuantization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VALUE_QUANTIZATION_UNSPECIFIED: _ClassVar[ValueQuantization]
+    VALUE_QUANTIZATION_INT8: _ClassVar[ValueQuantization]
+    VALUE_QUANTIZATION_INT4: _ClassVar[ValueQuantization]
+
 class TensorEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TENSOR_ENCODING_UNSPECIFIED: _ClassVar[TensorEncoding]
@@ -24,6 +30,9 @@ WIRE_DTYPE_UNSPECIFIED: WireDtype
 WIRE_DTYPE_FLOAT32: WireDtype
 WIRE_DTYPE_FLOAT16: WireDtype
 WIRE_DTYPE_BFLOAT16: WireDtype
+VALUE_QUANTIZATION_UNSPECIFIED: ValueQuantization
+VALUE_QUANTIZATION_INT8: ValueQuantization
+VALUE_QUANTIZATION_INT4: ValueQuantization
 TENSOR_ENCODING_UNSPECIFIED: TensorEncoding
 TENSOR_ENCODING_COO: TensorEncoding
 TENSOR_ENCODING_BITMAP: TensorEncoding
@@ -48,16 +57,20 @@ class ModelLayout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[LayoutTensor, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[LayoutTensor, _Mapping]]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "numel", "encoding", "nnz")
+    __slots__ = ("name", "numel", "encoding", "nnz", "quantization", "block_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     NNZ_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     numel: int
     encoding: TensorEncoding
     nnz: int
-    def __init__(self, name: _Optional[str] = ..., numel: _Optional[int] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., nnz: _Optional[int] = ...) -> None: ...
+    quantization: ValueQuantization
+    block_size: int
+    def __init__(self, name: _Optional[str] = ..., numel: _Optional[int] = ..., encoding: _Optional[_Union[TensorEncoding, str]] = ..., nnz: _Optional[int] = ..., quantization: _Optional[_Union[ValueQuantization, str]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
