@@ -165,7 +165,7 @@ class CallLog:
         for i, (log, lsn) in enumerate(placed):
             if log is not wal or lsn is None or lsn <= start:
                 part = upload.parts[i]
-                placed[i] = self._append_part(PART_KIND, part.meta, {"data": part.data})
+                placed[i] = self._append_part(PART_KIND, part.meta, part.tensors)
         first = min((lsn for log, lsn in placed if log is wal and lsn is not None), default=None)
         if first is not None and len([p for p in placed if p[0] is wal]) == len(placed):
             claim = {**meta, **upload.claim()}

@@ -12,13 +12,16 @@ Record encoding (all integers little-endian)::
     body   = meta_length u32 | meta | tensor data
     meta   = UTF-8 JSON {"kind": str, "meta": {...}, "tensors": [[name, numel], ...]},
              followed by 0-7 ASCII spaces so that the tensor data starts 8-byte aligned in body
-    tensor data = each tensor's float32 values, in the order of "tensors", back to back
+    tensor data = each tensor's float32 values, in the order of "tensors", back to back (an
+             entry [name, nbytes, "u8"] is raw bytes instead)
 
 A record's tensors may be written ahead of it, in parts (a server logs an upload's decoded bytes
 while the rest of it is still arriving): each part is a record of kind "part" with meta
 {"key", "tensor", "start"} and one tensor "data", the elements [start, start + numel) of that
 tensor; the record they belong to comes after them in the same segment, with no tensors and
-meta "parts" (the key) and "part_tensors" ([[name, numel], ...]). Readers give that record its
+meta "parts" (the key) and "part_tensors" ([[name, numel], ...]). A part may instead hold an
+upload's section as it came on the wire (quantized or sparse: "wire" bytes, and meta "section"
+saying how to decode it), so the log keeps the compressed bytes. Readers give that record its
 tensors made whole from the parts, and never yield part records; parts that no record claims
 (an upload that was refused or cut off) are skipped. A writer appends the claiming record only
 while its parts are in the current segment (`WriteAheadLog.append`, ``same_segment_as``), so a
@@ -53,6 +56,8 @@ from typing import Any
 import crc32c
 import numpy as np
 import torch
+
+from aggsrv.transport import CodecError, Encoding, Quantization, WireDtype, decode_sparse
 
 __all__ = [
     "PART_KIND",
@@ -213,6 +218,8 @@ def _tensor_buffer(name: str, tensor: torch.Tensor) -> memoryview:
         raise TypeError(f"tensor names must be str, got {type(name).__name__}")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.dtype == torch.uint8 and tensor.dim() == 1:  # bytes, logged as they are
+        return memoryview(tensor.detach().cpu().contiguous().numpy()).cast("B")
     if tensor.dim() != 1:
         # The record keeps numel only; a silent reshape would come back wrong on replay.
         raise ValueError(f"tensor {name!r} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -239,7 +246,10 @@ def _encode(
     doc = {
         "kind": kind,
         "meta": meta,
-        "tensors": [[n, b.nbytes // 4] for n, b in zip(names, bufs, strict=True)],
+        "tensors": [
+            [n, b.nbytes, "u8"] if t.dtype == torch.uint8 else [n, b.nbytes // 4]
+            for n, b, t in zip(names, bufs, (tensors or {}).values(), strict=True)
+        ],
     }
     try:
         text = json.dumps(doc, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
@@ -543,13 +553,15 @@ def _decode_body(body: bytearray, offset: int) -> WalRecord:
             raise TypeError("kind/meta/tensors have the wrong types")
         shapes = []
         for spec in specs:
-            name, numel = spec
+            name, numel, *element = spec
             if not (isinstance(name, str) and type(numel) is int and numel >= 0):
                 raise TypeError(f"bad tensor entry {spec!r}")
-            shapes.append((name, numel))
+            if element not in ([], ["u8"]):
+                raise TypeError(f"bad tensor entry {spec!r}")
+            shapes.append((name, numel, 1 if element else 4))
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise _Torn(f"record at offset {offset}: meta does not decode ({exc})") from None
-    data_bytes = 4 * sum(n for _, n in shapes)
+    data_bytes = sum(n * size for _, n, size in shapes)
     if data_start + data_bytes != len(body):
         raise _Torn(
             f"record at offset {offset}: tensors need {data_bytes} B but the body holds "
@@ -557,7 +569,11 @@ def _decode_body(body: bytearray, offset: int) -> WalRecord:
         )
     tensors: dict[str, torch.Tensor] = {}
     pos = data_start
-    for name, numel in shapes:
+    for name, numel, size in shapes:
+        if size == 1:
+            tensors[name] = torch.from_numpy(np.frombuffer(body, np.uint8, numel, pos).copy())
+            pos += numel
+            continue
         arr = np.frombuffer(body, dtype=_FLOAT_LE, count=numel, offset=pos)
         if not arr.flags.aligned or sys.byteorder != "little":
             # Records from this writer are aligned; anything else gets its own copy.
@@ -565,6 +581,27 @@ def _decode_body(body: bytearray, offset: int) -> WalRecord:
         tensors[name] = torch.from_numpy(arr)
         pos += 4 * numel
     return WalRecord(kind=kind, meta=meta, tensors=tensors)
+
+
+def _part_data(part: WalRecord, path: Path, at: int) -> torch.Tensor:
+    """A part's float32 values: its "data", or its "wire" bytes (a section as it came on the
+    wire, described by meta "section") decoded."""
+    section = part.meta.get("section")
+    if section is None:
+        return part.tensors["data"]
+    try:
+        numel = int(section["numel"])
+        quant = section.get("quantization")
+        quantized = (Quantization.parse(quant), int(section["block"])) if quant else None
+        out = torch.empty(numel, dtype=torch.float32)
+        raw = memoryview(part.tensors["wire"].numpy()).cast("B")
+        decode_sparse(
+            raw, Encoding.parse(section["encoding"]), numel, int(section["nnz"]),
+            WireDtype.parse(section["dtype"]), out, str(part.meta.get("tensor")), quantized,
+        )  # fmt: skip
+    except (CodecError, KeyError, ValueError, TypeError) as exc:
+        raise WalDamaged(f"{path}: the part at offset {at} does not decode: {exc}") from exc
+    return out
 
 
 class _SegmentReader:
@@ -615,7 +652,7 @@ class _SegmentReader:
             f.seek(at)
             part, _ = self._read_one(f, at)
             name, start = part.meta.get("tensor"), part.meta.get("start")
-            data = part.tensors["data"]
+            data = _part_data(part, self.path, at)
             if (
                 name not in tensors
                 or type(start) is not int

@@ -434,7 +434,7 @@ class RequestChecks:
                     self.fed.metrics.received_bytes.inc(decoder.bytes_received)
                     views = decoder.finish(msg.trailer.crc32c, msg.trailer.payload_bytes)
                     if upload_log is not None:
-                        upload_log.finish(views)
+                        upload_log.finish(views, decoder.sections())
                     if stats is not None and decoder.norm is not None:
                         stats["norm"] = decoder.norm
                         stats["norm_exact"] = decoder.norm_exact

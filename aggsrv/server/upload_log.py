@@ -34,12 +34,17 @@ PART_OVERHEAD = 128
 
 @dataclass
 class Part:
-    """One part of an upload: its record's meta, its data (a view of the staging slot) and the
-    write that appends it, whose result is (the log written to, the record's LSN)."""
+    """One part of an upload: its record's meta, its tensors ("data", a view of the staging
+    slot, or "wire", a section's bytes as they came) and the write that appends it, whose
+    result is (the log written to, the record's LSN)."""
 
     meta: dict[str, Any]
-    data: torch.Tensor
+    tensors: dict[str, torch.Tensor]
     write: Future[tuple[Any, int | None]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class UploadLog:
@@ -72,21 +77,35 @@ class UploadLog:
                 logged += self._part_elements
             self._logged[name] = logged
 
-    def finish(self, views: dict[str, torch.Tensor]) -> None:
-        """(event loop) The upload arrived whole and checked as ``views``: log what is left."""
+    def finish(
+        self,
+        views: dict[str, torch.Tensor],
+        sections: dict[str, tuple[memoryview, dict[str, Any]]] | None = None,
+    ) -> None:
+        """(event loop) The upload arrived whole and checked as ``views``: log what is left.
+        ``sections``: the tensors that came as a section of their own format (quantized or
+        sparse), their wire bytes and how to decode them: logged as they came, which is
+        smaller than their float32 values."""
+        sections = sections or {}
         for name, view in views.items():
             self._sizes[name] = view.numel()
             logged = self._logged.get(name, 0)
-            if view.numel() > logged:
+            if name in sections and len(sections[name][0]) and not logged:
+                raw, section = sections[name]
+                meta = {"key": self.key, "tensor": name, "start": 0, "section": section}
+                self._submit(meta, {"wire": torch.frombuffer(raw, dtype=torch.uint8)})
+            elif view.numel() > logged:
                 self._write(name, view, logged, view.numel())
             self._logged[name] = view.numel()
         self.finished = True
 
     def _write(self, name: str, view: torch.Tensor, start: int, end: int) -> None:
         meta = {"key": self.key, "tensor": name, "start": start}
-        data = view[start:end]
-        write = self._pool.submit(self._append, PART_KIND, meta, {"data": data})
-        self.parts.append(Part(meta, data, write))
+        self._submit(meta, {"data": view[start:end]})
+
+    def _submit(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        write = self._pool.submit(self._append, PART_KIND, meta, tensors)
+        self.parts.append(Part(meta, tensors, write))
 
     def placed(self) -> list[tuple[Any, int | None]]:
         """(aggregation thread) Wait until every part is written: where each one went, (the
@@ -123,7 +142,7 @@ class UploadLog:
         if self.claimed:
             return 0
         return sum(
-            4 * part.data.numel() + PART_OVERHEAD
+            part.nbytes + PART_OVERHEAD
             for part in self.parts
             if not part.write.cancelled() and part.write.exception() is None
         )

@@ -240,6 +240,23 @@ class Decoder:
             for t in self._targets.values()
         ]
 
+    def sections(self) -> dict[str, tuple[memoryview, dict[str, Any]]]:
+        """(after :meth:`finish`) The tensors that came as a section of their own format
+        (sparse or quantized): their wire bytes and how to decode them again
+        (:func:`decode_sparse`'s arguments: encoding, nnz, quantization, block, numel, dtype)."""
+        out = {}
+        for t in self._targets.values():
+            if t.sparse is None or t.raw is None:
+                continue
+            encoding, nnz = t.sparse
+            q, block = t.quantized if t.quantized is not None else (None, 0)
+            out[t.name] = (t.raw, {
+                "encoding": encoding.value, "nnz": nnz, "numel": t.view.numel(),
+                "quantization": q.value if q is not None else None, "block": block,
+                "dtype": self.wire_dtype.wire_name,
+            })  # fmt: skip
+        return out
+
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError(

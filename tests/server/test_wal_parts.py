@@ -266,3 +266,26 @@ def test_uploads_nothing_claims_stop_being_logged_ahead_until_the_next_segment(
     records = _records(tmp_path)
     assert [r.meta["n"] for r in records] == [1, 2]
     assert all(torch.equal(r.tensors["update"], views["update"]) for r in records)
+
+
+def test_a_part_kept_as_wire_bytes_decodes_or_is_refused(tmp_path: Path) -> None:
+    """A quantized section logged as it came reads back as the values it decodes to; one whose
+    bytes no longer decode (a scale turned NaN) is refused, not read as something else."""
+    from aggsrv.transport import Quantization, quantize
+
+    values = torch.randn(300)
+    wire, decoded = quantize(values, Quantization.INT4, 64)
+    section = {"encoding": "dense", "nnz": 0, "numel": 300, "quantization": "int4",
+               "block": 64, "dtype": "float32"}  # fmt: skip
+    bad = bytearray(wire)
+    bad[0:4] = bytes.fromhex("0000c07f")
+    for directory, raw in ((tmp_path / "good", wire), (tmp_path / "bad", bytes(bad))):
+        with D.WriteAheadLog(directory, 1) as wal:
+            meta = {"key": "k", "tensor": "update", "start": 0, "section": section}
+            wire_bytes = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            wal.append(D.PART_KIND, meta, {"wire": wire_bytes})
+            wal.append("update", {"parts": "k", "part_tensors": [["update", 300]]})
+    (record,) = _records(tmp_path / "good")
+    assert torch.equal(record.tensors["update"], decoded)
+    with pytest.raises(D.WalDamaged, match="does not decode.*scale of block 0"):
+        _records(tmp_path / "bad")
