@@ -86,6 +86,7 @@ class Compressor:
             self._generator.seed()
         self.residual = torch.zeros(numel, dtype=torch.float32)
         self._pending: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None  # what the last compress() sends, decoded
         path = spec.state_path
         if path and os.path.exists(path):
             saved = torch.load(path, weights_only=True)
@@ -132,6 +133,7 @@ class Compressor:
             sent[a:b] = decoded
             sections.append(section)
         self._pending = target - sent if spec.error_feedback else None
+        self.sent = sent
         return sections
 
     def _section(

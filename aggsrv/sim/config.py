@@ -92,6 +92,9 @@ class SimConfig(TomlConfig):
     # Byzantine clients, "NAME:fraction=0.2,KEY=VALUE,..." (aggsrv.sim.attacks, docs/attacks.md);
     # None: every client is honest.
     attack: str | None = None
+    # Compressed updates with error feedback ([compression] table: quantization = "int8",
+    # top_k, block, stochastic, error_feedback; docs/compression.md); None: float32 updates.
+    compression: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +106,7 @@ class SimConfig(TomlConfig):
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         self.budget_spec()
         self.attack_spec()
+        self.compression_spec()
         if self.eval_every != "auto":
             parse_budget(self.eval_every)
         from aggsrv.strategies import strategy_settings
@@ -134,6 +138,20 @@ class SimConfig(TomlConfig):
     def effective_strategy_config(self) -> dict[str, Any]:
         """The strategy's table as the run uses it (the table given to a server process)."""
         return {**self.strategy_config, **self._run_defaults(self.strategy_settings)}
+
+    def compression_spec(self):
+        """The clients' ``compression`` (aggsrv.client.Compression), or None."""
+        if self.compression is None:
+            return None
+        from aggsrv.client.compression import Compression
+
+        table = dict(self.compression)
+        if "state_path" in table:
+            raise ValueError("compression.state_path is a client's; a simulation keeps none")
+        try:
+            return Compression(**table)
+        except TypeError as exc:
+            raise ValueError(f"compression: {exc}") from None
 
     def attack_spec(self):
         """The parsed ``attack`` (an AttackSpec, checked against ``clients``), or None."""

@@ -335,7 +335,10 @@ class GrpcRun:
         evaluator = self.setup.evaluator()
         try:
             for c in range(self.n):
-                client = Client(address, client_id(c), timeout=120, token=self._token(client_id(c)))
+                client = Client(
+                    address, client_id(c), timeout=120, token=self._token(client_id(c)),
+                    compression=self.setup.config.compression_spec(),
+                )  # fmt: skip
                 clients.append(client)
                 if c == 0:
                     resp = client.register(

@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from aggsrv.client.clipping import clip_update
+from aggsrv.client.compression import Compressor
 from aggsrv.server.trace import TraceWriter
 from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
 from aggsrv.strategies import Job, Status, StrategyError, Update, UpdateKind, make_strategy
 from aggsrv.trace_format import FOLDED_IN
+from aggsrv.transport import WireDtype
 
 __all__ = ["InprocRun", "is_round_based"]
 
@@ -130,6 +132,13 @@ class InprocRun:
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._inflight: dict[int, _InFlight] = {}
+        # Each client's compression and residual (docs/compression.md), when the run has one.
+        spec = cfg.compression_spec()
+        self._compressors = (
+            [Compressor(spec, setup.layout.numel, seed=cfg.seed * 100_003 + c)
+             for c in range(self.n)]
+            if spec is not None else None
+        )  # fmt: skip
         self._rounds = [0] * self.n  # jobs received per client
         self._sent = [0] * self.n  # updates sent per client (dropouts "after N updates")
         self._waiting: set[int] = set()
@@ -260,8 +269,19 @@ class InprocRun:
             return
         job, result = flight.job, flight.result
         delta = result.delta
+        payload_bytes = result.payload_bytes
+        compressor = None
         if job.recipe.clip_norm is not None:  # the client clips, as the client library does
             delta = clip_update(delta, UpdateKind.DELTA, job.weights, job.recipe.clip_norm)
+        elif self._compressors is not None:  # and compresses, as the client library does
+            compressor = self._compressors[c]
+            sections = compressor.compress(
+                delta, [0, delta.numel()], ("int8", "int4"), 0, WireDtype.FLOAT32
+            )
+            assert sections is not None and compressor.sent is not None
+            delta = compressor.sent
+            buffer_bytes = 0 if result.buffers is None else 4 * result.buffers.numel()
+            payload_bytes = sum(s.payload.nbytes for s in sections) + buffer_bytes
         update = Update(
             client_id=client_id(c),
             job_id=job.job_id,
@@ -278,10 +298,12 @@ class InprocRun:
         at_apply = self.strategy.version - job.base_version
         try:
             outcome = self.strategy.on_update(update, t)
+            if compressor is not None:
+                compressor.commit()
             self._trace_update(update, t, outcome.version, outcome.status.name,
                                outcome.staleness if outcome.staleness is not None else at_apply,
-                               result.payload_bytes)  # fmt: skip
-            self.counters.bytes_received += result.payload_bytes
+                               payload_bytes)  # fmt: skip
+            self.counters.bytes_received += payload_bytes
             if outcome.status is Status.FILTERED:
                 self.counters.filtered += 1
             else:
@@ -289,8 +311,10 @@ class InprocRun:
                 accepted = True
                 self._refused_in_a_row = 0
         except StrategyError as exc:
+            if compressor is not None:
+                compressor.discard()
             self._trace_update(update, t, self.strategy.version, exc.code, None,
-                               result.payload_bytes)  # fmt: skip
+                               payload_bytes)  # fmt: skip
             self.counters.rejected += 1
             name = type(exc).__name__
             self.counters.rejected_by[name] = self.counters.rejected_by.get(name, 0) + 1
