@@ -43,6 +43,7 @@ __all__ = [
     "weighted_sum",
     "nnz_per_layer",
     "sparse_accumulate",
+    "quantized_accumulate",
     "average_linkage",
     "BACKENDS",
 ]
@@ -650,6 +651,60 @@ def sparse_accumulate(
     w = _finite("weight", weight)
     impl = _backend(backend, out.device)
     impl.sparse_accumulate(out, indices.contiguous(), values.contiguous(), w)
+    return out
+
+
+def quantized_accumulate(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    weight: float = 1.0,
+    *,
+    bits: int = 8,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``out += weight * values`` in place, the values read from blockwise absmax codes (the
+    wire's quantized values, docs/wire.md) in the same pass: value i is the binary32 product
+    ``float32(code_i) * scales[i // block]``, exactly as a receiver decodes it, then each element
+    is computed in the accumulation dtype (float64 on the CPU and in the reference) and rounded
+    once; returns out.
+
+    ``out`` is a [n] float row; ``codes`` the int8 codes [n] (``bits=8``) or the uint8 bytes of
+    packed 4-bit codes [ceil(n / 2)] (``bits=4``: value 2j in the low nibble of byte j); ``scales``
+    float32 [ceil(n / block)]; all on out's device. The codes are taken as they are (the wire's
+    checks of codes and scales are the decoder's).
+    """
+    _data("out", out, dims=(1,))
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an integer >= 1, got {block!r}")
+    n = out.shape[0]
+    want = (torch.int8, n) if bits == 8 else (torch.uint8, (n + 1) // 2)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != want[0] or codes.dim() != 1:
+        got = (codes.dtype, tuple(codes.shape)) if isinstance(codes, torch.Tensor) else codes
+        raise TypeError(f"codes must be a 1-D {want[0]} tensor for bits={bits}, got {got}")
+    if codes.numel() != want[1]:
+        raise ValueError(
+            f"{bits}-bit codes of {n} values take {want[1]} entries, got {codes.numel()}"
+        )
+    nblocks = -(-n // block)
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+        raise TypeError("scales must be a float32 tensor")
+    if scales.shape != (nblocks,):
+        raise ValueError(
+            f"{n} values in blocks of {block} take {nblocks} scales, got {tuple(scales.shape)}"
+        )
+    for name, t in (("codes", codes), ("scales", scales)):
+        if t.device != out.device:
+            raise ValueError(f"{name} must be on {out.device}, got {t.device}")
+    if out.numel() and out.stride(0) != 1:
+        raise ValueError("out must have unit stride")
+    w = _finite("weight", weight)
+    if n:
+        impl = _backend(backend, out.device)
+        impl.quantized_accumulate(out, codes.contiguous(), scales.contiguous(), block, w, bits)
     return out
 
 

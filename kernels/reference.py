@@ -275,6 +275,31 @@ def sparse_accumulate(
     out[idx] = res.to(out.dtype)
 
 
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, n: int):
+    """The float32 values of blockwise codes: float32(code) * scale, one binary32 product."""
+    if bits == 8:
+        q = codes.to(torch.int64)
+    else:
+        b = codes.to(torch.int64)
+        q = torch.stack([b & 0x0F, b >> 4], dim=1).reshape(-1)[:n]
+        q = torch.where(q >= 8, q - 16, q)
+    per = scales.repeat_interleave(block)[:n]
+    return (q.to(F64) * per.to(F64)).to(torch.float32)  # exact in float64, rounded once
+
+
+def quantized_accumulate(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    weight: float,
+    bits: int,
+) -> None:
+    values = dequantize(codes, scales, block, bits, out.numel())
+    res = out.to(F64) + weight * values.to(F64)
+    out.copy_(res.to(out.dtype))
+
+
 # --------------------------------------------------------------------------------------------
 # Robust aggregation (kernels/robust.py)
 # --------------------------------------------------------------------------------------------

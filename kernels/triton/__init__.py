@@ -11,6 +11,7 @@ import numpy as np
 from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .order import coordinate_median, mean_around_median, trimmed_mean
+from .quantized import quantized_accumulate
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -29,6 +30,7 @@ __all__ = [
     "orthogonal_calibrate",
     "pairwise_sq_distances",
     "project_out",
+    "quantized_accumulate",
     "sparse_accumulate",
     "sq_distances_to",
     "trimmed_mean",
