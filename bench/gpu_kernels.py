@@ -235,6 +235,14 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
 
     n_rows = int((groups >= 0).sum())
     gram_flops = 2 * K * K * D
+    q_codes = torch.randint(-127, 128, (D,), dtype=torch.int8, device=device)
+    q_scales = torch.rand(-(-D // 128), dtype=torch.float32, device=device) * 1e-3
+
+    def q_acc(backend) -> torch.Tensor:
+        out = X[0].clone()
+        backend.quantized_accumulate(out, q_codes, q_scales, 128, 0.3, 8)
+        return out
+
     return [
         Case(
             "layer_dots",
@@ -340,6 +348,18 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             lambda: torch_order(cut),
             lambda: r_order(ref.trimmed_mean, cut),
             nbytes=(K + 1) * D * esz,
+        ),
+        # An INT8 update (block 128) added into a fresh copy of row 0: the copy (read + write),
+        # then the kernel reads it, the codes and the scales and writes it.
+        Case(
+            "quantized_accumulate(int8)",
+            lambda: q_acc(tk),
+            lambda: (
+                X[0]
+                + 0.3 * (q_codes.to(torch.float32) * q_scales.repeat_interleave(128)[:D]).to(dtype)
+            ),
+            lambda: q_acc(ref),
+            nbytes=4 * D * esz + D + 4 * q_scales.numel(),
         ),
     ]
 
