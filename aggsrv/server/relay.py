@@ -238,6 +238,7 @@ class ShardLinks:
         header = pb.UpdateHeader()
         header.CopyFrom(base)
         header.shard_rank = rank
+        header.dtype = P.WIRE_TO_PB[dtype]
         del header.tensors[:]
         header.tensors.append(tpb.TensorInfo(name="update", numel=flat.numel()))
         chunk_bytes = self.config.chunk_bytes

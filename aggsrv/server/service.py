@@ -61,6 +61,7 @@ from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
+from aggsrv.v1 import tensor_pb2 as tpb
 
 log = logging.getLogger(__name__)
 
@@ -701,7 +702,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     fed.updates_waiting += 1
                     try:
                         staleness, outcome = await links.relay_update(
-                            h, parts, dtype, caller_metadata(context),
+                            h, parts, _forward_dtype(h, dtype), caller_metadata(context),
                             lambda: fed.apply_update(update, wire),
                         )  # fmt: skip
                     except StrategyError as exc:
@@ -1027,6 +1028,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         # After this answer is on its way: the handler must return before the server stops.
         asyncio.get_running_loop().call_later(0.05, self.on_shutdown, grace)
         return pb.ShutdownResponse(version=self.fed.published_version)
+
+
+def _forward_dtype(h: pb.UpdateHeader, dtype: WireDtype) -> WireDtype:
+    """The wire dtype rank 0 forwards a relayed update's slices in: the upload's, unless its
+    values were quantized (their decoded binary32 values do not fit a half type exactly)."""
+    quantized = any(t.quantization != tpb.VALUE_QUANTIZATION_UNSPECIFIED for t in h.tensors)
+    return WireDtype.FLOAT32 if quantized else dtype
 
 
 def _job_status(strategy: Strategy, client_id: str, job_id: int) -> tuple[str, float | None]:
