@@ -44,6 +44,7 @@ __all__ = [
     "nnz_per_layer",
     "sparse_accumulate",
     "quantized_accumulate",
+    "dequantize",
     "average_linkage",
     "BACKENDS",
 ]
@@ -675,6 +676,17 @@ def quantized_accumulate(
     float32 [ceil(n / block)]; all on out's device. The codes are taken as they are (the wire's
     checks of codes and scales are the decoder's).
     """
+    _quantized_args(out, codes, scales, block, bits)
+    n = out.shape[0]
+    w = _finite("weight", weight)
+    if n:
+        impl = _backend(backend, out.device)
+        impl.quantized_accumulate(out, codes.contiguous(), scales.contiguous(), block, w, bits)
+    return out
+
+
+def _quantized_args(out: torch.Tensor, codes: Any, scales: Any, block: Any, bits: Any) -> None:
+    """Check the arguments of a kernel that reads blockwise codes into ``out`` [n]."""
     _data("out", out, dims=(1,))
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
@@ -701,10 +713,26 @@ def quantized_accumulate(
             raise ValueError(f"{name} must be on {out.device}, got {t.device}")
     if out.numel() and out.stride(0) != 1:
         raise ValueError("out must have unit stride")
-    w = _finite("weight", weight)
-    if n:
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    *,
+    bits: int = 8,
+    out: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The values of blockwise absmax codes written into ``out`` [n] (float32, or any float
+    dtype: each binary32 value rounded once to it): ``out[i] = float32(code_i) *
+    scales[i // block]``, the binary32 product as the wire format decodes it (docs/wire.md),
+    bit for bit (signed zeros included). Arguments as :func:`quantized_accumulate`; returns out.
+    """
+    _quantized_args(out, codes, scales, block, bits)
+    if out.shape[0]:
         impl = _backend(backend, out.device)
-        impl.quantized_accumulate(out, codes.contiguous(), scales.contiguous(), block, w, bits)
+        impl.dequantize(codes.contiguous(), scales.contiguous(), block, bits, out)
     return out
 
 

@@ -924,6 +924,58 @@ def _q4_accumulate(out, packed, scales, block, weight):  # pragma: no cover - co
                 out[i] = np.float64(out[i]) + weight * np.float64(np.float32(code) * s)
 
 
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _q8_decode(out, codes, scales, block):  # pragma: no cover - compiled
+    n = out.shape[0]
+    nblocks = scales.shape[0]
+    for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
+            s = scales[b]
+            lo = b * block
+            hi = min(n, lo + block)
+            o = out[lo:hi]
+            c = codes[lo:hi]
+            for j in range(hi - lo):
+                o[j] = np.float32(c[j]) * s
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _q4_decode(out, packed, scales, block):  # pragma: no cover - compiled
+    n = out.shape[0]
+    nblocks = scales.shape[0]
+    for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
+            s = scales[b]
+            i = b * block
+            hi = min(n, i + block)
+            if i & 1 and i < hi:
+                out[i] = np.float32(_nibble(np.int32(packed[i >> 1]), True)) * s
+                i += 1
+            pairs = (hi - i) >> 1
+            o = out[i : i + 2 * pairs]
+            p = packed[i >> 1 : (i >> 1) + pairs]
+            for k in range(pairs):
+                byte = np.int32(p[k])
+                lo4 = byte & 15
+                hi4 = byte >> 4
+                o[2 * k] = np.float32(lo4 - ((lo4 >> 3) << 4)) * s
+                o[2 * k + 1] = np.float32(hi4 - ((hi4 >> 3) << 4)) * s
+            i += 2 * pairs
+            if i < hi:
+                out[i] = np.float32(_nibble(np.int32(packed[i >> 1]), False)) * s
+
+
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, out: torch.Tensor
+) -> None:
+    direct = out.dtype in (torch.float32, torch.float64)
+    target = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    kernel = _q8_decode if bits == 8 else _q4_decode
+    kernel(_np(target), codes.numpy(), scales.numpy(), int(block))
+    if not direct:
+        out.copy_(target)
+
+
 def quantized_accumulate(
     out: torch.Tensor,
     codes: torch.Tensor,

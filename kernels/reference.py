@@ -275,7 +275,7 @@ def sparse_accumulate(
     out[idx] = res.to(out.dtype)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, n: int):
+def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, n: int):
     """The float32 values of blockwise codes: float32(code) * scale, one binary32 product."""
     if bits == 8:
         q = codes.to(torch.int64)
@@ -287,6 +287,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int,
     return (q.to(F64) * per.to(F64)).to(torch.float32)  # exact in float64, rounded once
 
 
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, out: torch.Tensor
+) -> None:
+    out.copy_(_values(codes, scales, block, bits, out.numel()).to(out.dtype))
+
+
 def quantized_accumulate(
     out: torch.Tensor,
     codes: torch.Tensor,
@@ -295,7 +301,7 @@ def quantized_accumulate(
     weight: float,
     bits: int,
 ) -> None:
-    values = dequantize(codes, scales, block, bits, out.numel())
+    values = _values(codes, scales, block, bits, out.numel())
     res = out.to(F64) + weight * values.to(F64)
     out.copy_(res.to(out.dtype))
 

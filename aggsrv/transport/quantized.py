@@ -27,6 +27,8 @@ import math
 import numpy as np
 import torch
 
+from aggsrv import kernels
+
 from .errors import BadChunk, WrongLength
 
 __all__ = [
@@ -154,28 +156,33 @@ def decode_quantized(
         )
     body = np.frombuffer(raw, dtype=np.uint8, offset=4 * nblocks)
     if quantization is Quantization.INT8:
-        codes = body.view(np.int8)
-        if (codes == -128).any():
-            at = int(np.flatnonzero(codes == -128)[0])
+        refused = np.flatnonzero(body == 0x80)  # -128
+        if refused.size:
             raise BadChunk(
-                f"tensor {name!r}: code -128 at value {at}; int8 codes are -127..127",
+                f"tensor {name!r}: code -128 at value {int(refused[0])}; int8 codes are -127..127",
                 tensor=name,
             )
     else:
-        nibbles = np.empty(2 * body.size, dtype=np.uint8)
-        nibbles[0::2] = body & 0x0F
-        nibbles[1::2] = body >> 4
-        if n % 2 and nibbles[-1]:
+        low, high = body & 0x0F, body >> 4
+        if n % 2 and high[-1]:
             raise BadChunk(
                 f"tensor {name!r}: the padding nibble after the last of {n} int4 values must be 0",
                 tensor=name,
             )
-        nibbles = nibbles[:n]
-        if (nibbles == 8).any():
-            at = int(np.flatnonzero(nibbles == 8)[0])
+        at = [2 * int(i) for i in np.flatnonzero(low == 8)[:1]]
+        at += [2 * int(i) + 1 for i in np.flatnonzero(high == 8)[:1]]
+        if at:
             raise BadChunk(
-                f"tensor {name!r}: nibble 0b1000 (-8) at value {at}; int4 codes are -7..7",
+                f"tensor {name!r}: nibble 0b1000 (-8) at value {min(at)}; int4 codes are -7..7",
                 tensor=name,
             )
-        codes = (nibbles.astype(np.int8) ^ 8) - 8
-    return torch.from_numpy(_dequantize(codes, scales, block))
+    out = torch.empty(n, dtype=torch.float32)
+    if n:
+        codes = torch.from_numpy(body.copy())
+        if quantization is Quantization.INT8:
+            codes = codes.view(torch.int8)
+        bits = 8 if quantization is Quantization.INT8 else 4
+        kernels.dequantize(
+            codes, torch.from_numpy(scales.copy()), block, bits=bits, out=out, backend="cpu"
+        )
+    return out

@@ -11,7 +11,7 @@ import numpy as np
 from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .order import coordinate_median, mean_around_median, trimmed_mean
-from .quantized import quantized_accumulate
+from .quantized import dequantize, quantized_accumulate
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -21,6 +21,7 @@ __all__ = [
     "clip_rows",
     "coordinate_median",
     "cosine_matrix",
+    "dequantize",
     "gram_matrix",
     "group_means",
     "layer_dots",

@@ -121,3 +121,29 @@ def test_bad_arguments_are_refused(kwargs, error, message) -> None:
             args["out"], args["codes"], args["scales"], args["block"], args["weight"],
             bits=args["bits"],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("n", "block"), [(1, 1), (257, 64), (1_001, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dequantize_writes_each_binary32_product_bit_for_bit(backend, bits, n, block, dtype):
+    rng = _rng()
+    values, codes = _codes(rng, bits, n)
+    scales = (rng.standard_normal(math.ceil(n / block)) ** 2).astype(np.float32)
+    scales[rng.random(scales.size) < 0.3] = 0.0  # negative codes then give -0.0
+    dev = DEVICE[backend]
+    out = torch.full((n,), float("nan"), dtype=dtype, device=dev)
+    got = kernels.dequantize(codes.to(dev), torch.from_numpy(scales).to(dev), block, bits=bits,
+                             out=out, backend=backend)  # fmt: skip
+    assert got is out
+    want = np.array([np.float32(c) * scales[i // block] for i, c in enumerate(values)],
+                    dtype=np.float32)  # fmt: skip
+    want_t = torch.from_numpy(want).to(dtype)
+    bits_of = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+    got_bits, want_bits = out.cpu().view(bits_of[dtype]), want_t.view(bits_of[dtype])
+    if backend == "triton" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET"):
+        # The interpreter truncates to bfloat16 where a GPU rounds to nearest: one unit apart.
+        assert (got_bits.to(torch.int32) - want_bits.to(torch.int32)).abs().max() <= 1
+    else:  # bit for bit, the sign of zero included
+        assert torch.equal(got_bits, want_bits)
