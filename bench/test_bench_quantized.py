@@ -6,8 +6,8 @@ one run, on the CPU backend.
 Run: `pytest bench/test_bench_quantized.py --benchmark-only -s` (`AGGSRV_BENCH_SCALE=0.01` for
 a smoke run). D = 4M float32 (16.8 MB: the rows fit in a large last-level cache) and ResNet-34's
 21.8M (87 MB: they do not) at scale 1. Candidates: **ours** the fused kernel; **floor** the
-float32 add_ (the target: ours <= 1.1x it); **naive** decoding the section into a
-float32 buffer with the transport's decoder, then add_ (two passes, the decoder's numpy work).
+float32 add_ (the target: ours <= 1.1x it); **naive** the server's path today: the transport's
+decoder (its checks, then `kernels.dequantize` into a float32 buffer), then add_.
 GB/s = the bytes each must move (out read and written, 8D, plus the update's own bytes).
 """
 
