@@ -47,7 +47,7 @@ def test_bench_quantized_accumulate(benchmark: Any, q: Quantization, size: int) 
         out.add_(x, alpha=w)
 
     def naive() -> None:
-        staging.copy_(decode_quantized(wire, q, D, BLOCK, "update"))
+        decode_quantized(wire, q, D, BLOCK, "update", out=staging)
         out.add_(staging, alpha=w)
 
     run_case(

@@ -132,11 +132,17 @@ def _dequantize(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray
 
 
 def decode_quantized(
-    raw: memoryview | bytes, quantization: Quantization, n: int, block: int, name: str
+    raw: memoryview | bytes,
+    quantization: Quantization,
+    n: int,
+    block: int,
+    name: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``n`` float32 values of a quantized section; WrongLength when the bytes do not match
-    ``n`` and ``block``, BadChunk for a scale that is not finite or negative or a code outside
-    the format (-128, 0b1000, or a non-zero padding nibble)."""
+    """The ``n`` float32 values of a quantized section, written into ``out`` (a float [n] CPU
+    tensor with unit stride) when given; WrongLength when the bytes do not match ``n`` and
+    ``block``, BadChunk for a scale that is not finite or negative or a code outside the format
+    (-128, 0b1000, or a non-zero padding nibble)."""
     expected = quantized_nbytes(quantization, n, block)
     if len(raw) != expected:
         raise WrongLength(
@@ -176,7 +182,8 @@ def decode_quantized(
                 f"tensor {name!r}: nibble 0b1000 (-8) at value {min(at)}; int4 codes are -7..7",
                 tensor=name,
             )
-    out = torch.empty(n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
     if n:
         codes = torch.from_numpy(body.copy())
         if quantization is Quantization.INT8:

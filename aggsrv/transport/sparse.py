@@ -125,7 +125,7 @@ def decode_sparse(
     if encoding is Encoding.DENSE:
         if quantized is None:
             raise ValueError("a dense section of plain values is decoded as it arrives")
-        out.copy_(decode_quantized(raw, quantized[0], numel, quantized[1], name))
+        decode_quantized(raw, quantized[0], numel, quantized[1], name, out=out)
         return
     if encoding is Encoding.COO:
         head = 4 * nnz
