@@ -12,7 +12,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from aggsrv.transport import (
@@ -23,6 +22,7 @@ from aggsrv.transport import (
     check_block,
     encoded_nbytes,
     from_wire,
+    index_section,
     quantize,
     to_wire,
     wire_view,
@@ -146,41 +146,27 @@ class Compressor:
     ) -> tuple[Section, torch.Tensor]:
         numel = part.numel()
         generator = self._generator if self.spec.stochastic else None
-        if kept is None:
-            idx = None
-            values = part
-        else:
-            idx = torch.nonzero(kept).flatten()
-            values = part[idx]
-        nnz = values.numel()
         q = (quant, block) if quant is not None else None
+        encoding = Encoding.DENSE
+        if kept is not None:
+            nnz = int(kept.sum())
+            sizes = {e: encoded_nbytes(e, numel, nnz, wire_dtype, q) for e in Encoding}
+            encoding = min((Encoding.COO, Encoding.BITMAP), key=sizes.__getitem__)
+            if sizes[encoding] >= sizes[Encoding.DENSE]:
+                # Dense is no bigger: every entry goes, the dropped ones as zeros.
+                part, kept, encoding = torch.where(kept, part, 0.0), None, Encoding.DENSE
+        values = part if kept is None else part[kept]
         if quant is not None:
-            value_bytes, decoded_values = quantize(values, quant, block, generator)
+            value_bytes, decoded = quantize(values, quant, block, generator)
         else:
             value_bytes = bytes(wire_view(to_wire(values, wire_dtype)))
-            decoded_values = from_wire(memoryview(value_bytes), wire_dtype).to(torch.float32)
-        decoded = torch.zeros(numel, dtype=torch.float32)
-        if idx is None:
-            decoded.copy_(decoded_values)
-            return Section(memoryview(value_bytes), numel, Encoding.DENSE, 0, quant, block), decoded
-        decoded[idx] = decoded_values
-        coo = encoded_nbytes(Encoding.COO, numel, nnz, wire_dtype, q)
-        bitmap = encoded_nbytes(Encoding.BITMAP, numel, nnz, wire_dtype, q)
-        dense = encoded_nbytes(Encoding.DENSE, numel, numel, wire_dtype, q)
-        if min(coo, bitmap) >= dense:
-            # Dense is no bigger: send every entry (the dropped ones as zeros).
-            return self._section(decoded, None, quant, block, wire_dtype)
-        if coo <= bitmap:
-            head = idx.to(torch.int32).numpy().astype("<u4").tobytes()
-            encoding = Encoding.COO
-        else:
-            bits = np.packbits(kept.numpy(), bitorder="little")
-            words = np.zeros(4 * ((numel + 31) // 32), dtype=np.uint8)
-            words[: bits.size] = bits
-            head = words.tobytes()
-            encoding = Encoding.BITMAP
-        section = Section(memoryview(head + value_bytes), numel, encoding, nnz, quant, block)
-        return section, decoded
+            decoded = from_wire(memoryview(value_bytes), wire_dtype).to(torch.float32)
+        if kept is None:
+            return Section(memoryview(value_bytes), numel, encoding, 0, quant, block), decoded
+        sent = torch.zeros(numel, dtype=torch.float32)
+        sent[kept] = decoded
+        payload = memoryview(index_section(kept, encoding) + value_bytes)
+        return Section(payload, numel, encoding, values.numel(), quant, block), sent
 
     def commit(self) -> None:
         """The update was taken: what it did not send becomes the residual (and is saved)."""

@@ -113,22 +113,20 @@ def quantize(
         codes = torch.floor(ratio + noise)
     codes = codes.clamp_(-q, q).masked_fill_(scales[:, None] == 0, 0)
     flat_codes = codes.reshape(-1)[:n].to(torch.int8)
-    decoded = _dequantize(flat_codes.numpy(), scales.numpy(), block)
     scale_bytes = scales.numpy().astype("<f4").tobytes()
     if quantization is Quantization.INT8:
-        return scale_bytes + flat_codes.numpy().tobytes(), torch.from_numpy(decoded)
-    nibbles = flat_codes.numpy().astype(np.uint8) & 0x0F
-    if n % 2:
-        nibbles = np.append(nibbles, np.uint8(0))
-    packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    return scale_bytes + packed.tobytes(), torch.from_numpy(decoded)
-
-
-def _dequantize(codes: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    """float32(code_i) * scale_(i // block), one binary32 product each."""
-    n = codes.size
-    per_value = np.repeat(scales.astype(np.float32), block)[:n]
-    return codes.astype(np.float32) * per_value
+        body = flat_codes
+    else:
+        nibbles = flat_codes.numpy().astype(np.uint8) & 0x0F
+        if n % 2:
+            nibbles = np.append(nibbles, np.uint8(0))
+        body = torch.from_numpy(nibbles[0::2] | (nibbles[1::2] << 4))
+    # What a receiver decodes: the same kernel the server decodes with.
+    decoded = torch.empty(n, dtype=torch.float32)
+    if n:
+        bits = 8 if quantization is Quantization.INT8 else 4
+        kernels.dequantize(body, scales, block, bits=bits, out=decoded, backend="cpu")
+    return scale_bytes + body.numpy().tobytes(), decoded
 
 
 def decode_quantized(

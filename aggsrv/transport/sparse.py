@@ -32,6 +32,7 @@ __all__ = [
     "decode_sparse",
     "encode_sparse",
     "encoded_nbytes",
+    "index_section",
 ]
 
 
@@ -98,15 +99,18 @@ def encode_sparse(
     mask = flat != 0  # NaN is stored (and then refused by the receiver), -0.0 is not
     idx = torch.nonzero(mask).flatten()
     values = wire_view(to_wire(flat[idx].float(), wire_dtype))
-    nnz = idx.numel()
+    return memoryview(index_section(mask, encoding) + bytes(values)), idx.numel()
+
+
+def index_section(mask: torch.Tensor, encoding: Encoding) -> bytes:
+    """The COO indices or the bitmap of the elements ``mask`` (1-D bool, CPU) stores."""
     if encoding is Encoding.COO:
-        head = idx.to(torch.int32).numpy().astype("<u4", copy=False).tobytes()
-    else:
-        bits = np.packbits(mask.numpy(), bitorder="little")
-        words = np.zeros(bitmap_nbytes(flat.numel()), dtype=np.uint8)
-        words[: bits.size] = bits
-        head = words.tobytes()
-    return memoryview(head + bytes(values)), nnz
+        idx = torch.nonzero(mask).flatten()
+        return idx.to(torch.int32).numpy().astype("<u4", copy=False).tobytes()
+    bits = np.packbits(mask.numpy(), bitorder="little")
+    words = np.zeros(bitmap_nbytes(mask.numel()), dtype=np.uint8)
+    words[: bits.size] = bits
+    return words.tobytes()
 
 
 def decode_sparse(
