@@ -84,9 +84,7 @@ class CallLog:
             try:
                 lsn = wal.append(kind, meta, tensors, same_segment_as=same_segment_as)
             except Exception as exc:
-                fail_stop = self._fail_stop
-                fail_stop.fail(f"could not append to the write-ahead log: {exc}")
-                raise DurabilityError(fail_stop.failure) from exc
+                raise self._stop("could not append to the write-ahead log", exc) from exc
             if lsn is None:
                 return None
         if kind == "update":
@@ -138,9 +136,7 @@ class CallLog:
         except Exception as exc:
             if wal.closed:
                 return None, None
-            fail_stop = self._fail_stop
-            fail_stop.fail(f"could not append to the write-ahead log: {exc}")
-            raise DurabilityError(fail_stop.failure) from exc
+            raise self._stop("could not append to the write-ahead log", exc) from exc
 
     def append_claiming(
         self,
@@ -166,8 +162,8 @@ class CallLog:
             if log is not wal or lsn is None or lsn <= start:
                 part = upload.parts[i]
                 placed[i] = self._append_part(PART_KIND, part.meta, part.tensors)
-        first = min((lsn for log, lsn in placed if log is wal and lsn is not None), default=None)
-        if first is not None and len([p for p in placed if p[0] is wal]) == len(placed):
+        if all(log is wal and lsn is not None for log, lsn in placed):
+            first = min(lsn for _, lsn in placed)
             claim = {**meta, **upload.claim()}
             lsn = self.append(kind, claim, None, jobs_issued, same_segment_as=first)
             if lsn is not None:
@@ -187,9 +183,7 @@ class CallLog:
         try:
             await asyncio.get_running_loop().run_in_executor(self._sync_pool, wal.sync, lsn)
         except Exception as exc:
-            fail_stop = self._fail_stop
-            fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
-            raise DurabilityError(fail_stop.failure) from exc
+            raise self._stop("could not fsync the write-ahead log", exc) from exc
         self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
         return wal.durable_lsn
 
@@ -204,10 +198,14 @@ class CallLog:
         try:
             wal.sync(wal.written_lsn if lsn is None else lsn)
         except Exception as exc:
-            fail_stop = self._fail_stop
-            fail_stop.fail(f"could not fsync the write-ahead log: {exc}")
-            raise DurabilityError(fail_stop.failure) from exc
+            raise self._stop("could not fsync the write-ahead log", exc) from exc
         self._metrics.fsync_seconds.observe(time.perf_counter() - t0)
+
+    def _stop(self, what: str, exc: BaseException) -> DurabilityError:
+        """The log failed: the federation stops taking writes; the error to raise."""
+        fail_stop = self._fail_stop
+        fail_stop.fail(f"{what}: {exc}")
+        return DurabilityError(fail_stop.failure)
 
     def shutdown(self) -> None:
         """Stop the fsync and part-writing threads."""
