@@ -1048,3 +1048,154 @@ def clip_rows(
 
 def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized rows (kernels/quantized_rows.py)
+# --------------------------------------------------------------------------------------------
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)  # no fastmath: both divisions are binary32's
+def _q8_quantize_rows(X, block, codes, scales):  # pragma: no cover - compiled
+    K, D = X.shape
+    nblocks = scales.shape[1]
+    total = K * nblocks
+    for t in nb.prange((total + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        for j in range(t * _Q_TASK_BLOCKS, min(total, (t + 1) * _Q_TASK_BLOCKS)):
+            k = j // nblocks
+            b = j - k * nblocks
+            lo = b * block
+            hi = min(D, lo + block)
+            x = X[k, lo:hi]
+            m = np.float32(0.0)
+            for i in range(hi - lo):
+                a = abs(np.float32(x[i]))
+                if a > m or a != a:  # a NaN stays: the caller refuses the row by its scale
+                    m = a
+            s = m / np.float32(127.0)
+            scales[k, b] = s
+            c = codes[k, lo:hi]
+            if s > 0 and s < np.inf:
+                for i in range(hi - lo):
+                    q = np.rint(np.float32(x[i]) / s)
+                    c[i] = np.int8(min(max(q, -127.0), 127.0))
+            else:
+                c[:] = 0
+
+
+def quantize_rows(X: torch.Tensor, block: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    _q8_quantize_rows(_np(_as_work(X)), int(block), codes.numpy(), scales.numpy())
+
+
+def _quantized_tile(block: int) -> int:
+    """Columns per parallel task: whole quantization blocks, about TILE of them."""
+    return block * max(1, TILE // block)
+
+
+@_pjit
+def _q8_rows_combination(
+    codes, scales, block, tile, rows, coef, group_start, out, alpha, beta
+):  # pragma: no cover - compiled
+    """out[g] = beta*out[g] + alpha * sum_{r in g} coef[r] * decode(row r), by column tiles of
+    whole blocks; four rows at a time share each pass over the float64 tile accumulator."""
+    G = group_start.shape[0] - 1
+    D = codes.shape[1]
+    for t in nb.prange((D + tile - 1) // tile):
+        s0 = t * tile
+        e0 = min(D, s0 + tile)
+        acc = np.empty(e0 - s0, dtype=np.float64)
+        for g in range(G):
+            acc[:] = 0.0
+            r0, r1 = group_start[g], group_start[g + 1]
+            j = r0
+            while j < r1:
+                four = j + 4 <= r1
+                for b in range(s0 // block, (e0 + block - 1) // block):
+                    lo = b * block
+                    hi = min(e0, lo + block)
+                    a = acc[lo - s0 : hi - s0]
+                    if four:
+                        ra, rb, rc, rd = rows[j], rows[j + 1], rows[j + 2], rows[j + 3]
+                        sa, sb = scales[ra, b], scales[rb, b]
+                        sc, sd = scales[rc, b], scales[rd, b]
+                        ca, cb = codes[ra, lo:hi], codes[rb, lo:hi]
+                        cc, cd = codes[rc, lo:hi], codes[rd, lo:hi]
+                        wa, wb, wc, wd = coef[j], coef[j + 1], coef[j + 2], coef[j + 3]
+                        for i in range(hi - lo):
+                            a[i] += (
+                                wa * np.float64(np.float32(ca[i]) * sa)
+                                + wb * np.float64(np.float32(cb[i]) * sb)
+                            ) + (
+                                wc * np.float64(np.float32(cc[i]) * sc)
+                                + wd * np.float64(np.float32(cd[i]) * sd)
+                            )
+                    else:
+                        r = rows[j]
+                        sr, cr, wr = scales[r, b], codes[r, lo:hi], coef[j]
+                        for i in range(hi - lo):
+                            a[i] += wr * np.float64(np.float32(cr[i]) * sr)
+                j += 4 if four else 1
+            o = out[g, s0:e0]
+            if beta == 0.0:
+                for i in range(e0 - s0):
+                    o[i] = alpha * acc[i]
+            else:
+                for i in range(e0 - s0):
+                    o[i] = beta * np.float64(o[i]) + alpha * acc[i]
+
+
+def quantized_rows_combination(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    rows: np.ndarray,
+    coef: np.ndarray,
+    group_start: np.ndarray,
+    out: torch.Tensor,
+    alpha: float,
+    beta: float,
+) -> None:
+    if out.shape[1] == 0:
+        return
+    _q8_rows_combination(
+        codes.numpy(), scales.numpy(), int(block), _quantized_tile(int(block)), rows, coef,
+        group_start, _np(out), float(alpha), float(beta),
+    )  # fmt: skip
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _q8_decode_columns(codes, scales, block, c0, out):  # pragma: no cover - compiled
+    """out[k, i] = decode(codes[k, c0 + i]) for the columns out covers (c0 on a block edge)."""
+    K, n = out.shape
+    per_row = (n + block - 1) // block
+    for j in nb.prange(K * per_row):
+        k = j // per_row
+        b = j - k * per_row
+        lo = b * block
+        hi = min(n, lo + block)
+        s = scales[k, c0 // block + b]
+        c = codes[k, c0 + lo : c0 + hi]
+        o = out[k, lo:hi]
+        for i in range(hi - lo):
+            o[i] = np.float32(c[i]) * s
+
+
+# Bytes of the float32 buffer a quantized Gram decodes columns into: a few MB stays in cache.
+_GRAM_DECODE_BYTES = 2 << 20
+
+
+def quantized_gram(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    K, D = codes.shape
+    G = torch.zeros(K, K, dtype=torch.float64)
+    if K == 0 or D == 0:
+        return G.to(torch.float32)
+    cols = block * max(1, _GRAM_DECODE_BYTES // (4 * K * block))
+    buf = torch.empty(K, min(cols, D), dtype=torch.float32)
+    part = torch.empty(K, K, dtype=torch.float32)
+    c_np, s_np = codes.numpy(), scales.numpy()
+    for c0 in range(0, D, cols):
+        chunk = buf[:, : min(cols, D - c0)]
+        _q8_decode_columns(c_np, s_np, int(block), c0, _np(chunk))
+        torch.mm(chunk, chunk.T, out=part)
+        G += part
+    return mirror_upper(G).to(torch.float32)

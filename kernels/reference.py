@@ -362,3 +362,61 @@ def mean_around_median(X: torch.Tensor, keep: int, out: torch.Tensor) -> None:
                 hi += 1
         res[d] = sum(col[lo:hi]) / keep
     out.copy_(res.to(device=out.device, dtype=out.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized rows (kernels/quantized_rows.py)
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_rows(X: torch.Tensor, block: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Per block: scale = float32(absmax) / 127 and code = round(x / scale), both binary32
+    divisions (the definition: rounding a float64 quotient could differ in the last place)."""
+    K, D = X.shape
+    nb = scales.shape[1]
+    padded = torch.zeros(K, nb * block, dtype=torch.float32, device=X.device)
+    padded[:, :D] = X.to(torch.float32)
+    blocks = padded.view(K, nb, block)
+    absmax = blocks.abs().amax(dim=2)
+    nan = torch.isnan(blocks).any(dim=2)
+    s = torch.where(nan, torch.full_like(absmax, float("nan")), absmax) / 127
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(blocks / safe[:, :, None]).clamp_(-127, 127)
+    q = q.masked_fill_(~(s > 0)[:, :, None], 0)
+    codes.copy_(q.reshape(K, -1)[:, :D].to(torch.int8))
+    scales.copy_(s)
+
+
+def _decoded_rows(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """The rows' values in float64: each the binary32 product, exactly."""
+    D = codes.shape[1]
+    per = scales.repeat_interleave(block, dim=1)[:, :D]
+    return (codes.to(F64) * per.to(F64)).to(torch.float32).to(F64)
+
+
+def quantized_rows_combination(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    rows: np.ndarray,
+    coef: np.ndarray,
+    group_start: np.ndarray,
+    out: torch.Tensor,
+    alpha: float,
+    beta: float,
+) -> None:
+    G, D = out.shape
+    res = torch.zeros(G, D, dtype=F64, device=out.device)
+    for g in range(G):
+        for j in range(int(group_start[g]), int(group_start[g + 1])):
+            r = int(rows[j])
+            res[g] += float(coef[j]) * _decoded_rows(codes[r : r + 1], scales[r : r + 1], block)[0]
+    res *= alpha
+    if beta != 0.0:
+        res += beta * out.to(F64)
+    out.copy_(res.to(out.dtype))
+
+
+def quantized_gram(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    X = _decoded_rows(codes, scales, block)
+    return mirror_upper(X @ X.T).to(torch.float32)

@@ -370,6 +370,10 @@ class Server:
         m.gauge("global_version", "The latest global model version", lambda: fed.version)
         m.gauge("cache_bytes", "Bytes held by the strategy's tensors and retained versions",
                 fed.cache_bytes_between_calls)  # fmt: skip
+        m.gauge("cache_rows", "Rows in use in the strategy's per-client row cache (0 without one)",
+                lambda: fed.row_cache().rows)  # fmt: skip
+        m.gauge("cache_row_bytes", "Bytes one row of that cache takes, its scales included "
+                "(cache_dtype; 0 without one)", lambda: fed.row_cache().bytes_per_row)  # fmt: skip
         m.gauge("wal_bytes", "Bytes in the write-ahead log since the newest checkpoint",
                 lambda: fed.store.wal_bytes() if fed.store is not None else 0)  # fmt: skip
         m.watch_clients(fed.clients_now)

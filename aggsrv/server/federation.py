@@ -70,6 +70,7 @@ from aggsrv.strategies import (
     make_strategy,
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
+from aggsrv.strategies.cached_rows import RowCacheInfo
 from aggsrv.strategies.privacy import PrivacyBudgetSpent
 from aggsrv.strategies.saved_state import load_state
 from aggsrv.transport import StagingSlot
@@ -884,6 +885,11 @@ class Federation:
             visit(snap.weights)
             visit(snap.buffers)
         return sum(seen.values())
+
+    def row_cache(self) -> RowCacheInfo:
+        """The strategy's row cache as reported (dtype "" and zeros without one)."""
+        info = self.strategy.row_cache() if self.strategy is not None else None
+        return info if info is not None else RowCacheInfo("", 0, 0)
 
     def cache_bytes_between_calls(self, timeout: float = 10.0) -> int:
         """:meth:`cache_bytes` for a thread that may block (the metrics endpoint's): measured on

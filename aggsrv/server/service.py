@@ -977,6 +977,11 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 resp.cache_bytes = await asyncio.wait_for(fed.read(fed.cache_bytes), wait)
             except TimeoutError:
                 log.warning("GetStatus: the aggregation thread is busy; cache_bytes left 0")
+        rows = fed.row_cache()
+        if rows.dtype:
+            resp.cache_dtype = rows.dtype
+            resp.cache_rows = rows.rows
+            resp.cache_row_bytes = rows.bytes_per_row
         # Limits always: a client offering the initial model needs chunk_bytes before Register.
         resp.limits.CopyFrom(self._limits())
         if fed.shards is not None:

@@ -49,6 +49,7 @@ from aggsrv.layout import ModelLayout
 from aggsrv.sharding import LocalReducer, Reducer
 from aggsrv.strategies import finite_results
 from aggsrv.strategies.buffers import Lease, VersionBuffers
+from aggsrv.strategies.cached_rows import RowCacheInfo
 from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.dp_clipping import NON_FINITE_CLIPPED
 from aggsrv.strategies.errors import (
@@ -191,6 +192,11 @@ class Strategy(ABC, Generic[Config]):
     def clients(self) -> tuple[str, ...]:
         """Registered client ids in the order they joined."""
         return tuple(self._clients)
+
+    def row_cache(self) -> RowCacheInfo | None:
+        """How the per-client row cache is stored, for strategies that keep one (None for the
+        others). Reads no tensor: safe from the metrics and status threads."""
+        return None
 
     def global_model(self) -> torch.Tensor:
         """The current version's [D] weights: an immutable snapshot, never written again."""

@@ -39,8 +39,9 @@ its part of ``K v`` is ``(K/N) h`` if it did not arrive in this buffer, and ``(K
 without an arrival, ``1 + |1 - K/N|`` x C with one when it had a row, and 1 x C on its first
 report. The accountant charges every client with a row at every flush accordingly.
 
-Memory: the cache is ``clients x D x 4`` bytes (rows allocated on a client's first report, grown
-in blocks of 8 rows up to ``max_clients``), plus a float64 [D] accumulator and a [D] scratch row
+Memory: the cache is ``clients x D x 4`` bytes in float32 (``cache_dtype``: 2 bytes a value in
+bfloat16, about 1.03 in int8; rows allocated on a client's first report, in blocks that double up
+to ``max_clients``), plus a float64 [D] accumulator and a [D] scratch row
 for WEIGHTS updates. Outcomes as FedBuff: BUFFERED(version) for the first ``K - 1`` arrivals of a
 buffer, APPLIED(new version) for the ``K``-th.
 """
@@ -50,13 +51,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from aggsrv.aggregators import RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.cached_rows import (
+    CACHE_DTYPE_HELP,
+    CachedRows,
+    RowCacheInfo,
+    check_cache_dtype,
+)
 from aggsrv.strategies.fedbuff import BufferedConfig
 from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job
@@ -68,9 +75,6 @@ __all__ = ["CA2FL", "CA2FLConfig"]
 
 logger = logging.getLogger(__name__)
 
-ROW_BLOCK = 8
-
-
 @dataclass
 class CA2FLConfig(BufferedConfig, PrivacyConfig):
     """CA2FL settings: buffer size ``K`` and server learning rate ``eta``, and differential
@@ -80,12 +84,22 @@ class CA2FLConfig(BufferedConfig, PrivacyConfig):
     ``buffer_size = 5`` (10 for 100 clients), ``server_lr = 1.0``.
     """
 
+    HELP: ClassVar[Mapping[str, str]] = {"cache_dtype": CACHE_DTYPE_HELP}
+
     buffer_size: Count = 5
+    cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        """Check ranges, and the dp_ keys against the aggregator."""
+        """Check ranges, and the dp_ keys against the aggregator and the cache."""
         super().__post_init__()
         self.check_privacy(self.aggregator)
+        check_cache_dtype(self.cache_dtype)
+        if self.private and self.cache_dtype != "float32":
+            raise ValueError(
+                "ca2fl with dp_ keys keeps its cache in float32: the accounting charges each "
+                "cached row as a clipped delta, which a rounded row is not exactly; drop "
+                "cache_dtype or the dp_ keys"
+            )
         if self.private and self.dp_adaptive_quantile is not None:
             raise ValueError(
                 "ca2fl does not support adaptive clipping (dp_adaptive_quantile): a release "
@@ -106,7 +120,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         text = self.config.aggregator
         self._robust_cache = RobustCombiner.for_config(text, f"{self.name} cache", self.device)
         self._acc = self._running_sum(torch.float64)  # a robust rule keeps rows instead
-        self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
+        self._cache = CachedRows(self.dim, self.config.cache_dtype, self.device)
         self._row: dict[str, int] = {}  # client id -> cache row
         self._count = 0  # arrivals in the current buffer
         self._n_mean = 0  # N the current buffer's cache mean was taken over
@@ -115,6 +129,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         self._arrived: set[str] = set()
         self._first: set[str] = set()
         self._scratch: torch.Tensor | None = None
+        self._decoded: torch.Tensor | None = None  # a compressed cache's row being replaced
         self._rows = RowBuffer(self.dim, self.device) if self._robust is not None else None
         self._row_absmax: list[float] = []  # derived from the rows, not saved
         self._hbar: torch.Tensor | None = None  # the buffer's robust h_bar (while _count > 0)
@@ -132,18 +147,26 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         row = self._row.get(client_id)
         if row is None:
             return torch.zeros(self.dim, dtype=torch.float32, device=self.device)
-        return self._cache[row]
+        return self._cache.read(row)
+
+    def row_cache(self) -> RowCacheInfo:
+        return self._cache.info(len(self._row))
+
+    def _cached_row(self, row: int) -> torch.Tensor:
+        """Row ``row``'s values: the cache row itself in float32, else decoded into a scratch
+        row (which the replacement of the row may then use)."""
+        if self._cache.dtype == "float32":
+            return self._cache.read(row)
+        if self._decoded is None:
+            self._decoded = self._row_vector()
+        return self._cache.read(row, out=self._decoded)
 
     def _row_of(self, client_id: str) -> int:
         row = self._row.get(client_id)
         if row is not None:
             return row
         row = len(self._row)
-        if row >= self._cache.shape[0]:
-            cap = max(min(self._cache.shape[0] + ROW_BLOCK, self.max_clients), row + 1)
-            grown = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-            grown[: self._cache.shape[0]] = self._cache
-            self._cache = grown
+        self._cache.ensure(row, row + 1, self.max_clients)
         self._row[client_id] = row
         return row
 
@@ -159,7 +182,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
             n_mean = max(len(self._clients), 1)
             n = len(self._row)
             if n:
-                torch.sum(self._cache[:n], dim=0, dtype=torch.float64, out=self._acc)
+                self._cache.sum_into(n, self._acc)
                 self._acc.mul_(k).div_(n_mean)
             else:
                 self._acc.zero_()
@@ -171,7 +194,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         else:
             delta = update.tensor
         row = self._row.get(update.client_id)
-        h = self._cache[row] if row is not None else None
+        h = self._cached_row(row) if row is not None else None
         # Under DP the delta is clipped before it enters the sum and the cache.
         f = 1.0 if self.privacy is None else self.privacy.clip_factor_of(update, job, delta)
         releases = self._count + 1 >= k
@@ -203,9 +226,12 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         self._n_mean = n_mean
         if h is None:
             row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
-            h = self._cache[row]  # a zero row
+            h = self._cached_row(row)  # a zero row
         self._acc.add_(delta, alpha=f).sub_(h)
-        torch.mul(delta, f, out=h)
+        if self._cache.dtype == "float32":
+            torch.mul(delta, f, out=h)
+        else:  # h is a decoded copy, no longer needed; the sums use the row as stored
+            self._cache.write(row, delta if f == 1.0 else torch.mul(delta, f, out=h))
         self._count += 1
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, 1.0)  # the buffer's uniform mean
@@ -251,8 +277,9 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
                 self._hbar_spare = self._row_vector()
             hbar, n = self._hbar_spare, len(self._row)
             if n:
+                # A robust rule reads values: a compressed cache is decoded for it.
                 cache_info = self._robust_cache.combine(
-                    self._cache[:n], [1.0] * n, reduce=self.reduce, out=hbar
+                    self._cache.decoded(n), [1.0] * n, reduce=self.reduce, out=hbar
                 )
             else:
                 hbar.zero_()
@@ -272,7 +299,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         if cached is None:
             calibrated.copy_(delta)
         else:
-            torch.sub(delta, self._cache[cached], out=calibrated)
+            torch.sub(delta, self._cached_row(cached), out=calibrated)
         absmax = self._checked_absmax(calibrated, "the calibrated update delta - h_i")
         new = info = None
         if self._count + 1 < k:
@@ -300,7 +327,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
             self._hbar_absmax = hbar_absmax
             self._n_mean = max(len(self._clients), 1)
         row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
-        self._cache[row].copy_(delta)
+        self._cache.write(row, delta)
         self._rows.commit(1.0)
         self._row_absmax.append(absmax)
         self._count += 1
@@ -333,7 +360,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
                 "cache_fallbacks": self._robust_cache.fallbacks,
             }
         return {
-            "cache": self._cache[:n],
+            **self._cache.state(n),
             "rows": dict(self._row),
             "acc": self._acc if self._count and self._robust is None else self._acc[:0],
             "count": self._count,
@@ -356,9 +383,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
             raise ValueError(
                 f"saved buffer holds {count} updates; buffer_size={self.config.buffer_size}"
             )
-        cap = max(n, min(ROW_BLOCK, self.max_clients))
-        self._cache = torch.zeros(cap, self.dim, dtype=torch.float32, device=self.device)
-        self._cache[:n] = cache.to(device=self.device, dtype=torch.float32)
+        self._cache.load(state, n, self.max_clients)  # any saved cache dtype, converted
         self._row = rows
         self._count = count
         self._n_mean = int(state["n_mean"])

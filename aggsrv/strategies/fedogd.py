@@ -71,7 +71,12 @@ from aggsrv.strategies.config import StrategyConfig
 from aggsrv.strategies.errors import InvalidUpdate
 from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.job import Job
-from aggsrv.strategies.row_cache import capacity_after, with_room
+from aggsrv.strategies.cached_rows import (
+    CACHE_DTYPE_HELP,
+    CachedRows,
+    RowCacheInfo,
+    check_cache_dtype,
+)
 from aggsrv.strategies.update_filters import FilteredConfig
 from aggsrv.values import Outcome, PendingReason, ProjectionMode, Recipe, Status, Update, UpdateKind
 
@@ -101,6 +106,7 @@ class CachedEpochConfig(StrategyConfig):
         "tiers": "client id -> fixed reporting period (1 = active); others are detected",
         "detect": "classify clients missing from tiers as stragglers by deadline",
         "hysteresis": "consecutive on-time updates that move a straggler back to active",
+        "cache_dtype": CACHE_DTYPE_HELP,
     }
 
     learning_rate: float = 0.05
@@ -112,10 +118,12 @@ class CachedEpochConfig(StrategyConfig):
     tiers: dict[str, Count] = field(default_factory=dict)
     detect: bool = True
     hysteresis: Count = 1
+    cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         """Check ranges and the tier table."""
         super().__post_init__()
+        check_cache_dtype(self.cache_dtype)
         if self.server_lr is not None and not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0 or None, got {self.server_lr}")
         if self.epoch_timeout is not None and not self.epoch_timeout > 0:
@@ -229,7 +237,7 @@ class CachedEpochs(Strategy[EpochConfig]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Start with an empty cache, both bases zero and no epoch open."""
         super().__init__(*args, **kwargs)
-        self._cache = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
+        self._cache = CachedRows(self.dim, self.config.cache_dtype, self.device)
         self._row: dict[str, int] = {}  # client id -> cache row, in join order
         self._valid: list[bool] = []  # per row: uploaded at least once
         self._base_version: list[int] = []  # per row: version its newest update started from
@@ -353,7 +361,10 @@ class CachedEpochs(Strategy[EpochConfig]):
             torch.div(update.tensor, -lr, out=dst)
         else:
             torch.sub(job.weights, update.tensor, out=dst).div_(lr)
-        return self._checked_absmax(dst, "the client's pseudo-gradient -DELTA / lr")
+        # The bound of the row as the cache stores it (rounded to cache_dtype).
+        return self._cache.bound(
+            self._checked_absmax(dst, "the client's pseudo-gradient -DELTA / lr")
+        )
 
     def _bound_with(self, client_id: str, absmax: float) -> float:
         """The largest max |row| over the cache with the client's row replaced."""
@@ -369,7 +380,7 @@ class CachedEpochs(Strategy[EpochConfig]):
         """Make the prepared row (:meth:`_prepare`) the client's cache row."""
         assert self._candidate is not None
         row = self._row[update.client_id]
-        self._cache[row].copy_(self._candidate)
+        self._cache.write(row, self._candidate)
         self._row_absmax[row] = self._candidate_absmax
 
     # --------------------------------------------------------------------------- epochs
@@ -430,7 +441,7 @@ class CachedEpochs(Strategy[EpochConfig]):
 
     def _add_row(self, client_id: str) -> None:
         n = len(self._row)
-        self._cache = with_room(self._cache, n, n + 1, self.max_clients)
+        self._cache.ensure(n, n + 1, self.max_clients)
         self._row[client_id] = n
         self._valid.append(False)
         self._base_version.append(-1)
@@ -444,12 +455,15 @@ class CachedEpochs(Strategy[EpochConfig]):
         """Whether the strategy keeps the [K, D] cache rows (not in Fed-OGD's privacy variant)."""
         return True
 
+    def row_cache(self) -> RowCacheInfo | None:
+        return self._cache.info(len(self._row)) if self._has_cache() else None
+
     # --------------------------------------------------------------------------- state
 
     def _extra_state(self) -> dict[str, Any]:
         n = len(self._row) if self._has_cache() else 0
         return {
-            "cache": self._cache[:n],
+            **self._cache.state(n),
             "row": dict(self._row),
             "valid": list(self._valid),
             "base_version": list(self._base_version),
@@ -465,20 +479,13 @@ class CachedEpochs(Strategy[EpochConfig]):
     def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         rows = {str(c): int(r) for c, r in state["row"].items()}
         n = len(rows) if self._has_cache() else 0
-        cache = state["cache"]
-        if tuple(cache.shape) != (n, self.dim):
-            raise ValueError(f"saved cache has shape {tuple(cache.shape)}, expected ({n}, D)")
-        if n:
-            # The capacity the rows grew to live, so a restored server holds what it held.
-            self._cache = torch.zeros(
-                capacity_after(n, self.max_clients), self.dim, dtype=torch.float32,
-                device=self.device,
-            )  # fmt: skip
-            self._cache[:n].copy_(cache)
+        # Saved in any cache dtype, stored in this config's; with the capacity the rows grew to
+        # live, so a restored server holds what it held.
+        self._cache.load(state, n, self.max_clients)
         self._row = rows
         self._row_absmax = [0.0] * len(rows)
         for r in range(n):
-            self._row_absmax[r] = self._checked_absmax(self._cache[r], "a saved row")
+            self._row_absmax[r] = self._checked_absmax(self._cache.read(r), "a saved row")
         self._valid = [bool(v) for v in state["valid"]]
         self._base_version = [int(v) for v in state["base_version"]]
         self._group = {str(c): int(g) for c, g in state["group"].items()}
@@ -582,12 +589,11 @@ class FedOGD(CachedEpochs[FedOGDConfig], name="fedogd"):
                 mean = self._sums.sum(0).mul_(1.0 / total if total else 0.0).to(torch.float32)
             return bases, mean
         n = len(self._row)
-        cache = self._cache[:n]
         bases = torch.empty(2, self.dim, dtype=torch.float32, device=self.device)
-        kernels.group_means(cache, self._row_groups(), 2, out=bases)
+        self._cache.group_means(n, self._row_groups(), 2, out=bases)
         mean = None
         if uniform:
-            mean = kernels.group_means(cache, self._row_groups(merged=True), 1)[0]
+            mean = self._cache.group_means(n, self._row_groups(merged=True), 1)[0]
         return bases, mean
 
     def _step(self) -> torch.Tensor:

@@ -89,9 +89,8 @@ class MIFA(CachedEpochs[MIFAConfig], name="mifa"):
         new = self._new_model_buffer().copy_(self._model)
         if not uploaded:
             return new
-        rows = self._cache[:n]
-        if len(uploaded) < n:
-            rows = rows.index_select(0, torch.tensor(uploaded, device=self.device))
+        # A robust rule reads values: a compressed cache is decoded for it (docs/compression.md).
+        rows = self._cache.decoded(n, uploaded if len(uploaded) < n else None)
         if self._aggregate is None:
             self._aggregate = torch.empty(self.dim, dtype=torch.float32, device=self.device)
         info = self._robust.combine(
@@ -119,7 +118,7 @@ class MIFA(CachedEpochs[MIFAConfig], name="mifa"):
         if self._robust is not None:
             return self._robust_step()
         n = len(self._row)
-        mean = kernels.group_means(self._cache[:n], self._row_groups(merged=True), 1)
+        mean = self._cache.group_means(n, self._row_groups(merged=True), 1)
         new = self._new_model_buffer().copy_(self._model)
         lr = self.config.effective_server_lr
         kernels.weighted_sum(mean, [1.0], out=new, alpha=-lr, beta=1.0)

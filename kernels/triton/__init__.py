@@ -12,6 +12,7 @@ from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .order import coordinate_median, mean_around_median, trimmed_mean
 from .quantized import dequantize, quantized_accumulate
+from .quantized_rows import quantize_rows, quantized_gram, quantized_rows_combination
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
 from .sparse import nnz_per_layer, sparse_accumulate
@@ -31,7 +32,10 @@ __all__ = [
     "orthogonal_calibrate",
     "pairwise_sq_distances",
     "project_out",
+    "quantize_rows",
     "quantized_accumulate",
+    "quantized_gram",
+    "quantized_rows_combination",
     "sparse_accumulate",
     "sq_distances_to",
     "trimmed_mean",
