@@ -797,9 +797,9 @@ def _condensed(arr: np.ndarray) -> tuple[np.ndarray, int]:
 
 # The robust aggregation kernels live in their own module; it imports the helpers above, so it
 # is imported last. Its `__all__` is the one list of what it adds to this package's.
-from .robust import *  # noqa: E402, F403
-from .robust import __all__ as _robust_names  # noqa: E402
 from .quantized_rows import *  # noqa: E402, F403
 from .quantized_rows import __all__ as _quantized_rows_names  # noqa: E402
+from .robust import *  # noqa: E402, F403
+from .robust import __all__ as _robust_names  # noqa: E402
 
 __all__ += _robust_names + _quantized_rows_names

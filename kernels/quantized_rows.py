@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _backend, _DATA_DTYPES, _finite, _out, _Like
+from . import _DATA_DTYPES, _backend, _finite, _Like, _out
 
 __all__ = [
     "QuantizedRows",

@@ -75,6 +75,7 @@ __all__ = ["CA2FL", "CA2FLConfig"]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class CA2FLConfig(BufferedConfig, PrivacyConfig):
     """CA2FL settings: buffer size ``K`` and server learning rate ``eta``, and differential

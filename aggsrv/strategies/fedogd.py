@@ -67,16 +67,16 @@ import torch
 from aggsrv import kernels
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
-from aggsrv.strategies.config import StrategyConfig
-from aggsrv.strategies.errors import InvalidUpdate
-from aggsrv.strategies.finite_results import require_reach
-from aggsrv.strategies.job import Job
 from aggsrv.strategies.cached_rows import (
     CACHE_DTYPE_HELP,
     CachedRows,
     RowCacheInfo,
     check_cache_dtype,
 )
+from aggsrv.strategies.config import StrategyConfig
+from aggsrv.strategies.errors import InvalidUpdate
+from aggsrv.strategies.finite_results import require_reach
+from aggsrv.strategies.job import Job
 from aggsrv.strategies.update_filters import FilteredConfig
 from aggsrv.values import Outcome, PendingReason, ProjectionMode, Recipe, Status, Update, UpdateKind
 
