@@ -9,6 +9,19 @@ a smoke run). D = 4M float32 (16.8 MB: the rows fit in a large last-level cache)
 float32 add_ (the target: ours <= 1.1x it); **naive** the server's path today: the transport's
 decoder (its checks, then `kernels.dequantize` into a float32 buffer), then add_.
 GB/s = the bytes each must move (out read and written, 8D, plus the update's own bytes).
+
+The int8 row cache (kernels/quantized_rows.py: MIFA, Fed-OGD and CA2FL with cache_dtype int8)
+against the float32 cache it replaces, K in {16, 64} rows of D = 4M at scale 1, interleaved in
+one run on the CPU backend, the same rows in both (the float32 rows quantized once, blocks of
+128): **ours** the int8 kernel, **floor** the float32 kernel on the float32 rows (the target:
+ours <= 1.15x it).
+
+* `quantized_weighted_sum(Q, w, out=)` against `weighted_sum(X32, w, out=)` (float32 out);
+* `quantized_gram(Q)` against `gram_matrix(X32)`, GFLOP/s counting 2 K^2 D (one full mm).
+
+A second line per case gives each cache's GB/s on the bytes it actually moves (int8: K (D + 4
+ceil(D / 128)) bytes of codes and scales read; float32: 4 K D read; the weighted sums also write
+their 4D-byte out) and its time per row.
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import random_tensor, run_case, scaled
+from conftest import emit, fmt_size, fmt_time, random_tensor, run_case, scaled
 
 from aggsrv import kernels
 from aggsrv.transport import Quantization, decode_quantized, quantize
@@ -59,3 +72,79 @@ def test_bench_quantized_accumulate(benchmark: Any, q: Quantization, size: int) 
         floor_max=1.1,
         naive_min=None,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The int8 row cache against the float32 cache, per row: target <= 1.15x the float32 kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_rows(K: int, size: int) -> tuple[int, torch.Tensor, kernels.QuantizedRows]:
+    """D, the float32 rows [K, D] and the same rows quantized (blocks of BLOCK)."""
+    D = scaled(size)
+    X32 = random_tensor(K, D, seed=3) * 0.01
+    return D, X32, kernels.quantize_rows(X32, BLOCK, backend="cpu")
+
+
+def _per_row_line(
+    benchmark: Any, title: str, info: dict, K: int, int8_bytes: int, float32_bytes: int
+) -> None:
+    """Each cache's GB/s on its own bytes, and its time per row."""
+    t8, t32 = info["ours_s"], info["floor_s"]
+    emit(
+        benchmark,
+        f"  {title} per row: int8 {fmt_time(t8 / K)}/row ({int8_bytes / t8 / 1e9:.1f} GB/s of "
+        f"{int8_bytes / 1e6:.1f} MB), float32 {fmt_time(t32 / K)}/row "
+        f"({float32_bytes / t32 / 1e9:.1f} GB/s of {float32_bytes / 1e6:.1f} MB)",
+        {
+            "int8_bytes": int8_bytes,
+            "float32_bytes": float32_bytes,
+            "int8_GBps": int8_bytes / t8 / 1e9,
+            "float32_GBps": float32_bytes / t32 / 1e9,
+            "int8_s_per_row": t8 / K,
+            "float32_s_per_row": t32 / K,
+        },
+    )
+
+
+@pytest.mark.parametrize("K", [16, 64])
+def test_bench_int8_cache_weighted_sum(benchmark: Any, K: int) -> None:
+    D, X32, Q = _cache_rows(K, 4 * 1024 * 1024)
+    w = torch.rand(K, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) + 0.5
+    out, out32 = torch.empty(D), torch.empty(D)
+    row8 = kernels.quantized_row_bytes(D, BLOCK)
+
+    def ours() -> None:
+        kernels.quantized_weighted_sum(Q, w, out=out, backend="cpu")
+
+    def floor() -> None:
+        kernels.weighted_sum(X32, w, out=out32, backend="cpu")
+
+    title = (
+        f"int8 cache quantized_weighted_sum K={K} D={fmt_size(D)} (row {row8 / 1e6:.2f} MB "
+        f"vs {4 * D / 1e6:.1f} MB float32)"
+    )
+    info = run_case(benchmark, title, {"ours": ours, "floor": floor}, floor_max=1.15, naive=None)
+    _per_row_line(benchmark, title.split(" (")[0], info, K, K * row8 + 4 * D, K * 4 * D + 4 * D)
+
+
+@pytest.mark.parametrize("K", [16, 64])
+def test_bench_int8_cache_gram(benchmark: Any, K: int) -> None:
+    D, X32, Q = _cache_rows(K, 4 * 1024 * 1024)
+    row8 = kernels.quantized_row_bytes(D, BLOCK)
+
+    def ours() -> None:
+        kernels.quantized_gram(Q, backend="cpu")
+
+    def floor() -> None:
+        kernels.gram_matrix(X32, backend="cpu")
+
+    title = (
+        f"int8 cache quantized_gram K={K} D={fmt_size(D)} (row {row8 / 1e6:.2f} MB "
+        f"vs {4 * D / 1e6:.1f} MB float32)"
+    )
+    info = run_case(
+        benchmark, title, {"ours": ours, "floor": floor},
+        flops=2.0 * K * K * D, floor_max=1.15, naive=None,
+    )  # fmt: skip
+    _per_row_line(benchmark, title.split(" (")[0], info, K, K * row8, K * 4 * D)

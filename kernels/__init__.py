@@ -228,6 +228,14 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _weights_tensor(weights: Any) -> torch.Tensor:
+    """Weights as a CPU tensor in their own precision: a list of Python floats stays float64
+    (torch.as_tensor would round it to float32)."""
+    if isinstance(weights, torch.Tensor):
+        return weights.detach().to("cpu")
+    return torch.as_tensor(np.asarray(weights))
+
+
 def _finite(name: str, value: Any) -> float:
     try:
         v = float(value)
@@ -569,7 +577,7 @@ def weighted_sum(
     With beta == 0 the old content of `out` is ignored (it may be uninitialised).
     """
     _data("X", X, dims=(2,))
-    w = torch.as_tensor(weights).detach().to("cpu")
+    w = _weights_tensor(weights)
     if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
         raise TypeError(f"weights must be real numbers, got {w.dtype}")
     w = w.to(torch.float64)

@@ -1165,23 +1165,28 @@ def quantized_rows_combination(
 
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _q8_decode_columns(codes, scales, block, c0, out):  # pragma: no cover - compiled
-    """out[k, i] = decode(codes[k, c0 + i]) for the columns out covers (c0 on a block edge)."""
+    """out[k, i] = decode(codes[k, c0 + i]) for the columns out covers (c0 on a block edge);
+    tasks of _Q_TASK_BLOCKS blocks of one row."""
     K, n = out.shape
     per_row = (n + block - 1) // block
-    for j in nb.prange(K * per_row):
-        k = j // per_row
-        b = j - k * per_row
-        lo = b * block
-        hi = min(n, lo + block)
-        s = scales[k, c0 // block + b]
-        c = codes[k, c0 + lo : c0 + hi]
-        o = out[k, lo:hi]
-        for i in range(hi - lo):
-            o[i] = np.float32(c[i]) * s
+    tasks = (per_row + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS
+    for j in nb.prange(K * tasks):
+        k = j // tasks
+        t = j - k * tasks
+        for b in range(t * _Q_TASK_BLOCKS, min(per_row, (t + 1) * _Q_TASK_BLOCKS)):
+            lo = b * block
+            hi = min(n, lo + block)
+            s = scales[k, c0 // block + b]
+            c = codes[k, c0 + lo : c0 + hi]
+            o = out[k, lo:hi]
+            for i in range(hi - lo):
+                o[i] = np.float32(c[i]) * s
 
 
-# Bytes of the float32 buffer a quantized Gram decodes columns into: a few MB stays in cache.
-_GRAM_DECODE_BYTES = 2 << 20
+# Bytes of the float32 buffer a quantized Gram decodes columns into: it stays in the last-level
+# cache, and fewer, longer chunks amortise each chunk's two calls (measured: 8 MB is 10-15 %
+# faster than 2 MB at K = 16 and 64, D = 4M).
+_GRAM_DECODE_BYTES = 8 << 20
 
 
 def quantized_gram(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:

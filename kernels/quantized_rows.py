@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _DATA_DTYPES, _backend, _finite, _Like, _out
+from . import _DATA_DTYPES, _backend, _finite, _Like, _out, _weights_tensor
 
 __all__ = [
     "QuantizedRows",
@@ -184,7 +184,7 @@ def quantized_weighted_sum(
     or float64; a fresh float32 [D] when None). Rows with weight 0 are not read."""
     Q = _check_rows(Q)
     K, D = Q.shape
-    w = torch.as_tensor(weights).detach().to("cpu")
+    w = _weights_tensor(weights)
     if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
         raise TypeError(f"weights must be real numbers, got {w.dtype}")
     w = w.to(torch.float64)
@@ -231,7 +231,7 @@ def quantized_group_means(
     if g.size and (g.min() < -1 or g.max() >= num_groups):
         raise ValueError(f"groups must lie in [-1, {num_groups}), got [{g.min()}, {g.max()}]")
     out = _result("out", out, (num_groups, D), Q)
-    counts = np.bincount(g[g >= 0], minlength=num_groups)
+    counts = np.bincount(g[g >= 0], minlength=max(num_groups, 1))
     per_row = np.where(g >= 0, 1.0 / np.maximum(counts[np.maximum(g, 0)], 1), 0.0)
     rows, coef, start = _coefficients(g, per_row, num_groups)
     if num_groups and D:

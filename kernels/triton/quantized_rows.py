@@ -49,8 +49,8 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, D, nblocks, stride_x, bl
     for off in range(lo, hi, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         x = tl.load(row + idx, mask=idx < hi, other=0.0).to(tl.float32)
+        x = tl.where(ok, x, 0.0)  # a refused block's codes are 0, without arithmetic on Inf/NaN
         q = tl.clamp(_round_half_even(tl.div_rn(x, safe)), -127.0, 127.0)
-        q = tl.where(ok, q, 0.0)
         tl.store(out + idx, q.to(tl.int8), mask=idx < hi)
 
 
