@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -129,6 +130,16 @@ def quantize(
     return scale_bytes + body.numpy().tobytes(), decoded
 
 
+def _tensor_view(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A torch view of a numpy array over the received bytes, without copying them: the kernels
+    only read it, so a read-only buffer (the bytes of a gRPC message) is fine."""
+    if not arr.flags.writeable:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(arr).view(dtype)
+    return torch.from_numpy(arr).view(dtype)
+
+
 def decode_quantized(
     raw: memoryview | bytes,
     quantization: Quantization,
@@ -159,35 +170,24 @@ def decode_quantized(
             tensor=name,
         )
     body = np.frombuffer(raw, dtype=np.uint8, offset=4 * nblocks)
-    if quantization is Quantization.INT8:
-        refused = np.flatnonzero(body == 0x80)  # -128
-        if refused.size:
-            raise BadChunk(
-                f"tensor {name!r}: code -128 at value {int(refused[0])}; int8 codes are -127..127",
-                tensor=name,
-            )
-    else:
-        low, high = body & 0x0F, body >> 4
-        if n % 2 and high[-1]:
-            raise BadChunk(
-                f"tensor {name!r}: the padding nibble after the last of {n} int4 values must be 0",
-                tensor=name,
-            )
-        at = [2 * int(i) for i in np.flatnonzero(low == 8)[:1]]
-        at += [2 * int(i) + 1 for i in np.flatnonzero(high == 8)[:1]]
-        if at:
-            raise BadChunk(
-                f"tensor {name!r}: nibble 0b1000 (-8) at value {min(at)}; int4 codes are -7..7",
-                tensor=name,
-            )
+    bits = 8 if quantization is Quantization.INT8 else 4
+    if bits == 4 and n % 2 and body[-1] >> 4:
+        raise BadChunk(
+            f"tensor {name!r}: the padding nibble after the last of {n} int4 values must be 0",
+            tensor=name,
+        )
+    from .code_scan import first_refused_code  # numba: a receiver's check, never a sender's
+
+    at = first_refused_code(body, bits) if n else -1
+    if at >= 0:
+        what = "code -128" if bits == 8 else "nibble 0b1000 (-8)"
+        allowed = "int8 codes are -127..127" if bits == 8 else "int4 codes are -7..7"
+        raise BadChunk(f"tensor {name!r}: {what} at value {at}; {allowed}", tensor=name)
     if out is None:
         out = torch.empty(n, dtype=torch.float32)
     if n:
-        codes = torch.from_numpy(body.copy())
-        if quantization is Quantization.INT8:
-            codes = codes.view(torch.int8)
-        bits = 8 if quantization is Quantization.INT8 else 4
+        codes = _tensor_view(body, torch.int8 if bits == 8 else torch.uint8)
         kernels.dequantize(
-            codes, torch.from_numpy(scales.copy()), block, bits=bits, out=out, backend="cpu"
+            codes, _tensor_view(scales, torch.float32), block, bits=bits, out=out, backend="cpu"
         )
     return out
