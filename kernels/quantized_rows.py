@@ -12,6 +12,10 @@ block of ``block`` values of a row [K, ceil(D / block)]: value ``(k, i)`` is the
   float32 copy of the rows: each value is decoded where it is added (float64 sums on the CPU).
 * `quantized_gram` decodes a few thousand columns at a time into a small float32 buffer and
   multiplies it as `gram_matrix` does float32 rows, the chunks summed in float64.
+* `quantized_cosine_matrix` and `quantized_layer_normalized_cosine` (FedDGIC's similarities)
+  decode chosen rows a chunk of columns at a time and run `cosine_matrix` /
+  `layer_normalized_cosine` on each chunk, their partial sums added over the chunks through the
+  kernels' own ``reduce`` protocol (then over the shards, with the caller's ``reduce``).
 * `dequantize_rows` decodes chosen rows in full (what a robust rule or a saved state needs).
 """
 
@@ -23,13 +27,27 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import _DATA_DTYPES, _backend, _finite, _Like, _out, _weights_tensor
+from . import (
+    _DATA_DTYPES,
+    _backend,
+    _finite,
+    _Like,
+    _offsets,
+    _out,
+    _reduce,
+    _weights_tensor,
+    cosine_matrix,
+    layer_normalized_cosine,
+)
+from ._partials import Reduce
 
 __all__ = [
     "QuantizedRows",
     "dequantize_rows",
     "quantize_rows",
+    "quantized_cosine_matrix",
     "quantized_gram",
+    "quantized_layer_normalized_cosine",
     "quantized_group_means",
     "quantized_weighted_sum",
     "quantized_row_bytes",
@@ -272,3 +290,92 @@ def dequantize_rows(
         for j, r in enumerate(idx):
             impl.dequantize(Q.codes[r], Q.scales[r], Q.block, 8, out[j])
     return out
+
+
+# Bytes of float32 the chunked similarities decode at a time.
+_SIMILARITY_CHUNK_BYTES = 8 << 20
+
+
+def _chunked_partials(
+    kernel: Any,
+    Q: QuantizedRows,
+    rows: Any,
+    offsets: Any,
+    reduce: Reduce | None,
+    backend: str,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``kernel`` (a float kernel that takes ``offsets`` and ``reduce``) on the decoded chosen
+    rows, a block-aligned chunk of columns at a time: every chunk's call hands its packed float64
+    partial sums to a ``reduce`` that keeps their running total; the last call's gets the total
+    (summed over the shards by the caller's ``reduce``), from which the kernel finishes."""
+    K, D = Q.shape
+    idx = list(range(K)) if rows is None else [int(r) for r in rows]
+    for r in idx:
+        if not 0 <= r < K:
+            raise IndexError(f"row {r} is out of range for {K} rows")
+    offs = _offsets(offsets, D)
+    red = _reduce(reduce)
+    impl = _backend(backend, Q.device)
+    k = len(idx)
+    cols = Q.block * max(1, _SIMILARITY_CHUNK_BYTES // (4 * max(k, 1) * Q.block))
+    starts = list(range(0, D, cols)) or [0]
+    buf = torch.empty(k * min(cols, D), dtype=torch.float32, device=Q.device)
+    total: list[torch.Tensor | None] = [None]
+
+    def gather(last: bool) -> Reduce:
+        def add(partials: torch.Tensor) -> torch.Tensor:
+            total[0] = partials.clone() if total[0] is None else total[0].add_(partials)
+            if not last:
+                return partials
+            return total[0] if red is None else red(total[0])
+
+        return add
+
+    out = None
+    for n, c0 in enumerate(starts):
+        c1 = min(D, c0 + cols)
+        chunk = buf[: k * (c1 - c0)].view(k, c1 - c0)
+        b0, b1 = c0 // Q.block, -(-c1 // Q.block)
+        for j, r in enumerate(idx):
+            if c1 > c0:
+                impl.dequantize(Q.codes[r, c0:c1], Q.scales[r, b0:b1], Q.block, 8, chunk[j])
+        local = (offs.clamp(c0, c1) - c0).contiguous()
+        out = kernel(chunk, local, reduce=gather(n == len(starts) - 1), backend=backend, **kwargs)
+    assert out is not None
+    return out
+
+
+def quantized_cosine_matrix(
+    Q: QuantizedRows,
+    offsets: Any = None,
+    *,
+    rows: Any = None,
+    layerwise: bool = False,
+    reduce: Reduce | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`cosine_matrix` (self-similarity) of the decoded rows of Q (the chosen ``rows``, all by
+    default, in that order), without decoding them whole: [k, k], or [L, k, k] layerwise."""
+    Q = _check_rows(Q)
+    if layerwise and offsets is None:
+        raise ValueError("layerwise=True needs offsets")
+    return _chunked_partials(
+        cosine_matrix, Q, rows, offsets, reduce, backend, layerwise=bool(layerwise)
+    )
+
+
+def quantized_layer_normalized_cosine(
+    Q: QuantizedRows,
+    offsets: Any,
+    *,
+    rows: Any = None,
+    reduce: Reduce | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`layer_normalized_cosine` of the decoded rows of Q (the chosen ``rows``), without
+    decoding them whole: [k, k]."""
+    Q = _check_rows(Q)
+    if offsets is None:
+        raise ValueError("offsets is required (pass the layout's module_offsets)")
+    return _chunked_partials(layer_normalized_cosine, Q, rows, offsets, reduce, backend)

@@ -152,6 +152,29 @@ class CachedRows:
             return self._rows.head(n)
         return self._rows[:n]
 
+    def cosines(
+        self, rows: list[int], layer_norm: str, offsets: torch.Tensor, reduce: Any
+    ) -> torch.Tensor:
+        """FedDGIC's similarity of the listed rows: ``layer_normalized_cosine``
+        (``per_layer_mean``), the plain cosine (``none``), or the per-layer cosines [L, k, k]
+        (``param_weighted``, weighed by the caller); int8 rows are decoded a chunk at a time."""
+        if isinstance(self._rows, QuantizedRows):
+            if layer_norm == "per_layer_mean":
+                return kernels.quantized_layer_normalized_cosine(
+                    self._rows, offsets, rows=rows, reduce=reduce
+                )
+            if layer_norm == "none":
+                return kernels.quantized_cosine_matrix(self._rows, rows=rows, reduce=reduce)
+            return kernels.quantized_cosine_matrix(
+                self._rows, offsets, rows=rows, layerwise=True, reduce=reduce
+            )
+        x = self._rows.index_select(0, torch.as_tensor(rows, device=self.device))
+        if layer_norm == "per_layer_mean":
+            return kernels.layer_normalized_cosine(x, offsets, reduce=reduce)
+        if layer_norm == "none":
+            return kernels.cosine_matrix(x, reduce=reduce)
+        return kernels.cosine_matrix(x, offsets, layerwise=True, reduce=reduce)
+
     def decoded(self, n: int, rows: list[int] | None = None) -> torch.Tensor:
         """Rows (the first ``n``, or those listed) as float32 [k, D]; a view of the cache when
         it is float32 and no list is given."""
@@ -198,28 +221,27 @@ class CachedRows:
 
     # --------------------------------------------------------------------------- state
 
-    def state(self, n: int) -> dict[str, Any]:
-        """The first ``n`` rows as saved: ``cache`` (float32/bfloat16 rows, or int8 codes) and,
-        for int8, ``cache_scales`` and ``cache_block``."""
+    def state(self, n: int, key: str = "cache") -> dict[str, Any]:
+        """The first ``n`` rows as saved: ``key`` (float32/bfloat16 rows, or int8 codes) and,
+        for int8, ``key``_scales and ``key``_block."""
         if isinstance(self._rows, QuantizedRows):
             head = self._rows.head(n)
-            return {"cache": head.codes, "cache_scales": head.scales, "cache_block": CACHE_BLOCK}
-        return {"cache": self._rows[:n]}
+            return {key: head.codes, f"{key}_scales": head.scales, f"{key}_block": CACHE_BLOCK}
+        return {key: self._rows[:n]}
 
-    def load(self, state: Mapping[str, Any], n: int, max_clients: int) -> None:
+    def load(self, state: Mapping[str, Any], n: int, max_clients: int, key: str = "cache") -> None:
         """Rows from :meth:`state` of any cache dtype (converted to this one), with the
         capacity they grew to live."""
-        saved = state["cache"]
+        saved = state[key]
         if tuple(saved.shape) != (n, self.dim):
             raise ValueError(f"saved cache has shape {tuple(saved.shape)}, expected ({n}, D)")
         self._rows = self._zeros(capacity_after(n, max_clients) if n else 0)
         if not n:
             return
-        scales = state.get("cache_scales")
+        scales = state.get(f"{key}_scales")
         if scales is not None:
-            source = QuantizedRows(
-                saved.detach().contiguous(), scales.detach().contiguous(), int(state["cache_block"])
-            )
+            block = int(state[f"{key}_block"])
+            source = QuantizedRows(saved.detach().contiguous(), scales.detach().contiguous(), block)
             if isinstance(self._rows, QuantizedRows) and source.block == CACHE_BLOCK:
                 self._rows.codes[:n].copy_(source.codes)
                 self._rows.scales[:n].copy_(source.scales)

@@ -60,15 +60,19 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-from aggsrv import kernels
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
+from aggsrv.strategies.cached_rows import (
+    CACHE_DTYPE_HELP,
+    CachedRows,
+    RowCacheInfo,
+    check_cache_dtype,
+)
 from aggsrv.strategies.compensation import GroupCompensation
 from aggsrv.strategies.errors import JobSuperseded
 from aggsrv.strategies.finite_results import require_reach
 from aggsrv.strategies.grouping import Grouping, dynamic_groups, similarity_rounds
 from aggsrv.strategies.job import Job, round_job
-from aggsrv.strategies.row_cache import with_room
 from aggsrv.strategies.update_filters import FilteredConfig
 from aggsrv.values import Outcome, Status, Update, UpdateKind
 
@@ -112,6 +116,7 @@ class FedDGICConfig(FilteredConfig):
         "grouping_round_timeout": "seconds a grouping round waits for all; unset = forever",
         "regroup_every": "regroup every this many versions; unset = never",
         "regroup_on_join": "regroup when a late client's first update arrives",
+        "cache_dtype": CACHE_DTYPE_HELP + " (the similarity rows)",
     }
 
     alpha_global: float = 0.5
@@ -131,10 +136,12 @@ class FedDGICConfig(FilteredConfig):
     grouping_round_timeout: float | None = 60.0
     regroup_every: Count | None = None
     regroup_on_join: bool = False
+    cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         """Check choices and ranges."""
         super().__post_init__()
+        check_cache_dtype(self.cache_dtype)
         for key, choices in (
             ("t_mode", ("per_group_multiple", "constant")),
             ("layer_norm", LAYER_NORMS),
@@ -182,7 +189,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         self.rounds_done = 0  # grouping rounds closed
         self._ids: list[str] = []  # clients seen in the grouping / the compensation, by index
         self._index: dict[str, int] = {}
-        self._rows = torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
+        self._rows = self._empty_rows()
         self._has_row: list[bool] = []
         self._s_sum = np.zeros((0, 0))
         self._s_count = np.zeros((0, 0), dtype=np.int64)
@@ -211,6 +218,13 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         if self._comp is None:
             return []
         return [c for c, d in zip(self._ids, self._comp.dropped, strict=False) if d]
+
+    def _empty_rows(self) -> CachedRows:
+        return CachedRows(self.dim, self.config.cache_dtype, self.device)
+
+    def row_cache(self) -> RowCacheInfo | None:
+        n = len(self._ids) if self._rows.capacity else 0
+        return self._rows.info(n) if self._keeps_rows() else None
 
     def _keeps_rows(self) -> bool:
         return self.phase == "grouping" or self._regrouping()
@@ -285,7 +299,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         self._index[client_id] = i
         self._has_row.append(False)
         if self._keeps_rows():
-            self._rows = with_room(self._rows, i, i + 1, self.max_clients)
+            self._rows.ensure(i, i + 1, self.max_clients)
         return i
 
     def _prepare_row(self, update: Update, job: Job) -> torch.Tensor:
@@ -304,7 +318,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         return self._scratch
 
     def _store_row(self, i: int, row: torch.Tensor) -> None:
-        self._rows[i].copy_(row)
+        self._rows.write(i, row)
         self._has_row[i] = True
 
     def _apply_grouping(self, update: Update, job: Job, now: float) -> Outcome:
@@ -439,14 +453,13 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
             self._maybe_open_round(now)
         return version
 
-    def _similarity(self, rows: torch.Tensor) -> torch.Tensor:
-        """[m, m] similarity of the given rows under ``layer_norm``."""
+    def _similarity(self, members: list[int]) -> torch.Tensor:
+        """[m, m] similarity of the rows of ``members`` under ``layer_norm``."""
         mode = self.config.layer_norm
-        if mode == "per_layer_mean":
-            return kernels.layer_normalized_cosine(rows, self._offsets, reduce=self.reduce)
-        if mode == "none":
-            return kernels.cosine_matrix(rows, reduce=self.reduce)
-        per_layer = kernels.cosine_matrix(rows, self._offsets, layerwise=True, reduce=self.reduce)
+        sims = self._rows.cosines(members, mode, self._offsets, self.reduce)
+        if mode != "param_weighted":
+            return sims
+        per_layer = sims
         sizes = self._layer_sizes.to(per_layer.dtype)
         return torch.einsum("l,lij->ij", sizes / sizes.sum(), per_layer)
 
@@ -460,8 +473,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
             self._s_sum, self._s_count = grown, count
         if not members:
             return
-        idx = torch.as_tensor(members, dtype=torch.int64, device=self._rows.device)
-        s = self._similarity(self._rows.index_select(0, idx)).to("cpu", torch.float64).numpy()
+        s = self._similarity(members).to("cpu", torch.float64).numpy()
         ix = np.ix_(members, members)
         self._s_sum[ix] += s
         self._s_count[ix] += 1
@@ -479,7 +491,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         self._start_compensation(grouping, now, "initial")
         self.phase = "async"
         if not self._regrouping():
-            self._rows = self._rows[:0]  # the [n, D] cache is not needed any more
+            self._rows = self._empty_rows()  # the [n, D] cache is not needed any more
             self._s_sum, self._s_count = np.zeros((0, 0)), np.zeros((0, 0), dtype=np.int64)
 
     def _regroup(self, now: float, reason: str) -> None:
@@ -551,7 +563,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
 
     def _extra_state(self) -> dict[str, Any]:
         g = self.grouping
-        n = len(self._ids) if self._rows.shape[0] else 0
+        n = len(self._ids) if self._rows.capacity else 0
         return {
             "phase": self.phase,
             "grouping": None
@@ -566,7 +578,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
             "n_cal": self.n_cal,
             "rounds_done": self.rounds_done,
             "ids": list(self._ids),
-            "rows": self._rows[:n],
+            **self._rows.state(n, key="rows"),
             "has_row": list(self._has_row),
             "s_sum": torch.from_numpy(self._s_sum.copy()),
             "s_count": torch.from_numpy(self._s_count.copy()),
@@ -602,8 +614,8 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         rows = state["rows"]
         if rows.numel() and tuple(rows.shape) != (len(self._ids), self.dim):
             raise ValueError(f"saved update rows have shape {tuple(rows.shape)}")
-        self._rows = torch.zeros(rows.shape[0], self.dim, dtype=torch.float32, device=self.device)
-        self._rows.copy_(rows)
+        self._rows = self._empty_rows()  # any saved cache dtype, converted
+        self._rows.load(state, rows.shape[0], self.max_clients, key="rows")
         self._has_row = [bool(h) for h in state["has_row"]]
         self._s_sum = state["s_sum"].numpy().astype(np.float64)
         self._s_count = state["s_count"].numpy().astype(np.int64)

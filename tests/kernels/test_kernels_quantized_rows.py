@@ -655,3 +655,64 @@ def test_a_thousand_resnet34_rows_fit_in_24_gb() -> None:
     f32 = extrapolated(float32_rows)
     assert f32 > 86e9, f32
     assert abs(f32 - 4 * RESNET34 * rows) <= 2 * rows
+
+
+# --------------------------------------------------------------------------------------------
+# Similarities of chosen rows, decoded a chunk at a time (FedDGIC)
+# --------------------------------------------------------------------------------------------
+
+
+def _np_cos(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return 0.0 if na == 0 or nb == 0 else float(a @ b / (na * nb))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_bytes", [64, 8 << 20], ids=["many-chunks", "one-chunk"])
+def test_similarities_of_chosen_rows_against_float64(backend, chunk_bytes, monkeypatch) -> None:
+    from aggsrv.kernels import quantized_rows
+
+    monkeypatch.setattr(quantized_rows, "_SIMILARITY_CHUNK_BYTES", chunk_bytes)
+    rng = _rng()
+    K, D, block = _shape(backend, 7, 1_003, 7)
+    Q = _random_q(rng, K, D, block, DEVICE[backend])
+    Q.codes[1, :400] = 0  # a row empty on the first segments: its cosines there are 0
+    rows = [int(r) for r in rng.permutation(K)[: max(2, K - 2)]]
+    _spoil(Q, np.setdiff1d(np.arange(K), rows), rng)  # rows not chosen are never read
+    offsets = [0, 5, 5, 400, 401, D]  # an empty segment and a one-element one
+    X = numpy_decode(*_q_numpy(Q), block)[rows].astype(np.float64)
+    spans = [(b, e) for b, e in zip(offsets[:-1], offsets[1:], strict=True) if e > b]
+    m = len(rows)
+    whole = np.array([[_np_cos(X[i], X[j]) for j in range(m)] for i in range(m)])
+    per = np.array([[[_np_cos(X[i, b:e], X[j, b:e]) for j in range(m)] for i in range(m)]
+                    for b, e in zip(offsets[:-1], offsets[1:], strict=True)])  # fmt: skip
+    np.fill_diagonal(whole, [1.0 if np.any(X[i]) else 0.0 for i in range(m)])
+    for li, (b, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        np.fill_diagonal(per[li], [1.0 if np.any(X[i, b:e]) else 0.0 for i in range(m)])
+    nonempty = [li for li, (b, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True))
+                if e > b]  # fmt: skip
+    normalized = per[nonempty].mean(axis=0)
+    assert len(spans) == len(nonempty)
+
+    got = kernels.quantized_cosine_matrix(Q, rows=rows, backend=backend).cpu().double().numpy()
+    np.testing.assert_allclose(got, whole, atol=2e-6)
+    got = kernels.quantized_cosine_matrix(Q, offsets, rows=rows, layerwise=True, backend=backend)
+    np.testing.assert_allclose(got.cpu().double().numpy(), per, atol=2e-6)
+    for reduce in (None, lambda t: t):  # a federation of one shard
+        got = kernels.quantized_layer_normalized_cosine(
+            Q, offsets, rows=rows, reduce=reduce, backend=backend
+        )
+        np.testing.assert_allclose(got.cpu().double().numpy(), normalized, atol=2e-6)
+        assert torch.equal(got, got.T)
+
+
+def test_similarities_refuse_bad_arguments() -> None:
+    Q = QuantizedRows.empty(3, 10, 4)
+    with pytest.raises(IndexError, match="row 3 is out of range for 3 rows"):
+        kernels.quantized_cosine_matrix(Q, rows=[0, 3])
+    with pytest.raises(ValueError, match="layerwise=True needs offsets"):
+        kernels.quantized_cosine_matrix(Q, layerwise=True)
+    with pytest.raises(ValueError, match="offsets is required"):
+        kernels.quantized_layer_normalized_cosine(Q, None)
+    with pytest.raises(ValueError, match="offsets"):
+        kernels.quantized_layer_normalized_cosine(Q, [0, 4, 9])

@@ -268,3 +268,82 @@ def test_a_non_finite_row_never_enters_the_cache(gen: torch.Generator) -> None:
         push(s, "a", bad, 1.0)
     assert torch.equal(s.cached_update("a"), before)
     assert kernels.quantized_row_bytes(D, 128) == s.row_cache().bytes_per_row
+
+
+def _pair_cosines(rows: torch.Tensor, offsets: list[int], mode: str) -> np.ndarray:
+    """FedDGIC's similarity pair by pair in float64 (independent of the kernels)."""
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        na, nb = a.norm().item(), b.norm().item()
+        return 0.0 if na == 0 or nb == 0 else (a @ b).item() / (na * nb)
+
+    m = rows.shape[0]
+    spans = list(zip(offsets[:-1], offsets[1:], strict=True))
+    sizes = np.array([e - b for b, e in spans], dtype=np.float64)
+    s = np.zeros((m, m))
+    for i in range(m):
+        for j in range(m):
+            if mode == "none":
+                s[i, j] = cos(rows[i], rows[j])
+                continue
+            per = np.array([cos(rows[i, b:e], rows[j, b:e]) for b, e in spans])
+            s[i, j] = per.mean() if mode == "per_layer_mean" else per @ sizes / sizes.sum()
+    return s
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("layer_norm", ["per_layer_mean", "none", "param_weighted"])
+def test_feddgic_similarity_of_the_rows_as_stored(
+    dtype: str, layer_norm: str, gen: torch.Generator
+) -> None:
+    from aggsrv.strategies import make_strategy
+
+    n = 5
+    # Two modules of different scale: the layer normalisation is there to see.
+    layout = ModelLayout.from_named_shapes([("a.weight", (37, 29)), ("b.weight", (44,))])
+    s = make_strategy("feddgic", layout=layout, initial=torch.randn(D, generator=gen),
+                      config={"cache_dtype": dtype, "layer_norm": layer_norm, "min_available": n,
+                              "similarity_rounds": 2})  # fmt: skip
+    for i in range(n):
+        s.on_register(f"c{i}", 0.0)
+    assert s.row_cache().dtype == dtype
+    offsets = [int(o) for o in layout.module_offsets]
+    assert len(offsets) == 3
+    stored_rows = {}
+    for c in [f"c{i}" for i in range(n)]:
+        d = torch.randn(D, generator=gen) * torch.rand(1, generator=gen)
+        d[offsets[1] :] *= 30.0
+        stored_rows[c] = stored(d, dtype)
+        push(s, c, d, 0.0)
+    rows = torch.stack([stored_rows[c] for c in s._ids])
+    want = _pair_cosines(rows, offsets, layer_norm)
+    np.testing.assert_allclose(s._s_sum, want, rtol=1e-5, atol=1e-6)
+    assert s.rounds_done == 1 and s.row_cache().rows == n
+
+
+def test_feddgic_int8_rows_resume_bit_exactly_mid_grouping(gen: torch.Generator) -> None:
+    from aggsrv.strategies import make_strategy
+
+    def fresh(w: torch.Tensor):
+        s = make_strategy("feddgic", layout=LAYOUT, initial=w,
+                          config={"cache_dtype": "int8", "min_available": 4,
+                                  "similarity_rounds": 3})  # fmt: skip
+        for i in range(4):
+            s.on_register(f"c{i}", 0.0)
+        return s
+
+    a = fresh(torch.randn(D, generator=gen))
+    for i in range(6):  # one round of four, then two of the next
+        push(a, f"c{i % 4}", torch.randn(D, generator=gen), float(i))
+    state = _saved(a)
+    assert state["extra"]["rows"].dtype == torch.int8
+    b = fresh(torch.zeros(D))
+    b.load_state_dict(state)
+    assert_same_state(b.state_dict(), a.state_dict())
+    deltas = [torch.randn(D, generator=gen) for _ in range(6)]
+    for i, d in enumerate(deltas, start=6):
+        push(a, f"c{i % 4}", d, float(i))
+        push(b, f"c{i % 4}", d, float(i))
+    assert a.phase == b.phase == "async"
+    assert torch.equal(a.global_model(), b.global_model())
+    assert a.grouping.labels == b.grouping.labels

@@ -343,7 +343,7 @@ def test_late_joiner_gets_its_own_group_or_a_regroup() -> None:
     drv2, g2 = _grouped("feddgic", regroup_on_join=True)
     drv2.s.on_register("late", 1.0)
     # Like group 1's members: the regroup puts it there.
-    like = drv2.s._rows[drv2.s._index["c4"]].clone()
+    like = drv2.s._rows.read(drv2.s._index["c4"]).clone()
     drv2.submit("late", like + 0.001 * torch.randn(D, generator=g2))
     event = drv2.events[-1]
     assert event["event"] == "grouping" and event["reason"] == "join"
