@@ -39,7 +39,7 @@ COMPRESSIONS: dict[str, dict | None] = {
 }
 
 
-CACHE_STRATEGIES = ["mifa", "fedogd", "ca2fl"]
+CACHE_STRATEGIES = ["mifa", "fedogd", "ca2fl", "feddgic"]
 CACHE_DTYPES = ["float32", "bfloat16", "int8"]
 
 
