@@ -228,7 +228,7 @@ def format_status(s) -> str:
          if s.HasField("last_checkpoint_version") else "none"),
         ("auth", s.auth),
         ("memory", f"{s.cache_bytes / 1e6:.1f} MB in the strategy's tensors"
-                   + (f"; row cache: {s.cache_rows} rows of {s.cache_row_bytes / 1e6:.2f} MB "
+                   + (f"; row cache: {s.cache_rows} rows of {_size(s.cache_row_bytes)} "
                       f"({s.cache_dtype})" if s.cache_dtype else "")),
         ("evaluation", f"version {s.eval_version}: " + ", ".join(
             f"{k} {v:.4g}" for k, v in sorted(s.eval_metrics.items()))

@@ -8,7 +8,8 @@ normalises every argument, so the backends (see BACKENDS.md) never do.
 
 The kernels that derive values from whole-segment or whole-row sums (`layer_dots`,
 `project_out`, `orthogonal_calibrate`, `cosine_matrix`, `layer_normalized_cosine`,
-`gram_matrix`, `pairwise_sq_distances`, `nnz_per_layer`) take ``reduce=``: a callable that sums
+`gram_matrix`, `pairwise_sq_distances`, `nnz_per_layer`, `quantized_cosine_matrix`,
+`quantized_layer_normalized_cosine`) take ``reduce=``: a callable that sums
 their partial sums over the shards of a sharded server (docs/kernels.md, "Sharded use").
 
 The package imports neither gRPC nor any server code, so other FL stacks can embed it.

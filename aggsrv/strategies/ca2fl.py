@@ -153,6 +153,15 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
     def row_cache(self) -> RowCacheInfo:
         return self._cache.info(len(self._row))
 
+    def _require_storable(self, delta: torch.Tensor) -> None:
+        """Refuse a delta whose row, as a compressed cache stores it, could leave float32's
+        range (a finite value near the top rounds to inf in bfloat16, or decodes to inf from
+        int8): the cache would hold inf and refuse every later update. Nothing to check in
+        float32 (the delta is finite by now)."""
+        if self._cache.dtype != "float32":
+            absmax = self._checked_absmax(delta, "the client's delta")
+            require_reach(self._cache.bound(absmax), "the client's row as the cache stores it")
+
     def _cached_row(self, row: int) -> torch.Tensor:
         """Row ``row``'s values: the cache row itself in float32, else decoded into a scratch
         row (which the replacement of the row may then use)."""
@@ -194,6 +203,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
             self._require_finite(delta, "the client's delta (its weights minus the job's)")
         else:
             delta = update.tensor
+        self._require_storable(delta)
         row = self._row.get(update.client_id)
         h = self._cached_row(row) if row is not None else None
         # Under DP the delta is clipped before it enters the sum and the cache.
@@ -295,6 +305,7 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
             self._require_finite(delta, "the client's delta (its weights minus the job's)")
         else:
             delta = update.tensor
+        self._require_storable(delta)
         cached = self._row.get(update.client_id)
         calibrated = self._rows.slot()
         if cached is None:

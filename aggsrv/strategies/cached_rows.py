@@ -1,5 +1,5 @@
 """The per-client row cache of the strategies that keep every client's latest update (MIFA,
-Fed-OGD, CA2FL), stored in the job's ``cache_dtype``:
+Fed-OGD, CA2FL) or a similarity row per client (FedDGIC, FedFG), stored in ``cache_dtype``:
 
 * ``float32``: the rows as they are (the default; results unchanged bit for bit);
 * ``bfloat16``: half the bytes; each value rounded once to bfloat16 (8 significant bits);
@@ -9,7 +9,9 @@ Fed-OGD, CA2FL), stored in the job's ``cache_dtype``:
 The kernels read the stored rows directly (`quantized_group_means` and friends decode each value
 where they add it), so a compressed cache never has a float32 copy of its K rows; only a robust
 rule, which needs the values themselves, decodes the rows it combines (K x D float32 while it
-runs). Rows grow as clients join (:mod:`aggsrv.strategies.row_cache`).
+runs), and bfloat16 rows reach the kernels as float32 a few MB of columns at a time (or, for
+FedDGIC's similarities, the rows of a round whole). Rows grow as clients join
+(:mod:`aggsrv.strategies.row_cache`).
 """
 
 from __future__ import annotations
@@ -117,8 +119,11 @@ class CachedRows:
     # --------------------------------------------------------------------------- rows
 
     def bound(self, absmax: float) -> float:
-        """A bound on max |x| of a row stored from values with max |x| = ``absmax``."""
-        return absmax * (1.0 + _ROUNDING_GROWTH[self.dtype])
+        """A bound on max |x| of a row stored from values with max |x| = ``absmax`` (the
+        absolute term covers subnormal values and scales, whose relative error is larger)."""
+        if self.dtype == "float32":
+            return absmax
+        return absmax * (1.0 + _ROUNDING_GROWTH[self.dtype]) + 2.0**-126
 
     def write(self, row: int, values: torch.Tensor) -> None:
         """Store ``values`` [D] (finite) as row ``row``."""
@@ -136,21 +141,6 @@ class CachedRows:
         if out is None:
             return self._rows[row] if self.dtype == "float32" else self._rows[row].float()
         return out.copy_(self._rows[row])
-
-    def add_row(self, row: int, out: torch.Tensor, weight: float) -> torch.Tensor:
-        """``out += weight * row`` in place (out float32 or float64 [D]), in out's dtype."""
-        if isinstance(self._rows, QuantizedRows):
-            r = self._rows.row(row)
-            kernels.quantized_accumulate(out, r.codes[0], r.scales[0], CACHE_BLOCK, weight)
-        else:
-            out.add_(self._rows[row], alpha=weight)
-        return out
-
-    def stored(self, n: int) -> torch.Tensor | QuantizedRows:
-        """The first ``n`` rows as stored (a [n, D] tensor, or QuantizedRows)."""
-        if isinstance(self._rows, QuantizedRows):
-            return self._rows.head(n)
-        return self._rows[:n]
 
     def cosines(
         self, rows: list[int], layer_norm: str, offsets: torch.Tensor, reduce: Any
@@ -181,8 +171,8 @@ class CachedRows:
         if isinstance(self._rows, QuantizedRows):
             return kernels.dequantize_rows(self._rows.head(n), rows)
         x = self._rows[:n]
-        if rows is not None and len(rows) < n:
-            x = x.index_select(0, torch.tensor(rows, device=self.device))
+        if rows is not None:
+            x = x.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
         return x if x.dtype == torch.float32 else x.float()
 
     def group_means(

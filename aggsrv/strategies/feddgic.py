@@ -223,8 +223,7 @@ class FedDGIC(Strategy[DGICConfig], name="feddgic"):
         return CachedRows(self.dim, self.config.cache_dtype, self.device)
 
     def row_cache(self) -> RowCacheInfo | None:
-        n = len(self._ids) if self._rows.capacity else 0
-        return self._rows.info(n) if self._keeps_rows() else None
+        return self._rows.info(sum(self._has_row)) if self._keeps_rows() else None
 
     def _keeps_rows(self) -> bool:
         return self.phase == "grouping" or self._regrouping()

@@ -69,6 +69,15 @@ def save_state(s: Any) -> dict[str, Any]:
     return clone_tensors(state)
 
 
+def _config_changed(saved: Mapping[str, Any], config: Any) -> bool:
+    """Whether the running config differs from the saved one; a key the saved config lacks
+    (added by a later release) counts only when it is not at its default."""
+    current = config.to_dict()
+    defaults = type(config)().to_dict()
+    added = [k for k in current if k not in saved and current[k] == defaults.get(k)]
+    return dict(saved) != {k: v for k, v in current.items() if k not in added}
+
+
 def load_state(s: Any, state: Mapping[str, Any]) -> None:
     """Resume ``s`` from :func:`save_state` output (same strategy and layout). A state refused
     part-way (ValueError) may leave ``s`` half-loaded: the caller loads what it had back."""
@@ -76,7 +85,7 @@ def load_state(s: Any, state: Mapping[str, Any]) -> None:
         raise ValueError(f"state is for strategy {state['strategy']!r}, not {s.name!r}")
     if state["layout_hash"] != s.layout.hash:
         raise ValueError("state was saved for a different model layout (layout hash differs)")
-    if state["config"] != s.config.to_dict():
+    if _config_changed(state["config"], s.config):
         logger.warning("%s: resuming with a config that differs from the saved one", s.name)
 
     # One copy per saved storage, shared by every restore function of this load (the

@@ -27,8 +27,9 @@ def _round_half_even(v):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, D, nblocks, stride_x, block,
                           BLOCK: tl.constexpr):  # fmt: skip
-    k = tl.program_id(0)
-    b = tl.program_id(1)
+    # Blocks on grid axis 0 (up to 2^31 - 1 programs); rows on axis 1 (at most 65,535 there).
+    b = tl.program_id(0)
+    k = tl.program_id(1)
     lo = b.to(tl.int64) * block
     hi = tl.minimum(lo + block, D)
     row = x_ptr + k.to(tl.int64) * stride_x
@@ -59,7 +60,7 @@ def quantize_rows(X: torch.Tensor, block: int, codes: torch.Tensor, scales: torc
     nblocks = scales.shape[1]
     cfg = config(X)
     BLOCK = min(cfg.block, triton.next_power_of_2(block))
-    _quantize_rows_kernel[(K, nblocks)](
+    _quantize_rows_kernel[(nblocks, K)](
         X, codes, scales, D, nblocks, X.stride(0), block, BLOCK=BLOCK, num_warps=cfg.num_warps,
     )  # fmt: skip
 

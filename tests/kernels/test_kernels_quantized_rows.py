@@ -716,3 +716,41 @@ def test_similarities_refuse_bad_arguments() -> None:
         kernels.quantized_layer_normalized_cosine(Q, None)
     with pytest.raises(ValueError, match="offsets"):
         kernels.quantized_layer_normalized_cosine(Q, [0, 4, 9])
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 8 << 20], ids=["many-chunks", "one-chunk"])
+def test_similarities_sum_over_two_shards_with_one_reduce_each(chunk_bytes, monkeypatch) -> None:
+    """Two shards holding column slices (a cut inside a segment): each call hands exactly one
+    packed partial to ``reduce``, whatever its chunks, and the sum of both gives the cosines
+    of the whole rows."""
+    from aggsrv.kernels import quantized_rows
+
+    monkeypatch.setattr(quantized_rows, "_SIMILARITY_CHUNK_BYTES", chunk_bytes)
+    rng = _rng()
+    K, D, cut = 5, 901, 333
+    X = _rows(rng, K, D)
+    offsets = [0, 100, 500, D]  # the cut lies inside the second segment
+    halves = [(0, cut), (cut, D)]
+    Qs = [kernels.quantize_rows(torch.from_numpy(X[:, a:b].copy()), 16) for a, b in halves]
+    local = [[min(max(o, a), b) - a for o in offsets] for a, b in halves]
+    whole = np.concatenate([numpy_decode(*_q_numpy(Q), 16) for Q in Qs], axis=1)
+    rows = [3, 1, 4]
+
+    for call, want in (
+        (lambda Q, offs, red: kernels.quantized_layer_normalized_cosine(
+            Q, offs, rows=rows, reduce=red, backend="cpu"),
+         kernels.layer_normalized_cosine(torch.from_numpy(whole[rows]), offsets, backend="cpu")),
+        (lambda Q, offs, red: kernels.quantized_cosine_matrix(
+            Q, offs, rows=rows, layerwise=True, reduce=red, backend="cpu"),
+         kernels.cosine_matrix(torch.from_numpy(whole[rows]), offsets, layerwise=True,
+                               backend="cpu")),
+    ):  # fmt: skip
+        seen: list[torch.Tensor] = []
+        call(Qs[1], local[1], lambda t, seen=seen: seen.append(t.clone()) or t)
+        assert len(seen) == 1, "one reduce per call"
+        calls: list[torch.Tensor] = []
+        got = call(
+            Qs[0], local[0], lambda t, calls=calls, other=seen[0]: calls.append(t) or t + other
+        )
+        assert len(calls) == 1
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)

@@ -257,6 +257,32 @@ def test_refusals() -> None:
         FedBuff(LAYOUT, torch.zeros(D), {"cache_dtype": "int8"})
 
 
+@pytest.mark.parametrize(("dtype", "big"), [("bfloat16", 3.399e38), ("int8", 3.4028234e38)])
+@pytest.mark.parametrize("aggregator", ["mean", "median"])
+def test_ca2fl_refuses_a_finite_row_that_would_not_be_finite_as_stored(
+    dtype: str, big: float, aggregator: str
+) -> None:
+    """A float32 value near the top of the range rounds to inf in bfloat16, or decodes to inf
+    from int8 (127 x the rounded scale): refused with nothing changed, and the server goes on."""
+    s = CA2FL(layout=LAYOUT, initial=torch.zeros(D),
+              config={"buffer_size": 3, "server_lr": 1e-3, "cache_dtype": dtype,
+                      "aggregator": aggregator})  # fmt: skip
+    for c in "abc":
+        s.on_register(c, 0.0)
+    push(s, "b", torch.ones(D) * 0.01, 0.0)
+    s.job_for("a", 1.0)  # the job is issued before the snapshot: only the update is refused
+    before = s.state_dict()
+    huge = torch.zeros(D)
+    huge[3] = big
+    assert torch.isfinite(huge).all()
+    with pytest.raises(Exception, match="past float32's range"):
+        push(s, "a", huge, 1.0)
+    assert_same_state(s.state_dict(), before)
+    for i, c in enumerate("abca"):  # the server goes on
+        push(s, c, torch.ones(D) * 0.01, 2.0 + i)
+    assert torch.isfinite(s.global_model()).all() and s.version >= 1
+
+
 def test_a_non_finite_row_never_enters_the_cache(gen: torch.Generator) -> None:
     s = CA2FL(layout=LAYOUT, initial=torch.zeros(D), config={"cache_dtype": "int8"})
     s.on_register("a", 0.0)
@@ -347,3 +373,20 @@ def test_feddgic_int8_rows_resume_bit_exactly_mid_grouping(gen: torch.Generator)
     assert a.phase == b.phase == "async"
     assert torch.equal(a.global_model(), b.global_model())
     assert a.grouping.labels == b.grouping.labels
+
+
+def test_a_state_saved_before_cache_dtype_existed_resumes_without_a_config_warning(
+    gen: torch.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = _mifa("float32", torch.randn(D, generator=gen))
+    _epochs(a, gen, range(2))
+    state = _saved(a)
+    del state["config"]["cache_dtype"]  # what a server of the previous release saved
+    b = _mifa("float32", torch.zeros(D))
+    with caplog.at_level("WARNING"):
+        b.load_state_dict(state)
+    assert "differs from the saved one" not in caplog.text
+    c = _mifa("int8", torch.zeros(D))  # a real change of config is still said
+    with caplog.at_level("WARNING"):
+        c.load_state_dict(state)
+    assert "differs from the saved one" in caplog.text

@@ -4,6 +4,8 @@ the word-aligned body and in its tail."""
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,9 @@ def clean(n: int, bits: int, rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_first_refused_code_matches_numpy(bits: int) -> None:
-    rng = np.random.default_rng()
+    seed = secrets.randbits(31)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
     lengths = [*range(0, 20), 4095, 4096, 4097, 8191, 8200, int(rng.integers(10_000, 50_000))]
     for n in lengths:
         body = clean(n, bits, rng)
@@ -45,6 +49,15 @@ def test_first_refused_code_matches_numpy(bits: int) -> None:
                         else ((bad[pos] & 0x0F) | 0x80)
                     )
             assert first_refused_code(bad, bits) == oracle(bad, bits), (n, bits)
+
+
+def test_unaligned_and_read_only_buffers() -> None:
+    # The bytes of a gRPC message: read-only, at any address.
+    raw = bytes(np.arange(64, dtype=np.uint8) % 0x7F) + b"\x80" + bytes(20)
+    for start in range(8):
+        body = np.frombuffer(raw, dtype=np.uint8, offset=start)
+        assert not body.flags.writeable
+        assert first_refused_code(body, 8) == 64 - start
 
 
 def test_a_refused_code_in_the_last_byte_is_found() -> None:
