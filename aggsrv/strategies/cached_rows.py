@@ -38,9 +38,8 @@ CACHE_DTYPES = ("float32", "bfloat16", "int8")
 # The wire's default block: 4 bytes of scale per 128 values (3 % over the codes).
 CACHE_BLOCK = 128
 CACHE_DTYPE_HELP = (
-    "how the server stores each client's cached row: float32 (exact), bfloat16 (half the "
-    "memory, values rounded to 8 significant bits) or int8 (blockwise absmax codes, "
-    f"{CACHE_BLOCK} values per float32 scale: about 0.26x the memory)"
+    "how per-client rows are stored: float32 (exact), bfloat16 (half the bytes) or int8 "
+    "(about 0.26x)"
 )
 
 # How much larger than the row it was given a stored row's max |x| may be: half a unit in

@@ -116,7 +116,7 @@ class FedDGICConfig(FilteredConfig):
         "grouping_round_timeout": "seconds a grouping round waits for all; unset = forever",
         "regroup_every": "regroup every this many versions; unset = never",
         "regroup_on_join": "regroup when a late client's first update arrives",
-        "cache_dtype": CACHE_DTYPE_HELP + " (the similarity rows)",
+        "cache_dtype": CACHE_DTYPE_HELP,
     }
 
     alpha_global: float = 0.5
