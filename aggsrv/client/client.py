@@ -97,6 +97,21 @@ class PushResult:
     reason: FilterReason | None = None
     message: str = ""
     clipped: bool = False
+    payload_bytes: int = 0  # what the upload carried (every shard's stream), headers excluded
+
+
+def _counted(
+    make: Callable[[], Iterator[pb.UpdateMessage]], sent: list[int], r: int
+) -> Callable[[], Iterator[pb.UpdateMessage]]:
+    """``make``'s stream, noting the payload bytes its trailer declares in ``sent[r]``."""
+
+    def messages() -> Iterator[pb.UpdateMessage]:
+        for msg in make():
+            if msg.HasField("trailer"):
+                sent[r] = int(msg.trailer.payload_bytes)
+            yield msg
+
+    return messages
 
 
 class Client:
@@ -497,6 +512,8 @@ class Client:
                 self._update_stream(header, part, extra if r == 0 else {}, encoding, r)
                 for r, part in enumerate(parts)
             ]
+        sent = [0] * len(streams)
+        streams = [_counted(make, sent, r) for r, make in enumerate(streams)]
         try:
             resp = self._retry("push", lambda: self._push_streams(streams))
         except BaseException:
@@ -514,6 +531,7 @@ class Client:
             reason=P.PB_TO_FILTER_REASON.get(resp.filter_reason),
             message=resp.message,
             clipped=resp.clipped,
+            payload_bytes=sum(sent),
         )
 
     def _push_streams(

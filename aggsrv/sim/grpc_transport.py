@@ -237,7 +237,8 @@ class GrpcRun:
                         self.counters.applied += ok
                         self.counters.filtered += res.status is Status.FILTERED
                         received = ok or res.status is Status.FILTERED  # as inproc counts
-                        self.counters.bytes_received += result.payload_bytes if received else 0
+                        # What crossed the wire: compressed bytes when the client compresses.
+                        self.counters.bytes_received += res.payload_bytes if received else 0
                 except grpc.RpcError as exc:
                     if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                         if self._stop.is_set():

@@ -53,8 +53,12 @@ def test_the_server_applies_what_the_quantized_update_decodes_to(q: str) -> None
             assert job.recipe.update_quantizations == ("int8", "int4")
             assert job.recipe.quantization_block == 64
             delta = torch.randn(D, generator=g) * 0.01
-            assert c.push(job, delta, kind=UpdateKind.DELTA).status is Status.APPLIED
+            result = c.push(job, delta, kind=UpdateKind.DELTA)
+            assert result.status is Status.APPLIED
             _, model = c.get_model()
+        # The bytes it reports sending are the section's, counted by hand from the format.
+        nblocks = -(-D // 64)
+        assert result.payload_bytes == 4 * nblocks + (D if q == "int8" else (D + 1) // 2)
         _, sent = quantize(delta, Quantization.parse(q), 64)
         assert torch.allclose(model, w0 + sent, rtol=0, atol=1e-6)
         assert not torch.allclose(model, w0 + delta, rtol=0, atol=1e-7)  # it was quantized
