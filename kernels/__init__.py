@@ -229,12 +229,41 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _weights_tensor(weights: Any) -> torch.Tensor:
-    """Weights as a CPU tensor in their own precision: a list of Python floats stays float64
-    (torch.as_tensor would round it to float32)."""
+def _row_weights(weights: Any, K: int) -> torch.Tensor:
+    """One finite real weight per row as a float64 CPU tensor [K]; a list of Python floats keeps
+    their precision (torch.as_tensor would round it to float32)."""
     if isinstance(weights, torch.Tensor):
-        return weights.detach().to("cpu")
-    return torch.as_tensor(np.asarray(weights))
+        w = weights.detach().to("cpu")
+    else:
+        w = torch.as_tensor(np.asarray(weights))
+    if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"weights must be real numbers, got {w.dtype}")
+    w = w.to(torch.float64)
+    if w.shape != (K,):
+        raise ValueError(f"weights must have shape ({K},) (one per row), got {tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("weights must be finite")
+    return w
+
+
+def _group_ids(groups: Any, num_groups: Any, K: int) -> tuple[torch.Tensor, int]:
+    """(a group id per row in [-1, num_groups) as a CPU int64 tensor [K], num_groups)."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int | np.integer):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    num_groups = int(num_groups)
+    if num_groups < 0:
+        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+    gr = torch.as_tensor(groups).detach().to("cpu")
+    if gr.dtype.is_floating_point or gr.dtype == torch.bool or gr.dtype.is_complex:
+        raise TypeError(f"groups must be an integer tensor, got {gr.dtype}")
+    gr = gr.to(torch.int64)
+    if gr.shape != (K,):
+        raise ValueError(f"groups must have shape ({K},) (one id per row), got {tuple(gr.shape)}")
+    if gr.numel() and (int(gr.min()) < -1 or int(gr.max()) >= num_groups):
+        raise ValueError(
+            f"groups must lie in [-1, {num_groups}), got [{int(gr.min())}, {int(gr.max())}]"
+        )
+    return gr.contiguous(), num_groups
 
 
 def _finite(name: str, value: Any) -> float:
@@ -535,23 +564,7 @@ def group_means(
     buffer of tens of MB costs more in page faults than the means themselves.
     """
     _data("X", X, dims=(2,))
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int | np.integer):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-    num_groups = int(num_groups)
-    if num_groups < 0:
-        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-    gr = torch.as_tensor(groups).detach().to("cpu")
-    if gr.dtype.is_floating_point or gr.dtype == torch.bool or gr.dtype.is_complex:
-        raise TypeError(f"groups must be an integer tensor, got {gr.dtype}")
-    gr = gr.to(torch.int64)
-    if gr.shape != (X.shape[0],):
-        raise ValueError(
-            f"groups must have shape ({X.shape[0]},) (one id per row), got {tuple(gr.shape)}"
-        )
-    if gr.numel() and (int(gr.min()) < -1 or int(gr.max()) >= num_groups):
-        raise ValueError(
-            f"groups must lie in [-1, {num_groups}), got [{int(gr.min())}, {int(gr.max())}]"
-        )
+    gr, num_groups = _group_ids(groups, num_groups, X.shape[0])
     shape = (num_groups, X.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=X.dtype, device=X.device)
@@ -560,7 +573,7 @@ def group_means(
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
     impl = _backend(backend, X.device)
-    impl.group_means(_rows(X), gr.contiguous(), num_groups, out)
+    impl.group_means(_rows(X), gr, num_groups, out)
     return out
 
 
@@ -578,16 +591,7 @@ def weighted_sum(
     With beta == 0 the old content of `out` is ignored (it may be uninitialised).
     """
     _data("X", X, dims=(2,))
-    w = _weights_tensor(weights)
-    if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
-        raise TypeError(f"weights must be real numbers, got {w.dtype}")
-    w = w.to(torch.float64)
-    if w.shape != (X.shape[0],):
-        raise ValueError(
-            f"weights must have shape ({X.shape[0]},) (one per row), got {tuple(w.shape)}"
-        )
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("weights must be finite")
+    w = _row_weights(weights, X.shape[0])
     alpha, beta = _finite("alpha", alpha), _finite("beta", beta)
     like = X[0] if X.shape[0] else X.new_empty(X.shape[1])
     if out is None:

@@ -31,11 +31,12 @@ from . import (
     _DATA_DTYPES,
     _backend,
     _finite,
+    _group_ids,
     _Like,
     _offsets,
     _out,
     _reduce,
-    _weights_tensor,
+    _row_weights,
     cosine_matrix,
     layer_normalized_cosine,
 )
@@ -202,14 +203,7 @@ def quantized_weighted_sum(
     or float64; a fresh float32 [D] when None). Rows with weight 0 are not read."""
     Q = _check_rows(Q)
     K, D = Q.shape
-    w = _weights_tensor(weights)
-    if not (w.dtype.is_floating_point or w.dtype in (torch.int32, torch.int64)):
-        raise TypeError(f"weights must be real numbers, got {w.dtype}")
-    w = w.to(torch.float64)
-    if w.shape != (K,):
-        raise ValueError(f"weights must have shape ({K},) (one per row), got {tuple(w.shape)}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("weights must be finite")
+    w = _row_weights(weights, K)
     alpha, beta = _finite("alpha", alpha), _finite("beta", beta)
     if out is None and beta != 0.0:
         raise ValueError("beta != 0 needs out= (the tensor to scale and add to)")
@@ -235,19 +229,8 @@ def quantized_group_means(
     read, an empty group gives a zero row), decoded as they are added."""
     Q = _check_rows(Q)
     K, D = Q.shape
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int | np.integer):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-    num_groups = int(num_groups)
-    if num_groups < 0:
-        raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-    gr = torch.as_tensor(groups).detach().to("cpu")
-    if gr.dtype.is_floating_point or gr.dtype == torch.bool or gr.dtype.is_complex:
-        raise TypeError(f"groups must be an integer tensor, got {gr.dtype}")
-    g = gr.to(torch.int64).numpy()
-    if g.shape != (K,):
-        raise ValueError(f"groups must have shape ({K},) (one id per row), got {g.shape}")
-    if g.size and (g.min() < -1 or g.max() >= num_groups):
-        raise ValueError(f"groups must lie in [-1, {num_groups}), got [{g.min()}, {g.max()}]")
+    gr, num_groups = _group_ids(groups, num_groups, K)
+    g = gr.numpy()
     out = _result("out", out, (num_groups, D), Q)
     counts = np.bincount(g[g >= 0], minlength=max(num_groups, 1))
     per_row = np.where(g >= 0, 1.0 / np.maximum(counts[np.maximum(g, 0)], 1), 0.0)
