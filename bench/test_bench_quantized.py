@@ -9,6 +9,8 @@ a smoke run). D = 4M float32 (16.8 MB: the rows fit in a large last-level cache)
 float32 add_ (the target: ours <= 1.1x it); **naive** the server's path today: the transport's
 decoder (its checks, then `kernels.dequantize` into a float32 buffer), then add_.
 GB/s = the bytes each must move (out read and written, 8D, plus the update's own bytes).
+The same with ``base=``: FedAsync's ``new = x + a * delta`` written into the next version (x
+read, new written), against ``torch.add(x, delta, alpha=a, out=new)``.
 
 The int8 row cache (kernels/quantized_rows.py: MIFA, Fed-OGD and CA2FL with cache_dtype int8)
 against the float32 cache it replaces, K in {16, 64} rows of D = 4M at scale 1, interleaved in
@@ -67,6 +69,41 @@ def test_bench_quantized_accumulate(benchmark: Any, q: Quantization, size: int) 
         benchmark,
         f"quantized_accumulate {q.value} D={D / 1e6:.1f}M (update {len(wire) / 1e6:.2f} MB "
         f"vs {4 * D / 1e6:.1f} MB float32)",
+        {"ours": ours, "floor": floor, "naive": naive},
+        nbytes=8 * D + len(wire),
+        floor_max=1.1,
+        naive_min=None,
+    )
+
+
+@pytest.mark.parametrize("size", [4 * 1024 * 1024, 21_797_672], ids=["4M", "resnet34"])
+def test_bench_quantized_step_into_a_new_version(benchmark: Any, size: int) -> None:
+    """FedAsync's step ``new = x + a * delta`` written into the next version: the fused kernel
+    with ``base=x`` against ``torch.add(x, delta, alpha=a, out=new)`` on a float32 delta."""
+    D = scaled(size)
+    delta = random_tensor(D, seed=1) * 0.01
+    wire, _ = quantize(delta, Quantization.INT8, BLOCK)
+    nblocks = -(-D // BLOCK)
+    scales = torch.frombuffer(bytearray(wire[: 4 * nblocks]), dtype=torch.float32)
+    codes = torch.frombuffer(bytearray(wire[4 * nblocks :]), dtype=torch.int8)
+    x = random_tensor(D, seed=2)
+    new = torch.empty(D)
+    staging = torch.empty(D)
+    a = 0.6
+
+    def ours() -> None:
+        kernels.quantized_accumulate(new, codes, scales, BLOCK, a, base=x, backend="cpu")
+
+    def floor() -> None:
+        torch.add(x, delta, alpha=a, out=new)
+
+    def naive() -> None:
+        decode_quantized(wire, Quantization.INT8, D, BLOCK, "update", out=staging)
+        torch.add(x, staging, alpha=a, out=new)
+
+    run_case(
+        benchmark,
+        f"quantized step x + a*delta int8 D={D / 1e6:.1f}M",
         {"ours": ours, "floor": floor, "naive": naive},
         nbytes=8 * D + len(wire),
         floor_max=1.1,

@@ -676,6 +676,7 @@ def quantized_accumulate(
     weight: float = 1.0,
     *,
     bits: int = 8,
+    base: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``out += weight * values`` in place, the values read from blockwise absmax codes (the
@@ -688,13 +689,29 @@ def quantized_accumulate(
     packed 4-bit codes [ceil(n / 2)] (``bits=4``: value 2j in the low nibble of byte j); ``scales``
     float32 [ceil(n / block)]; all on out's device. The codes are taken as they are (the wire's
     checks of codes and scales are the decoder's).
+
+    With ``base`` (a [n] row like out, not overlapping it unless it is out itself), ``out = base
+    + weight * values`` in the same pass, out's old content never read: the same bits as adding
+    into a copy of base (FedAsync's ``x + a * delta`` written into the next version).
     """
     _quantized_args(out, codes, scales, block, bits)
+    if base is not None:
+        _data("base", base, dims=(1,))
+        _same_kind("out", out, base=base)
+        if base.shape != out.shape:
+            raise ValueError(f"base must have shape {tuple(out.shape)}, got {tuple(base.shape)}")
+        if not _is_alias(out, base) and _overlaps(out, base):
+            raise ValueError("out overlaps base in memory (only base=out exactly is allowed)")
+        if base.numel() and base.stride(0) != 1:
+            base = base.contiguous()
     n = out.shape[0]
     w = _finite("weight", weight)
     if n:
         impl = _backend(backend, out.device)
-        impl.quantized_accumulate(out, codes.contiguous(), scales.contiguous(), block, w, bits)
+        impl.quantized_accumulate(
+            out, codes.contiguous(), scales.contiguous(), block, w, bits,
+            out if base is None else base,
+        )  # fmt: skip
     return out
 
 

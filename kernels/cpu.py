@@ -870,9 +870,26 @@ _Q_TASK_BLOCKS = 256
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)  # no fastmath: FMA would round differently
-def _q8_accumulate(out, codes, scales, block, weight):  # pragma: no cover - compiled
-    # Per block: its scale read once; the product in float32 (the wire's binary32 decode), then
-    # product and sum in float64, as the reference. Slices keep the inner loop vectorisable.
+def _q8_accumulate(out, codes, scales, block, weight, base):  # pragma: no cover - compiled
+    # out = base + weight * values, base never out itself (an alias would keep LLVM from
+    # vectorising: `_q8_accumulate_in_place`). Per block: its scale read once; the product in
+    # float32 (the wire's binary32 decode), then product and sum in float64, as the reference.
+    n = out.shape[0]
+    nblocks = scales.shape[0]
+    for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
+            s = scales[b]
+            lo = b * block
+            hi = min(n, lo + block)
+            o = out[lo:hi]
+            x = base[lo:hi]
+            c = codes[lo:hi]
+            for j in range(hi - lo):
+                o[j] = np.float64(x[j]) + weight * np.float64(np.float32(c[j]) * s)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)  # no fastmath, as _q8_accumulate
+def _q8_accumulate_in_place(out, codes, scales, block, weight):  # pragma: no cover - compiled
     n = out.shape[0]
     nblocks = scales.shape[0]
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
@@ -893,9 +910,43 @@ def _nibble(byte, high):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _q4_accumulate(out, packed, scales, block, weight):  # pragma: no cover - compiled
+def _q4_accumulate(out, packed, scales, block, weight, base):  # pragma: no cover - compiled
+    # out = base + weight * values, base never out itself (see _q8_accumulate).
     # As _q8_accumulate, two values a byte: an odd first or last value of a block (blocks of
-    # odd size) alone, the pairs in between in one vectorisable loop.
+    # of odd size) alone, the pairs in between in one vectorisable loop.
+    n = out.shape[0]
+    nblocks = scales.shape[0]
+    for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
+            s = scales[b]
+            i = b * block
+            hi = min(n, i + block)
+            if i & 1 and i < hi:
+                code = _nibble(np.int32(packed[i >> 1]), True)
+                out[i] = np.float64(base[i]) + weight * np.float64(np.float32(code) * s)
+                i += 1
+            pairs = (hi - i) >> 1
+            o = out[i : i + 2 * pairs]
+            x = base[i : i + 2 * pairs]
+            p = packed[i >> 1 : (i >> 1) + pairs]
+            for k in range(pairs):
+                byte = np.int32(p[k])
+                lo4 = byte & 15
+                hi4 = byte >> 4
+                c0 = lo4 - ((lo4 >> 3) << 4)
+                c1 = hi4 - ((hi4 >> 3) << 4)
+                o[2 * k] = np.float64(x[2 * k]) + weight * np.float64(np.float32(c0) * s)
+                o[2 * k + 1] = np.float64(x[2 * k + 1]) + weight * np.float64(np.float32(c1) * s)
+            i += 2 * pairs
+            if i < hi:
+                code = _nibble(np.int32(packed[i >> 1]), False)
+                out[i] = np.float64(base[i]) + weight * np.float64(np.float32(code) * s)
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _q4_accumulate_in_place(out, packed, scales, block, weight):  # pragma: no cover
+    # As _q8_accumulate_in_place, two values a byte: an odd first or last value of a block (blocks
+    # of odd size) alone, the pairs in between in one vectorisable loop.
     n = out.shape[0]
     nblocks = scales.shape[0]
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
@@ -983,11 +1034,19 @@ def quantized_accumulate(
     block: int,
     weight: float,
     bits: int,
+    base: torch.Tensor,
 ) -> None:
     direct = out.dtype in (torch.float32, torch.float64)
-    target = out if direct else out.to(torch.float32)
-    kernel = _q8_accumulate if bits == 8 else _q4_accumulate
-    kernel(_np(target), codes.numpy(), scales.numpy(), int(block), float(weight))
+    target = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    args = (codes.numpy(), scales.numpy(), int(block), float(weight))
+    if base is out:  # out += weight * values; a half out is worked on in float32
+        if not direct:
+            target.copy_(out)
+        kernel = _q8_accumulate_in_place if bits == 8 else _q4_accumulate_in_place
+        kernel(_np(target), *args)
+    else:
+        kernel = _q8_accumulate if bits == 8 else _q4_accumulate
+        kernel(_np(target), *args, _np(_as_work(base)))
     if not direct:
         out.copy_(target)
 

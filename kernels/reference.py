@@ -300,9 +300,10 @@ def quantized_accumulate(
     block: int,
     weight: float,
     bits: int,
+    base: torch.Tensor,
 ) -> None:
     values = _values(codes, scales, block, bits, out.numel())
-    res = out.to(F64) + weight * values.to(F64)
+    res = base.to(F64) + weight * values.to(F64)
     out.copy_(res.to(out.dtype))
 
 

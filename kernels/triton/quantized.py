@@ -1,6 +1,6 @@
-"""quantized_accumulate (out += weight * (float32(code) * scale)) and dequantize (out =
-float32(code) * scale), one pass over the codes: one program per BLOCK of elements, each reading
-its scales by index, so quantization blocks of any size work."""
+"""quantized_accumulate (out = base + weight * (float32(code) * scale), base usually out) and
+dequantize (out = float32(code) * scale), one pass over the codes: one program per BLOCK of
+elements, each reading its scales by index, so quantization blocks of any size work."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _dequantize_kernel(out_ptr, codes_ptr, scales_ptr, n, block, BITS: tl.conste
 
 @triton.jit
 def _quantized_acc_kernel(
-    out_ptr, codes_ptr, scales_ptr, w_ptr, n, block, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr, base_ptr, codes_ptr, scales_ptr, w_ptr, n, block, BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -47,7 +48,7 @@ def _quantized_acc_kernel(
     q = _codes(codes_ptr, i, m, BITS)
     s = tl.load(scales_ptr + i // block, mask=m, other=0.0)
     v = q.to(tl.float32) * s  # the wire's binary32 decode
-    o = tl.load(out_ptr + i, mask=m, other=0.0)
+    o = tl.load(base_ptr + i, mask=m, other=0.0)  # base is out itself for out += ...
     r = o.to(acc_ty) + weight * v.to(acc_ty)
     tl.store(out_ptr + i, r.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -59,12 +60,14 @@ def quantized_accumulate(
     block: int,
     weight: float,
     bits: int,
+    base: torch.Tensor,
 ) -> None:
     n = out.numel()
     cfg = config(out)
     w = torch.tensor([weight], dtype=torch.float64).to(device=out.device, dtype=acc_dtype(out))
     _quantized_acc_kernel[(triton.cdiv(n, cfg.block),)](
-        out, codes, scales, w, n, block, BITS=bits, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        out, base, codes, scales, w, n, block, BITS=bits, BLOCK=cfg.block,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
 
 

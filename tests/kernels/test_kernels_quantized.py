@@ -80,6 +80,46 @@ def test_accumulates_code_times_scale_times_weight(backend, bits, n, block, dtyp
         assert np.array_equal(got64, torch.tensor(want).to(dtype).to(torch.float64).numpy())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("n", "block"), [(1, 1), (1_001, 128), (4_099, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_with_a_base_out_is_base_plus_the_weighted_values(backend, bits, n, block, dtype) -> None:
+    """``base=``: out = base + weight * values in one pass (FedAsync's x + a delta into the
+    next version); base is left as it was, and out's old content (even NaN) is never read."""
+    rng = _rng()
+    values, codes = _codes(rng, bits, n)
+    scales = (rng.standard_normal(math.ceil(n / block)) ** 2).astype(np.float32)
+    dev = DEVICE[backend]
+    base = torch.tensor(rng.standard_normal(n), dtype=dtype, device=dev)
+    kept = base.clone()
+    weight = float(rng.uniform(-2, 2))
+    out = torch.full((n,), float("nan"), dtype=dtype, device=dev)
+    got = kernels.quantized_accumulate(
+        out, codes.to(dev), torch.from_numpy(scales).to(dev), block, weight, bits=bits,
+        base=base, backend=backend,
+    )  # fmt: skip
+    assert got is out and torch.equal(base, kept)
+    alone = kernels.quantized_accumulate(
+        kept.clone(), codes.to(dev), torch.from_numpy(scales).to(dev), block, weight, bits=bits,
+        backend=backend,
+    )  # fmt: skip
+    assert torch.equal(out, alone)  # the same bits as adding into a copy of base
+
+
+def test_a_base_is_checked_like_out() -> None:
+    codes, scales = torch.zeros(10, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(ValueError, match="base must have shape"):
+        kernels.quantized_accumulate(torch.zeros(10), codes, scales, 3, base=torch.zeros(9))
+    with pytest.raises(TypeError, match="base has dtype"):
+        kernels.quantized_accumulate(
+            torch.zeros(10), codes, scales, 3, base=torch.zeros(10, dtype=torch.float64)
+        )
+    out = torch.zeros(20)
+    with pytest.raises(ValueError, match="overlaps base"):
+        kernels.quantized_accumulate(out[:10], codes, scales, 3, base=out[5:15])
+
+
 @pytest.mark.parametrize("q", [Quantization.INT8, Quantization.INT4])
 def test_the_same_bits_as_decoding_the_wire_then_adding(q) -> None:
     rng = _rng()
