@@ -238,9 +238,16 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
     q_codes = torch.randint(-127, 128, (D,), dtype=torch.int8, device=device)
     q_scales = torch.rand(-(-D // 128), dtype=torch.float32, device=device) * 1e-3
 
+    # The INT8 row cache (cache_dtype = "int8"): the same rows quantized once, block 128.
+    Q = api.quantize_rows(X, 128)
+    q_dec = api.dequantize_rows(Q)
+
+    def q_ws(backend: str) -> torch.Tensor:
+        return api.quantized_weighted_sum(Q, weights, backend=backend)
+
     def q_acc(backend) -> torch.Tensor:
         out = X[0].clone()
-        backend.quantized_accumulate(out, q_codes, q_scales, 128, 0.3, 8)
+        backend.quantized_accumulate(out, q_codes, q_scales, 128, 0.3, 8, out)
         return out
 
     return [
@@ -360,6 +367,14 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             ),
             lambda: q_acc(ref),
             nbytes=4 * D * esz + D + 4 * q_scales.numel(),
+        ),
+        # The weighted sum of the INT8 cache: codes and scales read once, a float32 [D] written.
+        Case(
+            "quantized_weighted_sum(int8 cache)",
+            lambda: q_ws("triton"),
+            lambda: weights.to(device, torch.float32) @ q_dec,
+            lambda: q_ws("reference"),
+            nbytes=K * (D + 4 * Q.scales.shape[1]) + 4 * D,
         ),
     ]
 
