@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "FilterReason", "Outcome", "PendingReason", "ProjectionMode", "Recipe", "Status", "Update",
-    "UpdateKind",
+    "FilterReason", "Outcome", "PendingReason", "ProjectionMode", "QuantizedValues", "Recipe",
+    "Status", "Update", "UpdateKind",
 ]  # fmt: skip
 
 
@@ -141,6 +141,79 @@ class Recipe:
         return cls(**data)
 
 
+# The largest magnitude of a code (INT8 -128..127, INT4 -8..7, whatever the wire refuses): a
+# scale at most FLT_MAX / it decodes only finite values.
+_CODE_MAGNITUDE = {8: 128, 4: 8}
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedValues:
+    """``numel`` values as blockwise absmax codes (the wire's quantized values, docs/wire.md):
+    value i is the binary32 product ``float32(code_i) * scales[i // block]``.
+
+    ``codes``: int8 [numel] (``bits`` 8) or the uint8 bytes of packed 4-bit codes
+    [ceil(numel / 2)] (``bits`` 4, value 2j in the low nibble of byte j); ``scales``: float32
+    [ceil(numel / block)], each finite, not negative and at most FLT_MAX / 128 (FLT_MAX / 8 for 4
+    bits), so that every value is finite whatever its code: a strategy folds them in without
+    checking them again. Both contiguous CPU tensors, only read. ``norm``: their L2 norm when the
+    code that built them computed it (the server's decoder does, from the codes).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block: int
+    bits: int
+    numel: int
+    norm: float | None = None
+
+    def __post_init__(self) -> None:
+        """Check the shapes, dtypes and scales (one read of the scales, none of the codes)."""
+        bits, block, n = self.bits, self.block, self.numel
+        if bits not in _CODE_MAGNITUDE:
+            raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+        for name, v in (("block", block), ("numel", n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "block" else 0):
+                raise ValueError(f"{name} must be an integer >= {int(name == 'block')}, got {v!r}")
+        want = (torch.int8, n) if bits == 8 else (torch.uint8, (n + 1) // 2)
+        nblocks = -(-n // block)
+        for name, t, dtype, count in (
+            ("codes", self.codes, *want),
+            ("scales", self.scales, torch.float32, nblocks),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (count,):
+                got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(
+                    f"{name} of {n} {bits}-bit values in blocks of {block} must be {dtype} "
+                    f"[{count}], got {got}"
+                )
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous CPU tensor, got one on {t.device}")
+        if nblocks:
+            s = self.scales
+            low, high = float(s.min()), float(s.max())
+            limit = _FLT_MAX / _CODE_MAGNITUDE[bits]
+            if not (low >= 0 and high <= limit):  # NaN fails both
+                raise ValueError(
+                    f"scales must be finite, not negative and at most {limit:.6g} (so that every "
+                    f"value is finite), got values in [{low!r}, {high!r}]"
+                )
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of codes and scales."""
+        return self.codes.numel() + 4 * self.scales.numel()
+
+    def decode(self, out: torch.Tensor) -> torch.Tensor:
+        """The float32 values written into ``out`` ([numel], CPU), bit for bit as the wire
+        decodes them; returns out."""
+        from aggsrv import kernels  # the kernels load numba: not before a strategy needs them
+
+        return kernels.dequantize(
+            self.codes, self.scales, self.block, bits=self.bits, out=out, backend="cpu"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Update:
     """One validated client update as the server hands it to :meth:`Strategy.on_update`.
@@ -154,6 +227,11 @@ class Update:
     the tensor again; None: the strategy computes it. ``non_finite``: set by a strategy under
     differential privacy on the zero delta it put in place of one holding NaN/Inf (its clip
     factor ``min(1, C / inf)`` is 0); never set by the code that hands updates in.
+
+    ``quantized``: the tensor's values as the wire's codes, not yet decoded (``tensor`` is then a
+    buffer of the right shape whose contents are undefined): a strategy that folds codes in
+    (:meth:`Strategy.folds_quantized_updates`) reads them without a float32 copy; any other gets
+    the update :meth:`materialized`, decoded into ``tensor`` first.
     """
 
     client_id: str
@@ -167,6 +245,30 @@ class Update:
     buffers: torch.Tensor | None = None
     norm: float | None = None
     non_finite: bool = False
+    quantized: QuantizedValues | None = None
+
+    def __post_init__(self) -> None:
+        """Quantized values must be the tensor's: as many, on the CPU."""
+        q = self.quantized
+        if q is None:
+            return
+        if not isinstance(q, QuantizedValues):
+            raise TypeError(f"quantized must be QuantizedValues or None, got {type(q).__name__}")
+        t = self.tensor
+        if not isinstance(t, torch.Tensor) or t.numel() != q.numel or t.device.type != "cpu":
+            got = (tuple(t.shape), str(t.device)) if isinstance(t, torch.Tensor) else type(t)
+            raise ValueError(
+                f"quantized values of {q.numel} elements need a CPU tensor of as many to decode "
+                f"into, got {got}"
+            )
+
+    def materialized(self) -> Update:
+        """This update with its quantized values decoded into ``tensor`` (itself when there are
+        none): what a strategy that does not fold codes reads."""
+        if self.quantized is None:
+            return self
+        self.quantized.decode(self.tensor.view(-1))
+        return dataclasses.replace(self, quantized=None)
 
 
 class PendingReason(enum.IntEnum):

@@ -57,7 +57,15 @@ import crc32c
 import numpy as np
 import torch
 
-from aggsrv.transport import CodecError, Encoding, Quantization, WireDtype, decode_sparse
+from aggsrv.transport import (
+    CodecError,
+    Encoding,
+    Quantization,
+    WireDtype,
+    decode_sparse,
+    quantized_values,
+)
+from aggsrv.values import QuantizedValues
 
 __all__ = [
     "PART_KIND",
@@ -101,6 +109,9 @@ class WalRecord:
     kind: str
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The tensors logged whole as the wire's dense quantized values, also as their codes (see
+    # aggsrv.transport.quantized_values; absent where a scale is too large for it).
+    quantized: dict[str, QuantizedValues] = field(default_factory=dict)
 
 
 @dataclass
@@ -583,6 +594,19 @@ def _decode_body(body: bytearray, offset: int) -> WalRecord:
     return WalRecord(kind=kind, meta=meta, tensors=tensors)
 
 
+def _part_codes(part: WalRecord, numel: int) -> QuantizedValues | None:
+    """A part's codes when it holds a whole tensor of ``numel`` as dense quantized values (its
+    wire bytes, already checked by :func:`_part_data`), else None."""
+    section = part.meta.get("section")
+    if section is None or not section.get("quantization") or part.meta.get("start") != 0:
+        return None
+    if Encoding.parse(section["encoding"]) is not Encoding.DENSE or int(section["numel"]) != numel:
+        return None
+    raw = memoryview(part.tensors["wire"].numpy()).cast("B")
+    quantization = Quantization.parse(section["quantization"])
+    return quantized_values(raw, quantization, numel, int(section["block"]), "update")
+
+
 def _part_data(part: WalRecord, path: Path, at: int) -> torch.Tensor:
     """A part's float32 values: its "data", or its "wire" bytes (a section as it came on the
     wire, described by meta "section") decoded."""
@@ -647,6 +671,7 @@ class _SegmentReader:
         sizes = {str(name): int(numel) for name, numel in meta.pop("part_tensors", [])}
         tensors = {name: torch.empty(numel, dtype=torch.float32) for name, numel in sizes.items()}
         spans: dict[str, list[tuple[int, int]]] = {name: [] for name in sizes}
+        codes: dict[str, QuantizedValues] = {}
         back = f.tell()
         for at in part_offsets:
             f.seek(at)
@@ -665,6 +690,9 @@ class _SegmentReader:
                 )
             tensors[name][start : start + data.numel()] = data
             spans[name].append((start, start + data.numel()))
+            kept = _part_codes(part, sizes[name])
+            if kept is not None:
+                codes[name] = kept
         f.seek(back)
         for name, numel in sizes.items():
             ends = [0]
@@ -678,7 +706,7 @@ class _SegmentReader:
                     f"after its parts (key {key!r}), but its parts of {name!r} here are "
                     f"{sorted(spans[name])[:8]}, not [0, {numel}) once"
                 )
-        return WalRecord(kind=record.kind, meta=meta, tensors=tensors)
+        return WalRecord(kind=record.kind, meta=meta, tensors=tensors, quantized=codes)
 
     def _read_one(self, f: Any, offset: int) -> tuple[WalRecord, int]:
         remaining = self.total_bytes - offset

@@ -441,6 +441,12 @@ class Federation:
                 tensor=_on(tensors["update"], strategy.device),
                 buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
                 norm=m.get("norm"),
+                # Logged as codes: folded as codes again when the live server did.
+                quantized=(
+                    record.quantized.get("update")
+                    if self.folds_quantized(UpdateKind[m["kind"]])
+                    else None
+                ),
             )
             outcome = strategy.on_update(update, m["now"])
             logged = Outcome.from_tuple(m["outcome"])
@@ -808,6 +814,19 @@ class Federation:
             now = self.clock()
             rec.lease_expires = now + self.config.lease_seconds
             self.activity.seen(client_id, now)
+
+    def folds_quantized(self, kind: UpdateKind) -> bool:
+        """Whether an update of ``kind`` sent as quantized values reaches the strategy as codes
+        it folds in, undecoded: the strategy does so (:meth:`Strategy.folds_quantized_updates`),
+        its model is on the CPU, and the server is not sharded (a relayed update is split as
+        float32 values). Live and in replay alike, so replay repeats the same arithmetic."""
+        strategy = self.strategy
+        return (
+            strategy is not None
+            and self.shards is None
+            and strategy.device.type == "cpu"
+            and strategy.folds_quantized_updates(kind)
+        )
 
     def update_quantizations(self) -> tuple[str, ...]:
         """The quantized values an update may carry (``update_quantizations``); none under

@@ -376,11 +376,14 @@ class RequestChecks:
         refuse_non_finite: bool = True,
         upload_log: Any = None,
         quantizable: tuple[str, ...] = (),
+        keep_quantized: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``upload_log`` (aggsrv.server.upload_log.UploadLog): where the decoded bytes are logged
         as they arrive. ``quantizable``: the quantizations the "update" tensor may be sent in
-        (the job's recipe's); any other quantized tensor is refused.
+        (the job's recipe's); any other quantized tensor is refused. ``keep_quantized``: such
+        a tensor is checked but left as codes (``stats["quantized"]``, a QuantizedValues; its
+        view is then not written), for a strategy that folds codes in.
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
         a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass.
         ``refuse_non_finite`` False: NaN/Inf in the main tensor are left for the strategy
@@ -414,7 +417,7 @@ class RequestChecks:
             decoder = Decoder(
                 slot, expected, dtype, self.fed.config.chunk_bytes, sparse=sparse,
                 reference=reference, exact_norm=exact_norm, refuse_non_finite=refuse_non_finite,
-                quantized=quantized,
+                quantized=quantized, keep_quantized=keep_quantized,
             )  # fmt: skip
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")
@@ -440,6 +443,8 @@ class RequestChecks:
                         stats["norm_exact"] = decoder.norm_exact
                     if stats is not None and decoder.cosine is not None:
                         stats["cosine"] = decoder.cosine
+                    if stats is not None and "update" in decoder.quantized:
+                        stats["quantized"] = decoder.quantized["update"]
                     return views
                 else:
                     await self._abort(

@@ -59,6 +59,7 @@ from aggsrv.strategies import (
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import WireDtype
+from aggsrv.values import QuantizedValues
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
@@ -517,6 +518,9 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 # strategy takes it as clipped to zero.
                 refuse_non_finite=not private, upload_log=upload_log,
                 quantizable=fed.update_quantizations(),
+                # Codes the strategy folds in stay codes, where the log records them as such.
+                keep_quantized=fed.folds_quantized(kind)
+                and (upload_log is not None or fed.call_log.wal is None),
             )  # fmt: skip
             self._note_received(h.client_id, job_id, views, dtype, seen)
             buffers = views.get("buffers")
@@ -527,7 +531,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 slot.fence(device)  # the copies may read the slot after they return
             # The decoder's float64 norm of a DELTA (what clipping under DP reads).
             norm = seen["norm"] if seen.get("norm_exact") else None
-            update = self._update_of(h, kind, job_id, tensor, moved, norm)
+            update = self._update_of(h, kind, job_id, tensor, moved, norm, seen.get("quantized"))
             fed.updates_waiting += 1
             waiting = True
             try:
@@ -764,8 +768,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         tensor: torch.Tensor,
         buffers: torch.Tensor | None,
         norm: float | None,
+        quantized: QuantizedValues | None = None,
     ) -> Update:
-        """The update an upload's header describes, with its tensors on the strategy's device."""
+        """The update an upload's header describes, with its tensors on the strategy's device
+        (``quantized``: its values still as the wire's codes, for a strategy that folds them)."""
         local_steps = self.fed.strategy.make_recipe().local_steps
         return Update(
             client_id=h.client_id,
@@ -778,6 +784,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             tensor=tensor,
             buffers=buffers,
             norm=norm,
+            quantized=quantized,
         )
 
     async def _whole(

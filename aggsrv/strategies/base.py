@@ -228,11 +228,20 @@ class Strategy(ABC, Generic[Config]):
         self._require_registered(client_id)
         return self._issue_job(client_id, deadline=None, now=now)
 
+    def folds_quantized_updates(self, kind: UpdateKind) -> bool:
+        """Whether an update of ``kind`` whose values come as codes (``Update.quantized``) is
+        folded in from the codes, in the pass that adds it (default: no; it is decoded into its
+        tensor first). The answer may depend on the configuration, never on the state: the
+        server asks before the upload arrives, and replay asks again."""
+        return False
+
     def on_update(self, update: Update, now: float) -> Outcome:
         """Fold one validated update in, or refuse it without changing any state.
 
         A replayed update id returns DUPLICATE with the original outcome and changes nothing.
         """
+        if update.quantized is not None and not self.folds_quantized_updates(update.kind):
+            update = update.materialized()
         prior = self.ledger.lookup(update.client_id, update.update_id)
         try:
             if prior is None:

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from aggsrv import kernels
 from aggsrv.strategies.base import Strategy
 from aggsrv.strategies.job import Job
 from aggsrv.strategies.privacy import PrivacyConfig
@@ -95,9 +96,22 @@ class FedAsync(Strategy[FedAsyncConfig], name="fedasync"):
         c = self.config
         return c.alpha * staleness_weight(staleness, c.staleness, c.a, c.hinge_a, c.hinge_b)
 
+    def folds_quantized_updates(self, kind: UpdateKind) -> bool:
+        """A DELTA's codes are folded into the next version in one pass, when nothing else reads
+        the delta first: no differential privacy, update filter or norm bound, a CPU model."""
+        return (
+            kind is UpdateKind.DELTA
+            and self.privacy is None
+            and self.update_filters is None
+            and self.config.max_update_norm is None
+            and self.device.type == "cpu"
+        )
+
     def _apply(self, update: Update, job: Job, staleness: int, now: float) -> Outcome:
         a = self.mixing_weight(staleness)
         x = self._model
+        if update.quantized is not None:
+            return self._apply_codes(update, job, a)
         privacy = self.privacy
         # Under DP every update is a release: x <- (1-a) x + a (base + f delta + noise), with
         # the clip factor f = min(1, C / |delta|) and noise N(0, (z C)^2) scaled by a like it.
@@ -135,4 +149,27 @@ class FedAsync(Strategy[FedAsyncConfig], name="fedasync"):
         version = self._publish(new)
         self._released()
         logger.debug("fedasync: %s s=%d alpha=%.4g -> v%d", update.client_id, staleness, a, version)
+        return Outcome(Status.APPLIED, version)
+
+    def _apply_codes(self, update: Update, job: Job, a: float) -> Outcome:
+        """A DELTA as the wire's codes (:meth:`folds_quantized_updates`): ``x + a delta`` (or
+        ``lerp(x, base, a) + a delta``) with the delta decoded where it is added, each element
+        computed in float64 and rounded once (aggsrv.kernels.quantized_accumulate)."""
+        q = update.quantized
+        assert q is not None and update.kind is UpdateKind.DELTA
+        x = self._model
+        new = self._new_model_buffer()
+        if job.weights is x:
+            base = x
+        else:
+            torch.lerp(x, job.weights, a, out=new)
+            base = new
+        kernels.quantized_accumulate(
+            new, q.codes, q.scales, q.block, a, bits=q.bits, base=base, backend="cpu"
+        )
+        if update.buffers is not None:
+            assert self.float_buffers.current is not None
+            self.float_buffers.set(torch.lerp(self.float_buffers.current, update.buffers, a))
+        version = self._publish(new)
+        self._released()
         return Outcome(Status.APPLIED, version)

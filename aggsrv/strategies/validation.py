@@ -89,8 +89,9 @@ class UpdateChecks:
 
     def numbers(self, update: Update) -> None:
         """The update's values: finite (NaN/Inf refused, naming where; not under differential
-        privacy), and its float buffers."""
-        if not self.private:
+        privacy), and its float buffers. Quantized values are finite by their scales
+        (QuantizedValues)."""
+        if not self.private and update.quantized is None:
             t = update.tensor
             bad = count_non_finite(t)
             if bad:

@@ -61,3 +61,43 @@ def first_refused_code(body: np.ndarray, bits: int) -> int:
     """The index of the first value whose code the format refuses, or -1: ``body`` the uint8
     code bytes of an INT8 (``bits`` 8) or INT4 (4) section."""
     return int(_first(np.ascontiguousarray(body), bits))
+
+
+@nb.njit(cache=True, nogil=True)
+def _squares8(codes, scales, block):  # pragma: no cover - compiled
+    n = codes.shape[0]
+    total = 0.0
+    for b in range(scales.shape[0]):
+        acc = 0  # |code| <= 128 and block <= 65536: the block's sum fits 32 bits
+        for i in range(b * block, min(n, (b + 1) * block)):
+            c = np.int32(codes[i])
+            acc += c * c
+        s = np.float64(scales[b])
+        total += s * s * acc
+    return total
+
+
+@nb.njit(cache=True, nogil=True)
+def _squares4(body, n, scales, block):  # pragma: no cover - compiled
+    total = 0.0
+    for b in range(scales.shape[0]):
+        acc = 0
+        for i in range(b * block, min(n, (b + 1) * block)):
+            nibble = np.int32((body[i >> 1] >> ((i & 1) * 4)) & 0x0F)
+            c = nibble - 16 if nibble > 7 else nibble
+            acc += c * c
+        s = np.float64(scales[b])
+        total += s * s * acc
+    return total
+
+
+def code_squares(body: np.ndarray, n: int, scales: np.ndarray, block: int, bits: int) -> float:
+    """``sum_b scale_b^2 * sum_{i in b} code_i^2`` in float64: the squared L2 norm of the ``n``
+    values of a quantized section taken from its codes (the exact squares of ``code * scale``,
+    before each decoded value's rounding to binary32), in one read of the codes. ``body``: the
+    uint8 code bytes; ``scales``: float32."""
+    body = np.ascontiguousarray(body)
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if bits == 8:
+        return float(_squares8(body.view(np.int8), scales, block))
+    return float(_squares4(body, n, scales, block))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from aggsrv.finite import squared_norm, squared_norm_if_finite
+from aggsrv.values import QuantizedValues
 
 from . import dtypes as _dtypes
 from .crc import BytesLike, Crc32c
@@ -31,7 +32,7 @@ from .errors import (
     Truncated,
     WrongLength,
 )
-from .quantized import Quantization
+from .quantized import Quantization, quantized_values
 from .sparse import Encoding, decode_sparse, encoded_nbytes
 
 __all__ = ["Decoder", "StagingSlot", "device_event"]
@@ -134,6 +135,7 @@ class Decoder:
         exact_norm: bool = False,
         refuse_non_finite: bool = True,
         quantized: Mapping[str, tuple[Quantization, int]] | None = None,
+        keep_quantized: bool = False,
     ) -> None:
         """``sparse`` names the tensors sent in a sparse encoding with their (encoding, nnz);
         a sparse section that is not smaller than the dense bytes is refused (WrongLength).
@@ -149,11 +151,18 @@ class Decoder:
         ``refuse_non_finite`` False: NaN/Inf in the main buffer are not refused but reported
         (:attr:`non_finite`, and no :attr:`norm`), for differential privacy, which takes such
         an update as clipped to zero (a refusal would tell everyone that its values were
-        not finite); the other buffers' are refused all the same."""
+        not finite); the other buffers' are refused all the same. ``keep_quantized``: a main
+        buffer sent as dense quantized values is checked but not decoded: :attr:`quantized`
+        holds its codes (its view in the slot is left as it was), :attr:`norm` their norm from
+        the codes, and no cosine is taken (unless a scale is too large to prove the values
+        finite without decoding them: that one is decoded and checked as usual)."""
         self.slot = slot
         self.reference = reference
         self.exact_norm = exact_norm
         self.refuse_non_finite = refuse_non_finite
+        self.keep_quantized = keep_quantized
+        # The main buffer's values as codes, by tensor name (keep_quantized), once finished.
+        self.quantized: dict[str, QuantizedValues] = {}
         self.wire_dtype = WireDtype.parse(wire_dtype)
         if max_chunk_bytes < self.wire_dtype.itemsize:
             raise ValueError(
@@ -224,6 +233,7 @@ class Decoder:
         self._state = "open"
         self.norm = self.cosine = None
         self.norm_exact = self.non_finite = False
+        self.quantized = {}
 
     @property
     def bytes_received(self) -> int:
@@ -398,6 +408,13 @@ class Decoder:
             if t.sparse is not None:
                 try:
                     encoding, nnz = t.sparse
+                    if self._keeps(t):
+                        assert t.raw is not None and t.quantized is not None
+                        q, block = t.quantized
+                        kept = quantized_values(t.raw, q, t.view.numel(), block, t.name)
+                        if kept is not None:
+                            self.quantized[t.name] = kept
+                            continue
                     decode_sparse(
                         t.raw, encoding, t.view.numel(), nnz, wd, t.view, t.name, t.quantized
                     )
@@ -407,13 +424,29 @@ class Decoder:
         self._state = "finished"
         return {t.name: t.view for t in self._targets.values()}
 
+    def _keeps(self, t: _Target) -> bool:
+        """Whether ``t`` stays as codes: dense quantized values filling the main buffer."""
+        return (
+            self.keep_quantized
+            and t.quantized is not None
+            and t.sparse is not None
+            and t.sparse[0] is Encoding.DENSE
+            and t.name not in self.slot.extras
+            and t.view.numel() == self.flat.numel()
+        )
+
     def _check_finite(self) -> None:
         """NonFinite naming the first NaN/Inf; one read-only pass over the decoded values, which
-        also gives the main buffer's norm (:attr:`norm`)."""
+        also gives the main buffer's norm (:attr:`norm`). Values kept as codes are finite by
+        their scales (QuantizedValues) and have their norm already."""
         buffers = [self.flat] + [
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
         for i, buf in enumerate(buffers):
+            if i == 0 and self.quantized:
+                (kept,) = self.quantized.values()
+                self.norm = kept.norm
+                continue
             if i == 0:
                 uu = self._float64_check(buf)
                 if uu is not None and math.isfinite(uu):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from aggsrv import kernels
+from aggsrv.values import QuantizedValues
 
 from .errors import BadChunk, WrongLength
 
@@ -40,6 +41,7 @@ __all__ = [
     "decode_quantized",
     "quantize",
     "quantized_nbytes",
+    "quantized_values",
 ]
 
 # 128 values a scale: 4 bytes of scale per 128 values keep INT8 at 0.258x the float32 bytes and
@@ -47,6 +49,8 @@ __all__ = [
 # block little precision (docs/compression.md "Block size").
 DEFAULT_BLOCK = 128
 MAX_BLOCK = 1 << 16
+# The largest scale QuantizedValues takes: every code (even one the wire refuses) decodes finite.
+_FINITE_SCALE = {8: float(np.finfo(np.float32).max) / 128, 4: float(np.finfo(np.float32).max) / 8}
 
 
 class Quantization(enum.Enum):
@@ -140,18 +144,11 @@ def _tensor_view(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(arr).view(dtype)
 
 
-def decode_quantized(
-    raw: memoryview | bytes,
-    quantization: Quantization,
-    n: int,
-    block: int,
-    name: str,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The ``n`` float32 values of a quantized section, written into ``out`` (a float [n] CPU
-    tensor with unit stride) when given; WrongLength when the bytes do not match ``n`` and
-    ``block``, BadChunk for a scale that is not finite or negative or a code outside the format
-    (-128, 0b1000, or a non-zero padding nibble)."""
+def _checked_section(
+    raw: memoryview | bytes, quantization: Quantization, n: int, block: int, name: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the uint8 code bytes, the float32 scales, bits) of a quantized section, views of ``raw``
+    once its length, scales and codes passed the format's checks (see :func:`decode_quantized`)."""
     expected = quantized_nbytes(quantization, n, block)
     if len(raw) != expected:
         raise WrongLength(
@@ -183,6 +180,22 @@ def decode_quantized(
         what = "code -128" if bits == 8 else "nibble 0b1000 (-8)"
         allowed = "int8 codes are -127..127" if bits == 8 else "int4 codes are -7..7"
         raise BadChunk(f"tensor {name!r}: {what} at value {at}; {allowed}", tensor=name)
+    return body, scales, bits
+
+
+def decode_quantized(
+    raw: memoryview | bytes,
+    quantization: Quantization,
+    n: int,
+    block: int,
+    name: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``n`` float32 values of a quantized section, written into ``out`` (a float [n] CPU
+    tensor with unit stride) when given; WrongLength when the bytes do not match ``n`` and
+    ``block``, BadChunk for a scale that is not finite or negative or a code outside the format
+    (-128, 0b1000, or a non-zero padding nibble)."""
+    body, scales, bits = _checked_section(raw, quantization, n, block, name)
     if out is None:
         out = torch.empty(n, dtype=torch.float32)
     if n:
@@ -191,3 +204,22 @@ def decode_quantized(
             codes, _tensor_view(scales, torch.float32), block, bits=bits, out=out, backend="cpu"
         )
     return out
+
+
+def quantized_values(
+    raw: memoryview | bytes, quantization: Quantization, n: int, block: int, name: str
+) -> QuantizedValues | None:
+    """The ``n`` values of a quantized section as codes over ``raw`` (no copy, no decoding), with
+    their norm taken from the codes, after :func:`decode_quantized`'s checks (the same errors);
+    None when a scale is too large to prove every value finite without decoding (above FLT_MAX /
+    128, or / 8 for INT4): decode those (:func:`decode_quantized`) and check the values."""
+    body, scales, bits = _checked_section(raw, quantization, n, block, name)
+    if scales.size and float(scales.max()) > _FINITE_SCALE[bits]:
+        return None
+    from .code_scan import code_squares
+
+    norm = math.sqrt(code_squares(body, n, scales, block, bits)) if n else 0.0
+    return QuantizedValues(
+        _tensor_view(body, torch.int8 if bits == 8 else torch.uint8),
+        _tensor_view(scales, torch.float32), block, bits, n, norm,
+    )  # fmt: skip

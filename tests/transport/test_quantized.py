@@ -20,6 +20,7 @@ from aggsrv.transport.quantized import (
     decode_quantized,
     quantize,
     quantized_nbytes,
+    quantized_values,
 )
 
 INT8, INT4 = Quantization.INT8, Quantization.INT4
@@ -149,3 +150,93 @@ def test_the_default_block_keeps_quantized_values_under_their_share_of_float32(q
         assert share <= most, (n, share)
     # A short tensor pays a whole scale for its last, partial block.
     assert quantized_nbytes(q, 129, DEFAULT_BLOCK) / (4 * 129) > most
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept as codes: quantized_values and the decoder's keep_quantized
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q", [INT8, INT4])
+@pytest.mark.parametrize(("n", "block"), [(1, 1), (7, 3), (1_001, 128), (257, 256), (999, 1000)])
+def test_codes_kept_decode_as_the_section_does_and_carry_their_norm(q, n: int, block: int) -> None:
+    rng = _rng()
+    nblocks = math.ceil(n / block)
+    scales = rng.standard_normal(nblocks).astype(np.float32) ** 2
+    scales[rng.random(nblocks) < 0.2] = 0.0
+    codes = rng.integers(-q.qmax, q.qmax + 1, n)
+    section = _pack(q, scales.tolist(), codes.tolist())
+    kept = quantized_values(section, q, n, block, "update")
+    assert kept is not None and (kept.numel, kept.block, kept.bits) == (n, block, {INT8: 8, INT4: 4}[q])
+    assert torch.equal(kept.decode(torch.empty(n)), decode_quantized(section, q, n, block, "u"))
+    # The norm from the codes: the exact products code * scale (float64 holds them), squared.
+    exact = math.fsum((float(c) * float(scales[i // block])) ** 2 for i, c in enumerate(codes))
+    assert kept.norm == pytest.approx(math.sqrt(exact), rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize(
+    ("q", "section", "n", "block", "error", "message"),
+    [
+        (INT8, _pack(INT8, [float("nan")], [1, 2]), 2, 2, BadChunk, "scale of block 0"),
+        (INT8, _pack(INT8, [1.0], [3, -128]), 2, 2, BadChunk, "-128 at value 1"),
+        (INT4, _pack(INT4, [1.0], [1, -8, 2]), 3, 4, BadChunk, "-8\\) at value 1"),
+        (INT4, _pack(INT4, [1.0], [1, 2, 3])[:-1] + bytes([0x53]), 3, 4, BadChunk, "padding"),
+        (INT8, _pack(INT8, [1.0], [1, 2]), 3, 4, WrongLength, "take 7 bytes"),
+    ],
+)
+def test_codes_are_kept_only_after_the_decoders_checks(q, section, n, block, error, message):
+    with pytest.raises(error, match=message):
+        quantized_values(section, q, n, block, "update")
+
+
+def test_a_scale_too_large_to_prove_the_values_finite_is_not_kept() -> None:
+    big = float(np.finfo(np.float32).max) / 100  # 127 * it overflows binary32
+    assert quantized_values(_pack(INT8, [1.0, big], [1, 2, 127]), INT8, 3, 2, "u") is None
+    assert quantized_values(_pack(INT4, [big * 25], [1, 2, 7]), INT4, 3, 4, "u") is None
+    # INT4's codes are 16 times smaller: the same scale is kept there.
+    assert quantized_values(_pack(INT4, [big], [1, 2, 7]), INT4, 3, 4, "u") is not None
+
+
+def _decoder(q: Quantization, n: int, block: int, keep: bool, section: bytes):
+    from aggsrv.transport.crc import Crc32c
+    from aggsrv.transport.decoder import Decoder, StagingSlot
+
+    slot = StagingSlot(n, {"buffers": 3})
+    slot.flat.fill_(7.0)  # what a kept section leaves in the slot
+    decoder = Decoder(slot, {"update": n, "buffers": 3}, "float32", 1 << 20,
+                      quantized={"update": (q, block)}, keep_quantized=keep)  # fmt: skip
+    buffers = np.arange(3, dtype="<f4").tobytes()
+    decoder.feed("update", 0, section)
+    decoder.feed("buffers", 0, buffers)
+    crc = Crc32c()
+    crc.update(section)
+    crc.update(buffers)
+    return decoder, decoder.finish(crc.value), slot
+
+
+@pytest.mark.parametrize("q", [INT8, INT4])
+def test_the_decoder_keeps_a_quantized_main_tensor_as_codes(q) -> None:
+    rng = _rng()
+    n, block = 1_003, 64
+    x = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    section, sent = quantize(x, q, block)
+    decoder, views, slot = _decoder(q, n, block, True, section)
+    kept = decoder.quantized["update"]
+    assert torch.equal(kept.decode(torch.empty(n)), sent)
+    assert bool((views["update"] == 7.0).all())  # not decoded into the slot
+    assert torch.equal(views["buffers"], torch.arange(3, dtype=torch.float32))
+    assert decoder.norm == pytest.approx(float(sent.double().norm()), rel=1e-6)
+    assert decoder.cosine is None
+    # Without keep_quantized the same upload is decoded into the slot, as before.
+    plain, views, _ = _decoder(q, n, block, False, section)
+    assert plain.quantized == {} and torch.equal(views["update"], sent)
+    assert plain.norm is None or plain.norm == pytest.approx(decoder.norm, rel=1e-6)
+
+
+def test_a_kept_section_whose_scale_is_too_large_is_decoded_and_its_overflow_refused() -> None:
+    from aggsrv.transport.errors import NonFinite
+
+    big = float(np.finfo(np.float32).max) / 100
+    section = _pack(INT8, [1.0, big], [1, 2, 127, 3])
+    with pytest.raises(NonFinite, match="'update' holds inf at element 2"):
+        _decoder(INT8, 4, 2, True, section)
