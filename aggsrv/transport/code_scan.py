@@ -63,41 +63,82 @@ def first_refused_code(body: np.ndarray, bits: int) -> int:
     return int(_first(np.ascontiguousarray(body), bits))
 
 
-@nb.njit(cache=True, nogil=True)
-def _squares8(codes, scales, block):  # pragma: no cover - compiled
-    n = codes.shape[0]
+# The blocks are summed in this many fixed parts (in parallel), then the parts in order: the
+# same float64 sum whatever the number of threads.
+_PARTS = 64
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _block_squares8(codes):  # pragma: no cover - compiled
+    """(sum code^2, how many codes are -128) over one block: -128 is the one code whose square
+    reaches 2^14 (127^2 = 16129). |code| <= 128 and block <= 65536 keep the sum within 32 bits.
+    A loop over a slice of its own, with no branch, so that LLVM vectorises it."""
+    acc = np.int32(0)
+    hits = np.int32(0)
+    for i in range(codes.shape[0]):
+        c = np.int32(codes[i])
+        acc += c * c
+        hits += (c * c) >> 14
+    return acc, hits
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _block_squares4(pairs):  # pragma: no cover - compiled
+    """(sum code^2, how many codes are -8) over the two nibbles of each byte of ``pairs``
+    (sign-extended: (v ^ 8) - 8); -8 is the one code whose square reaches 2^6 (7^2 = 49)."""
+    acc = np.int32(0)
+    hits = np.int32(0)
+    for i in range(pairs.shape[0]):
+        b = np.int32(pairs[i])
+        lo = ((b & 0x0F) ^ 8) - 8
+        hi = ((b >> 4) ^ 8) - 8
+        acc += lo * lo + hi * hi
+        hits += ((lo * lo) >> 6) + ((hi * hi) >> 6)
+    return acc, hits
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _squares(body, n, scales, block, bits):  # pragma: no cover - compiled
+    nblocks = scales.shape[0]
+    totals = np.zeros(_PARTS)
+    hits = np.zeros(_PARTS, dtype=np.int64)
+    codes = body.view(np.int8)
+    for part in nb.prange(_PARTS):
+        total = 0.0
+        hit = 0
+        for b in range(part * nblocks // _PARTS, (part + 1) * nblocks // _PARTS):
+            if bits == 8:
+                acc, h = _block_squares8(codes[b * block : min(n, (b + 1) * block)])
+            elif block % 2 == 0:  # whole bytes (a last odd value's high nibble is 0)
+                half = block // 2
+                acc, h = _block_squares4(body[b * half : min(body.shape[0], (b + 1) * half)])
+            else:  # odd INT4 blocks split bytes: value by value
+                acc = np.int32(0)
+                h = np.int32(0)
+                for i in range(b * block, min(n, (b + 1) * block)):
+                    c = np.int32(((body[i >> 1] >> ((i & 1) * 4)) & 0x0F) ^ 8) - 8
+                    acc += c * c
+                    h += (c * c) >> 6
+            s = np.float64(scales[b])
+            total += s * s * np.float64(acc)
+            hit += h
+        totals[part] = total
+        hits[part] = hit
     total = 0.0
-    for b in range(scales.shape[0]):
-        acc = 0  # |code| <= 128 and block <= 65536: the block's sum fits 32 bits
-        for i in range(b * block, min(n, (b + 1) * block)):
-            c = np.int32(codes[i])
-            acc += c * c
-        s = np.float64(scales[b])
-        total += s * s * acc
-    return total
+    for part in range(_PARTS):
+        total += totals[part]
+    return total, hits.sum()
 
 
-@nb.njit(cache=True, nogil=True)
-def _squares4(body, n, scales, block):  # pragma: no cover - compiled
-    total = 0.0
-    for b in range(scales.shape[0]):
-        acc = 0
-        for i in range(b * block, min(n, (b + 1) * block)):
-            nibble = np.int32((body[i >> 1] >> ((i & 1) * 4)) & 0x0F)
-            c = nibble - 16 if nibble > 7 else nibble
-            acc += c * c
-        s = np.float64(scales[b])
-        total += s * s * acc
-    return total
-
-
-def code_squares(body: np.ndarray, n: int, scales: np.ndarray, block: int, bits: int) -> float:
-    """``sum_b scale_b^2 * sum_{i in b} code_i^2`` in float64: the squared L2 norm of the ``n``
-    values of a quantized section taken from its codes (the exact squares of ``code * scale``,
-    before each decoded value's rounding to binary32), in one read of the codes. ``body``: the
-    uint8 code bytes; ``scales``: float32."""
+def code_squares(
+    body: np.ndarray, n: int, scales: np.ndarray, block: int, bits: int
+) -> tuple[float, int]:
+    """(``sum_b scale_b^2 * sum_{i in b} code_i^2`` in float64, the index of the first refused
+    code or -1) of the ``n`` values of a quantized section, in one read of the codes: the squared
+    L2 norm taken from the codes (the exact squares of ``code * scale``, before each decoded
+    value's rounding to binary32) and :func:`first_refused_code`'s answer. ``body``: the uint8
+    code bytes (an INT4 padding nibble must be 0); ``scales``: float32."""
     body = np.ascontiguousarray(body)
     scales = np.ascontiguousarray(scales, dtype=np.float32)
-    if bits == 8:
-        return float(_squares8(body.view(np.int8), scales, block))
-    return float(_squares4(body, n, scales, block))
+    total, hits = _squares(body, n, scales, block, bits)
+    return float(total), (first_refused_code(body, bits) if hits else -1)

@@ -177,3 +177,31 @@ def test_a_bad_quantized_upload_is_refused_and_changes_nothing(what, offered, co
                 assert torch.allclose(applied, before + sent, rtol=0, atol=1e-6)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("q", ["int8", "int4"])
+def test_fedasync_folds_a_quantized_delta_as_sent_over_the_wire(q: str, monkeypatch) -> None:
+    """Without a log the server hands FedAsync the codes; the model moves by alpha times what they
+    decode to, each element in float64 and rounded once."""
+    from aggsrv.strategies.fedasync import FedAsync
+
+    folded: list[int] = []
+    fold = FedAsync._apply_codes
+    monkeypatch.setattr(
+        FedAsync, "_apply_codes", lambda s, u, j, a: folded.append(u.quantized.bits) or fold(s, u, j, a)
+    )
+    g = _gen()
+    srv = RunningServer(strategy="fedasync", rate_limit_per_second=0.0,
+                        strategy_config={"alpha": 0.4, "staleness": "constant"})  # fmt: skip
+    try:
+        with Client(srv.address, "a", compression=Compression(quantization=q)) as c:
+            w0 = torch.randn(D, generator=g)
+            c.register(layout=_layout(), initial=w0)
+            delta = torch.randn(D, generator=g) * 0.01
+            assert c.push(c.get_job(), delta, kind=UpdateKind.DELTA).status is Status.APPLIED
+            _, model = c.get_model()
+    finally:
+        srv.stop()
+    assert folded == [8 if q == "int8" else 4]
+    _, sent = quantize(delta, Quantization.parse(q), 128)
+    assert torch.equal(model, (w0.double() + 0.4 * sent.double()).float())

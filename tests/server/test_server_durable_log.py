@@ -564,3 +564,45 @@ def test_a_compressed_update_is_logged_as_it_came_and_replays_bit_for_bit(tmp_pa
         assert torch.equal(resumed.state()["model"], live["model"])
     finally:
         resumed.stop()
+
+
+@pytest.mark.parametrize("parts", [True, False], ids=["logged-as-it-arrives", "logged-whole"])
+def test_a_quantized_delta_folds_from_its_codes_live_and_in_replay(tmp_path, monkeypatch, parts):
+    """FedAsync takes an INT8 DELTA as codes (no float32 copy) when the log records the codes as
+    they came; logged whole (no parts), the values are decoded first, as the record holds them.
+    Replay takes the same path as the live server, so the resumed model is the same bits."""
+    from aggsrv.client.compression import Compression
+    from aggsrv.strategies.fedasync import FedAsync
+
+    folded: list[int] = []
+    fold = FedAsync._apply_codes
+
+    def counted(self, update, job, a):
+        folded.append(update.quantized.numel)
+        return fold(self, update, job, a)
+
+    monkeypatch.setattr(FedAsync, "_apply_codes", counted)
+    d = 20_011
+    config = {"strategy": "fedasync", "checkpoint_every_updates": 0,
+              "wal_part_bytes": 1 << 20 if parts else 0}  # fmt: skip
+    srv = durable(tmp_path, **config)
+    layout = odd_layout(d)
+    try:
+        with Client(srv.address, "a", compression=Compression(quantization="int8")) as c:
+            c.register(layout=layout, initial=torch.randn(d))
+            for _ in range(3):
+                assert c.push(c.get_job(), torch.randn(d) * 0.01).status is Status.APPLIED
+        live = srv.state()
+        codes_logged = [r for r in logged(srv) if r.kind == "update" and "update" in r.quantized]
+    finally:
+        srv.stop()
+    assert folded == ([d] * 3 if parts else [])
+    assert len(codes_logged) == (3 if parts else 0)
+    folded.clear()
+    D.list_checkpoints(Path(srv.config.state_dir))[-1][1].unlink()
+    resumed = durable(tmp_path, resume=True, **config)
+    try:
+        assert torch.equal(resumed.state()["model"], live["model"])
+    finally:
+        resumed.stop()
+    assert folded == ([d] * 3 if parts else [])
