@@ -204,6 +204,23 @@ class QuantizedValues:
         """The bytes of codes and scales."""
         return self.codes.numel() + 4 * self.scales.numel()
 
+    def chunk_elements(self, about: int) -> int:
+        """A chunk length near ``about`` (at least one block) at which :meth:`span` can cut the
+        values: whole blocks, and whole bytes of 4-bit codes."""
+        step = self.block if self.bits == 8 or self.block % 2 == 0 else 2 * self.block
+        return step * max(1, about // step)
+
+    def span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) of values [start, end), views: ``start`` a multiple of the block (and
+        even for 4 bits: see :meth:`chunk_elements`), ``end`` at most numel."""
+        step = self.chunk_elements(1)
+        if start % step or not 0 <= start <= end <= self.numel:
+            raise ValueError(
+                f"values [{start}, {end}) of {self.numel} do not start on a chunk of {step}"
+            )
+        codes = self.codes[start:end] if self.bits == 8 else self.codes[start // 2 : (end + 1) // 2]
+        return codes, self.scales[start // self.block : -(-end // self.block)]
+
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """The float32 values written into ``out`` ([numel], CPU), bit for bit as the wire
         decodes them; returns out."""

@@ -177,7 +177,9 @@ def test_bench_fedasync_on_update_int8_against_float32(benchmark: Any, size: int
     raw = memoryview(bytearray(wire))
     staging = torch.empty(D)
     strategies = {
-        name: make_strategy("fedasync", {"alpha": 0.6}, layout=layout, initial=random_tensor(D, seed=2))
+        name: make_strategy(
+            "fedasync", {"alpha": 0.6}, layout=layout, initial=random_tensor(D, seed=2)
+        )
         for name in ("ours", "floor")
     }
     for s in strategies.values():

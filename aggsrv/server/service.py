@@ -59,10 +59,10 @@ from aggsrv.strategies import (
 )
 from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.transport import WireDtype
-from aggsrv.values import QuantizedValues
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import aggregation_pb2_grpc as pb_grpc
 from aggsrv.v1 import tensor_pb2 as tpb
+from aggsrv.values import QuantizedValues
 
 log = logging.getLogger(__name__)
 

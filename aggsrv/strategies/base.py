@@ -440,7 +440,11 @@ class Strategy(ABC, Generic[Config]):
         yield None if self.privacy is None else self.privacy.release_noise(extra)
 
     def _stepped_version(
-        self, total: Callable[[slice], torch.Tensor], step: float, extra: int = 0
+        self,
+        total: Callable[[slice], torch.Tensor],
+        step: float,
+        extra: int = 0,
+        chunk: int = 1 << 18,
     ) -> torch.Tensor:
         """The checked next version ``x + step * (total + noise)`` of a buffered strategy,
         chunk by chunk: ``total(s)`` is its float64 sum over elements ``s`` (a fresh tensor it
@@ -449,8 +453,8 @@ class Strategy(ABC, Generic[Config]):
         of the state changes (a refused release's noise draw is spent)."""
         with self._noise_for_release(extra) as noise:
             new = self._new_model_buffer()
-            for start in range(0, self.dim, 1 << 18):
-                s = slice(start, min(start + (1 << 18), self.dim))
+            for start in range(0, self.dim, chunk):
+                s = slice(start, min(start + chunk, self.dim))
                 summed = total(s)
                 if noise is not None:
                     summed.add_(noise[s])

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from aggsrv import kernels
 from aggsrv.aggregators import AGGREGATOR_HELP, RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
@@ -97,6 +98,19 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
         self._row_absmax: list[float] = []  # derived from the rows, not saved
         self._aggregate: torch.Tensor | None = None  # the robust aggregate's [D] row
 
+    def folds_quantized_updates(self, kind: UpdateKind) -> bool:
+        """A DELTA's codes go into the float64 running sum in one pass, when nothing else reads
+        the delta first: no differential privacy, update filter, norm bound or robust rule, a
+        CPU model."""
+        return (
+            kind is UpdateKind.DELTA
+            and self.privacy is None
+            and self.update_filters is None
+            and self.config.max_update_norm is None
+            and self._rows is None
+            and self.device.type == "cpu"
+        )
+
     @property
     def buffered(self) -> int:
         """How many deltas wait in the buffer."""
@@ -106,6 +120,8 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
         w = 1.0 / math.sqrt(1.0 + staleness) if self.config.staleness_weighting else 1.0
         if self._rows is not None:
             return self._apply_robust(update, job, w)
+        if update.quantized is not None:
+            return self._apply_codes(update, w)
         m = self.config.buffer_size
         step = self.config.server_lr / m
         base = job.weights if update.kind is UpdateKind.WEIGHTS else None
@@ -152,6 +168,53 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
         self._weights.clear()
         if privacy is not None:
             privacy.contribute(update.client_id, w, wf / w)
+        version = self._publish(new)
+        self._released()
+        logger.debug("fedbuff: applied %d deltas -> v%d", m, version)
+        return Outcome(Status.APPLIED, version)
+
+    def _apply_codes(self, update: Update, w: float) -> Outcome:
+        """A DELTA as the wire's codes (:meth:`folds_quantized_updates`): the running sum gains
+        ``w delta`` with each value decoded where it is added, in float64; the check of the
+        flush to come and the flush decode the codes chunk by chunk, with no [D] float32 copy."""
+        q = update.quantized
+        assert q is not None and update.kind is UpdateKind.DELTA
+        m = self.config.buffer_size
+        step = self.config.server_lr / m
+        chunk = q.chunk_elements(1 << 18)
+
+        def summed(s: slice) -> torch.Tensor:
+            """The running sum with this update's w delta added, elements ``s`` (float64)."""
+            codes, scales = q.span(s.start, s.stop)
+            if self._weights:
+                acc = torch.empty(s.stop - s.start, dtype=torch.float64)
+                base = self._sum[s]
+            else:
+                acc = torch.zeros(s.stop - s.start, dtype=torch.float64)
+                base = None
+            return kernels.quantized_accumulate(
+                acc, codes, scales, q.block, w, bits=q.bits, base=base, backend="cpu"
+            )
+
+        if len(self._weights) + 1 < m:
+            self._require_finite_chunks(
+                lambda s: torch.add(self._model[s], summed(s), alpha=step).float(),
+                "the model the buffer's flush would publish",
+                chunk,
+            )
+            if not self._weights:
+                self._sum.zero_()
+            kernels.quantized_accumulate(
+                self._sum, q.codes, q.scales, q.block, w, bits=q.bits, backend="cpu"
+            )
+            self._weights.append(w)
+            if update.buffers is not None:
+                self.float_buffers.add(update.buffers, w)
+            return Outcome(Status.BUFFERED, self.version)
+        new = self._stepped_version(summed, step, extra=1, chunk=chunk)
+        if update.buffers is not None:
+            self.float_buffers.add(update.buffers, w)
+        self._weights.clear()
         version = self._publish(new)
         self._released()
         logger.debug("fedbuff: applied %d deltas -> v%d", m, version)

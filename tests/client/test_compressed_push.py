@@ -187,9 +187,12 @@ def test_fedasync_folds_a_quantized_delta_as_sent_over_the_wire(q: str, monkeypa
 
     folded: list[int] = []
     fold = FedAsync._apply_codes
-    monkeypatch.setattr(
-        FedAsync, "_apply_codes", lambda s, u, j, a: folded.append(u.quantized.bits) or fold(s, u, j, a)
-    )
+
+    def counted(s, u, j, a):
+        folded.append(u.quantized.bits)
+        return fold(s, u, j, a)
+
+    monkeypatch.setattr(FedAsync, "_apply_codes", counted)
     g = _gen()
     srv = RunningServer(strategy="fedasync", rate_limit_per_second=0.0,
                         strategy_config={"alpha": 0.4, "staleness": "constant"})  # fmt: skip

@@ -21,6 +21,7 @@ import grpc
 import pytest
 import torch
 from server_helpers import RunningServer
+from state_helpers import assert_same_state
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
@@ -566,32 +567,41 @@ def test_a_compressed_update_is_logged_as_it_came_and_replays_bit_for_bit(tmp_pa
         resumed.stop()
 
 
+@pytest.mark.parametrize("strategy", ["fedasync", "fedbuff"])
 @pytest.mark.parametrize("parts", [True, False], ids=["logged-as-it-arrives", "logged-whole"])
-def test_a_quantized_delta_folds_from_its_codes_live_and_in_replay(tmp_path, monkeypatch, parts):
-    """FedAsync takes an INT8 DELTA as codes (no float32 copy) when the log records the codes as
-    they came; logged whole (no parts), the values are decoded first, as the record holds them.
-    Replay takes the same path as the live server, so the resumed model is the same bits."""
+def test_a_quantized_delta_folds_from_its_codes_live_and_in_replay(
+    tmp_path, monkeypatch, parts, strategy
+):
+    """FedAsync and FedBuff take an INT8 DELTA as codes (no float32 copy) when the log records
+    the codes as they came; logged whole (no parts), the values are decoded first, as the record
+    holds them. Replay takes the same path as the live server: the resumed state is the same
+    bits (FedBuff's: with a delta still in its running sum)."""
     from aggsrv.client.compression import Compression
-    from aggsrv.strategies.fedasync import FedAsync
+    from aggsrv.strategies import strategy_class
 
+    cls = strategy_class(strategy)
     folded: list[int] = []
-    fold = FedAsync._apply_codes
+    fold = cls._apply_codes
 
-    def counted(self, update, job, a):
+    def counted(self, update, *args):
         folded.append(update.quantized.numel)
-        return fold(self, update, job, a)
+        return fold(self, update, *args)
 
-    monkeypatch.setattr(FedAsync, "_apply_codes", counted)
+    monkeypatch.setattr(cls, "_apply_codes", counted)
     d = 20_011
-    config = {"strategy": "fedasync", "checkpoint_every_updates": 0,
+    config = {"strategy": strategy, "checkpoint_every_updates": 0,
               "wal_part_bytes": 1 << 20 if parts else 0}  # fmt: skip
+    if strategy == "fedbuff":
+        config["strategy_config"] = {"buffer_size": 2}
     srv = durable(tmp_path, **config)
     layout = odd_layout(d)
     try:
         with Client(srv.address, "a", compression=Compression(quantization="int8")) as c:
             c.register(layout=layout, initial=torch.randn(d))
             for _ in range(3):
-                assert c.push(c.get_job(), torch.randn(d) * 0.01).status is Status.APPLIED
+                assert c.push(c.get_job(), torch.randn(d) * 0.01).status in (
+                    Status.APPLIED, Status.BUFFERED,
+                )  # fmt: skip
         live = srv.state()
         codes_logged = [r for r in logged(srv) if r.kind == "update" and "update" in r.quantized]
     finally:
@@ -602,7 +612,7 @@ def test_a_quantized_delta_folds_from_its_codes_live_and_in_replay(tmp_path, mon
     D.list_checkpoints(Path(srv.config.state_dir))[-1][1].unlink()
     resumed = durable(tmp_path, resume=True, **config)
     try:
-        assert torch.equal(resumed.state()["model"], live["model"])
+        assert_same_state(resumed.state(), live)
     finally:
         resumed.stop()
     assert folded == ([d] * 3 if parts else [])

@@ -32,7 +32,9 @@ def gen() -> torch.Generator:
 _uid = iter(range(10**9))
 
 
-def codes_of(delta: torch.Tensor, q: Quantization, block: int) -> tuple[QuantizedValues, torch.Tensor]:
+def codes_of(
+    delta: torch.Tensor, q: Quantization, block: int
+) -> tuple[QuantizedValues, torch.Tensor]:
     """The wire's codes of ``delta`` (over bytes of their own) and the float32 values they decode
     to, by the transport's encoder."""
     wire, decoded = quantize(delta, q, block)
@@ -42,8 +44,11 @@ def codes_of(delta: torch.Tensor, q: Quantization, block: int) -> tuple[Quantize
 
 
 def update(job, delta: torch.Tensor, quantized: QuantizedValues | None = None, kind=None) -> Update:
-    return Update(job.client_id, job.job_id, job.base_version, f"u{next(_uid)}", 5,
-                  job.recipe.work_target, kind or UpdateKind.DELTA, delta, quantized=quantized)  # fmt: skip
+    kind = kind or UpdateKind.DELTA
+    work = job.recipe.work_target
+    uid = f"u{next(_uid)}"
+    return Update(job.client_id, job.job_id, job.base_version, uid, 5, work, kind, delta,
+                  quantized=quantized)  # fmt: skip
 
 
 def nan_staging() -> torch.Tensor:
@@ -86,6 +91,57 @@ def test_fedasync_folds_the_codes_into_the_next_version(q, block, gen) -> None:
     assert torch.equal(s.global_model(), want)
 
 
+@pytest.mark.parametrize(
+    ("q", "block"),
+    [(Quantization.INT8, 128), (Quantization.INT4, 7), (Quantization.INT8, 5),
+     (Quantization.INT4, 64)],
+)  # fmt: skip
+def test_fedbuff_adds_the_codes_into_its_running_sum(q, block, gen, monkeypatch) -> None:
+    """x + lr / M * sum_i w_i delta_i per buffer of M, the sum in float64; chunks of the flush
+    and of its check are cut on whole blocks (and bytes), here several chunks of a small D."""
+    from aggsrv.strategies import fedbuff
+
+    whole = QuantizedValues.chunk_elements  # chunks of about 64 values: many in D
+    monkeypatch.setattr(QuantizedValues, "chunk_elements", lambda self, about: whole(self, 64))
+    x0 = torch.randn(D, generator=gen)
+    m, lr = 3, 0.8
+    s = make_strategy("fedbuff", {"buffer_size": m, "server_lr": lr, "staleness_weighting": True},
+                      layout=LAYOUT, initial=x0)  # fmt: skip
+    assert s.folds_quantized_updates(UpdateKind.DELTA)
+    assert isinstance(s, fedbuff.FedBuff)
+    for c in "abcd":
+        s.on_register(c, 0.0)
+    want = x0.to(F64)
+    total = torch.zeros(D, dtype=F64)
+    buffered = 0
+    for t, c in enumerate("abcdabcab"):
+        job = s.outstanding_job(c) or s.job_for(c, float(t))
+        staleness = s.version - job.base_version
+        kept, sent = codes_of(torch.randn(D, generator=gen) * 0.01, q, block)
+        out = s.on_update(update(job, nan_staging(), kept), t + 0.5)
+        total += sent.to(F64) / math.sqrt(1 + staleness)
+        buffered += 1
+        if buffered == m:
+            assert out.status is Status.APPLIED
+            want = want + lr / m * total
+            torch.testing.assert_close(s.global_model().to(F64), want, rtol=0, atol=1e-6)
+            want = s.global_model().to(F64)
+            total.zero_()
+            buffered = 0
+        else:
+            assert out.status is Status.BUFFERED
+    assert s.version == 3
+
+
+def test_a_span_of_codes_starts_on_a_whole_block_and_byte() -> None:
+    v = _values(codes=torch.zeros(5, dtype=torch.uint8), bits=4)  # 10 values, blocks of 5
+    assert v.chunk_elements(7) == 10 and v.chunk_elements(25) == 20
+    codes, scales = v.span(0, 10)
+    assert (codes.numel(), scales.numel()) == (5, 2)
+    with pytest.raises(ValueError, match="do not start on a chunk of 10"):
+        v.span(5, 10)
+
+
 def _run(name: str, config: dict, x0: torch.Tensor, deltas, quantized: bool):
     s = make_strategy(name, config, layout=LAYOUT, initial=x0.clone())
     for c in "abc":
@@ -103,15 +159,31 @@ def _run(name: str, config: dict, x0: torch.Tensor, deltas, quantized: bool):
 @pytest.mark.parametrize(
     ("name", "config"),
     [
-        ("fedbuff", {"buffer_size": 2, "server_lr": 0.7}),
+        ("fedbuff", {"buffer_size": 2, "aggregator": "median"}),  # a rule keeps rows
+        ("fedbuff", {"buffer_size": 2, "max_update_norm": 1e6}),
         ("ca2fl", {"buffer_size": 2}),
         ("mifa", {"learning_rate": 0.1, "epoch_timeout": None, "detect": False}),
         ("fedasync", {"max_update_norm": 1e6}),  # a norm bound reads the delta first
         ("fedasync", {"update_filter": "norm"}),
-        ("fedasync", {"dp_clip_norm": 0.2, "dp_noise_multiplier": 0.5, "dp_seed": 11,
-                      "dp_insecure_seed": True}),  # fmt: skip
+        (
+            "fedasync",
+            {
+                "dp_clip_norm": 0.2,
+                "dp_noise_multiplier": 0.5,
+                "dp_seed": 11,
+                "dp_insecure_seed": True,
+            },
+        ),  # fmt: skip
     ],
-    ids=["fedbuff", "ca2fl", "mifa", "fedasync-norm-bound", "fedasync-filter", "fedasync-dp"],
+    ids=[
+        "fedbuff-median",
+        "fedbuff-norm-bound",
+        "ca2fl",
+        "mifa",
+        "fedasync-norm-bound",
+        "fedasync-filter",
+        "fedasync-dp",
+    ],  # fmt: skip
 )
 def test_a_strategy_that_does_not_fold_codes_decodes_them_first(name, config, gen) -> None:
     x0 = torch.randn(D, generator=gen)

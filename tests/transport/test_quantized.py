@@ -167,7 +167,8 @@ def test_codes_kept_decode_as_the_section_does_and_carry_their_norm(q, n: int, b
     codes = rng.integers(-q.qmax, q.qmax + 1, n)
     section = _pack(q, scales.tolist(), codes.tolist())
     kept = quantized_values(section, q, n, block, "update")
-    assert kept is not None and (kept.numel, kept.block, kept.bits) == (n, block, {INT8: 8, INT4: 4}[q])
+    assert kept is not None
+    assert (kept.numel, kept.block, kept.bits) == (n, block, {INT8: 8, INT4: 4}[q])
     assert torch.equal(kept.decode(torch.empty(n)), decode_quantized(section, q, n, block, "u"))
     # The norm from the codes: the exact products code * scale (float64 holds them), squared.
     exact = math.fsum((float(c) * float(scales[i // block])) ** 2 for i, c in enumerate(codes))
