@@ -156,8 +156,7 @@ class QuantizedValues:
     [ceil(numel / 2)] (``bits`` 4, value 2j in the low nibble of byte j); ``scales``: float32
     [ceil(numel / block)], each finite, not negative and at most FLT_MAX / 128 (FLT_MAX / 8 for 4
     bits), so that every value is finite whatever its code: a strategy folds them in without
-    checking them again. Both contiguous CPU tensors, only read. ``norm``: their L2 norm when the
-    code that built them computed it (the server's decoder does, from the codes).
+    checking them again. Both contiguous CPU tensors, only read.
     """
 
     codes: torch.Tensor
@@ -165,7 +164,8 @@ class QuantizedValues:
     block: int
     bits: int
     numel: int
-    norm: float | None = None
+    # The squared norm from the codes, once known (see squared_norm).
+    _squared: list[float] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         """Check the shapes, dtypes and scales (one read of the scales, none of the codes)."""
@@ -203,6 +203,27 @@ class QuantizedValues:
     def nbytes(self) -> int:
         """The bytes of codes and scales."""
         return self.codes.numel() + 4 * self.scales.numel()
+
+    def squared_norm(self) -> float:
+        """``sum_b scale_b^2 * sum_{i in b} code_i^2`` in float64: the squared L2 norm of the exact
+        products ``code * scale`` (before each value's rounding to binary32). A kernel that read
+        the codes anyway may have noted it (:meth:`note_squared_norm`); else one read of them."""
+        if not self._squared:
+            from aggsrv.transport.code_scan import code_squares  # numba, loaded when needed
+
+            body = self.codes.view(torch.uint8).numpy()
+            total = code_squares(body, self.numel, self.scales.numpy(), self.block, self.bits)
+            self._squared.append(total)
+        return self._squared[0]
+
+    def note_squared_norm(self, value: float) -> None:
+        """Remember :meth:`squared_norm`, computed by a kernel in a pass it made anyway."""
+        self._squared[:] = [float(value)]
+
+    @property
+    def norm(self) -> float:
+        """The L2 norm, the root of :meth:`squared_norm`."""
+        return math.sqrt(self.squared_norm())
 
     def chunk_elements(self, about: int) -> int:
         """A chunk length near ``about`` (at least one block) at which :meth:`span` can cut the

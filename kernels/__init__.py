@@ -677,6 +677,7 @@ def quantized_accumulate(
     *,
     bits: int = 8,
     base: torch.Tensor | None = None,
+    squares: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``out += weight * values`` in place, the values read from blockwise absmax codes (the
@@ -693,6 +694,11 @@ def quantized_accumulate(
     With ``base`` (a [n] row like out, not overlapping it unless it is out itself), ``out = base
     + weight * values`` in the same pass, out's old content never read: the same bits as adding
     into a copy of base (FedAsync's ``x + a * delta`` written into the next version).
+
+    With ``squares`` (a float64 [1] tensor on out's device), it receives ``sum_b scales[b]^2 *
+    sum_{i in b} code_i^2``, the values' squared L2 norm taken from their codes (exact products
+    ``code * scale``, before each value's rounding to binary32), in the same read of the codes on
+    the CPU (a separate pass elsewhere).
     """
     _quantized_args(out, codes, scales, block, bits)
     if base is not None:
@@ -704,14 +710,22 @@ def quantized_accumulate(
             raise ValueError("out overlaps base in memory (only base=out exactly is allowed)")
         if base.numel() and base.stride(0) != 1:
             base = base.contiguous()
+    if squares is not None:
+        shape = tuple(squares.shape) if isinstance(squares, torch.Tensor) else squares
+        if not isinstance(squares, torch.Tensor) or squares.dtype != torch.float64 or shape != (1,):
+            raise TypeError(f"squares must be a float64 tensor of shape (1,), got {shape!r}")
+        if squares.device != out.device:
+            raise ValueError(f"squares is on {squares.device}, out on {out.device}")
     n = out.shape[0]
     w = _finite("weight", weight)
     if n:
         impl = _backend(backend, out.device)
         impl.quantized_accumulate(
             out, codes.contiguous(), scales.contiguous(), block, w, bits,
-            out if base is None else base,
+            out if base is None else base, squares,
         )  # fmt: skip
+    elif squares is not None:
+        squares.zero_()
     return out
 
 

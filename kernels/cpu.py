@@ -869,38 +869,78 @@ def sparse_accumulate(
 _Q_TASK_BLOCKS = 256
 
 
+# With ``squares`` (a float64 [tasks] array, else an empty one), each task also writes the sum of
+# scale_b^2 * sum code^2 over its blocks there: the values' squared norm from their codes, in the
+# same read of them (integer squares of a block fit 32 bits: |code| <= 128, block <= 65536). The
+# caller adds the tasks' sums in order, so it is the same whatever the number of threads.
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _q8_block(o, x, c, s, weight, want):  # pragma: no cover - compiled
+    """One block of o = x + weight * values; sum code^2 when ``want`` (else 0)."""
+    acc = np.int32(0)
+    if want:
+        for j in range(o.shape[0]):
+            cj = c[j]
+            o[j] = np.float64(x[j]) + weight * np.float64(np.float32(cj) * s)
+            ci = np.int32(cj)
+            acc += ci * ci
+    else:
+        for j in range(o.shape[0]):
+            o[j] = np.float64(x[j]) + weight * np.float64(np.float32(c[j]) * s)
+    return acc
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _q8_block_in_place(o, c, s, weight, want):  # pragma: no cover - compiled
+    acc = np.int32(0)
+    if want:
+        for j in range(o.shape[0]):
+            cj = c[j]
+            o[j] = np.float64(o[j]) + weight * np.float64(np.float32(cj) * s)
+            ci = np.int32(cj)
+            acc += ci * ci
+    else:
+        for j in range(o.shape[0]):
+            o[j] = np.float64(o[j]) + weight * np.float64(np.float32(c[j]) * s)
+    return acc
+
+
 @nb.njit(cache=True, nogil=True, parallel=True)  # no fastmath: FMA would round differently
-def _q8_accumulate(out, codes, scales, block, weight, base):  # pragma: no cover - compiled
+def _q8_accumulate(out, codes, scales, block, weight, base, squares):  # pragma: no cover
     # out = base + weight * values, base never out itself (an alias would keep LLVM from
     # vectorising: `_q8_accumulate_in_place`). Per block: its scale read once; the product in
     # float32 (the wire's binary32 decode), then product and sum in float64, as the reference.
     n = out.shape[0]
     nblocks = scales.shape[0]
+    want = squares.shape[0] > 0
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        total = 0.0
         for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
             s = scales[b]
             lo = b * block
             hi = min(n, lo + block)
-            o = out[lo:hi]
-            x = base[lo:hi]
-            c = codes[lo:hi]
-            for j in range(hi - lo):
-                o[j] = np.float64(x[j]) + weight * np.float64(np.float32(c[j]) * s)
+            acc = _q8_block(out[lo:hi], base[lo:hi], codes[lo:hi], s, weight, want)
+            total += np.float64(s) * np.float64(s) * np.float64(acc)
+        if want:
+            squares[t] = total
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)  # no fastmath, as _q8_accumulate
-def _q8_accumulate_in_place(out, codes, scales, block, weight):  # pragma: no cover - compiled
+def _q8_accumulate_in_place(out, codes, scales, block, weight, squares):  # pragma: no cover
     n = out.shape[0]
     nblocks = scales.shape[0]
+    want = squares.shape[0] > 0
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        total = 0.0
         for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
             s = scales[b]
             lo = b * block
             hi = min(n, lo + block)
-            o = out[lo:hi]
-            c = codes[lo:hi]
-            for j in range(hi - lo):
-                o[j] = np.float64(o[j]) + weight * np.float64(np.float32(c[j]) * s)
+            acc = _q8_block_in_place(out[lo:hi], codes[lo:hi], s, weight, want)
+            total += np.float64(s) * np.float64(s) * np.float64(acc)
+        if want:
+            squares[t] = total
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -910,20 +950,24 @@ def _nibble(byte, high):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _q4_accumulate(out, packed, scales, block, weight, base):  # pragma: no cover - compiled
+def _q4_accumulate(out, packed, scales, block, weight, base, squares):  # pragma: no cover
     # out = base + weight * values, base never out itself (see _q8_accumulate).
     # As _q8_accumulate, two values a byte: an odd first or last value of a block (blocks of
     # of odd size) alone, the pairs in between in one vectorisable loop.
     n = out.shape[0]
     nblocks = scales.shape[0]
+    want = squares.shape[0] > 0
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        total = 0.0
         for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
             s = scales[b]
             i = b * block
             hi = min(n, i + block)
+            acc = np.int32(0)
             if i & 1 and i < hi:
                 code = _nibble(np.int32(packed[i >> 1]), True)
                 out[i] = np.float64(base[i]) + weight * np.float64(np.float32(code) * s)
+                acc += code * code
                 i += 1
             pairs = (hi - i) >> 1
             o = out[i : i + 2 * pairs]
@@ -937,26 +981,35 @@ def _q4_accumulate(out, packed, scales, block, weight, base):  # pragma: no cove
                 c1 = hi4 - ((hi4 >> 3) << 4)
                 o[2 * k] = np.float64(x[2 * k]) + weight * np.float64(np.float32(c0) * s)
                 o[2 * k + 1] = np.float64(x[2 * k + 1]) + weight * np.float64(np.float32(c1) * s)
+                acc += c0 * c0 + c1 * c1
             i += 2 * pairs
             if i < hi:
                 code = _nibble(np.int32(packed[i >> 1]), False)
                 out[i] = np.float64(base[i]) + weight * np.float64(np.float32(code) * s)
+                acc += code * code
+            total += np.float64(s) * np.float64(s) * np.float64(acc)
+        if want:
+            squares[t] = total
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
-def _q4_accumulate_in_place(out, packed, scales, block, weight):  # pragma: no cover
+def _q4_accumulate_in_place(out, packed, scales, block, weight, squares):  # pragma: no cover
     # As _q8_accumulate_in_place, two values a byte: an odd first or last value of a block (blocks
     # of odd size) alone, the pairs in between in one vectorisable loop.
     n = out.shape[0]
     nblocks = scales.shape[0]
+    want = squares.shape[0] > 0
     for t in nb.prange((nblocks + _Q_TASK_BLOCKS - 1) // _Q_TASK_BLOCKS):
+        total = 0.0
         for b in range(t * _Q_TASK_BLOCKS, min(nblocks, (t + 1) * _Q_TASK_BLOCKS)):
             s = scales[b]
             i = b * block
             hi = min(n, i + block)
+            acc = np.int32(0)
             if i & 1 and i < hi:
                 code = _nibble(np.int32(packed[i >> 1]), True)
                 out[i] = np.float64(out[i]) + weight * np.float64(np.float32(code) * s)
+                acc += code * code
                 i += 1
             pairs = (hi - i) >> 1
             o = out[i : i + 2 * pairs]
@@ -969,10 +1022,15 @@ def _q4_accumulate_in_place(out, packed, scales, block, weight):  # pragma: no c
                 c1 = hi4 - ((hi4 >> 3) << 4)
                 o[2 * k] = np.float64(o[2 * k]) + weight * np.float64(np.float32(c0) * s)
                 o[2 * k + 1] = np.float64(o[2 * k + 1]) + weight * np.float64(np.float32(c1) * s)
+                acc += c0 * c0 + c1 * c1
             i += 2 * pairs
             if i < hi:
                 code = _nibble(np.int32(packed[i >> 1]), False)
                 out[i] = np.float64(out[i]) + weight * np.float64(np.float32(code) * s)
+                acc += code * code
+            total += np.float64(s) * np.float64(s) * np.float64(acc)
+        if want:
+            squares[t] = total
 
 
 @nb.njit(cache=True, nogil=True, parallel=True)
@@ -1035,20 +1093,28 @@ def quantized_accumulate(
     weight: float,
     bits: int,
     base: torch.Tensor,
+    squares: torch.Tensor | None = None,
 ) -> None:
     direct = out.dtype in (torch.float32, torch.float64)
     target = out if direct else torch.empty(out.shape, dtype=torch.float32)
     args = (codes.numpy(), scales.numpy(), int(block), float(weight))
+    tasks = -(-scales.shape[0] // _Q_TASK_BLOCKS)
+    parts = np.zeros(tasks if squares is not None else 0)
     if base is out:  # out += weight * values; a half out is worked on in float32
         if not direct:
             target.copy_(out)
         kernel = _q8_accumulate_in_place if bits == 8 else _q4_accumulate_in_place
-        kernel(_np(target), *args)
+        kernel(_np(target), *args, parts)
     else:
         kernel = _q8_accumulate if bits == 8 else _q4_accumulate
-        kernel(_np(target), *args, _np(_as_work(base)))
+        kernel(_np(target), *args, _np(_as_work(base)), parts)
     if not direct:
         out.copy_(target)
+    if squares is not None:
+        total = 0.0
+        for part in parts.tolist():  # in order: the same sum whatever the threads
+            total += part
+        squares.fill_(total)
 
 
 def average_linkage(condensed: np.ndarray) -> np.ndarray:

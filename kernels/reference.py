@@ -275,16 +275,29 @@ def sparse_accumulate(
     out[idx] = res.to(out.dtype)
 
 
+def _codes(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The n codes as int64 (4-bit ones unpacked and sign-extended)."""
+    if bits == 8:
+        return codes.to(torch.int64)
+    b = codes.to(torch.int64)
+    q = torch.stack([b & 0x0F, b >> 4], dim=1).reshape(-1)[:n]
+    return torch.where(q >= 8, q - 16, q)
+
+
 def _values(codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, n: int):
     """The float32 values of blockwise codes: float32(code) * scale, one binary32 product."""
-    if bits == 8:
-        q = codes.to(torch.int64)
-    else:
-        b = codes.to(torch.int64)
-        q = torch.stack([b & 0x0F, b >> 4], dim=1).reshape(-1)[:n]
-        q = torch.where(q >= 8, q - 16, q)
     per = scales.repeat_interleave(block)[:n]
+    q = _codes(codes, bits, n)
     return (q.to(F64) * per.to(F64)).to(torch.float32)  # exact in float64, rounded once
+
+
+def code_squares(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, bits: int, n: int
+) -> torch.Tensor:
+    """``sum_b scale_b^2 * sum_{i in b} code_i^2`` as a float64 [1] tensor on the codes' device:
+    the products code * scale are exact in float64, their squares rounded once each."""
+    per = scales.repeat_interleave(block)[:n].to(F64)
+    return (_codes(codes, bits, n).to(F64) * per).square().sum().reshape(1)
 
 
 def dequantize(
@@ -301,8 +314,11 @@ def quantized_accumulate(
     weight: float,
     bits: int,
     base: torch.Tensor,
+    squares: torch.Tensor | None = None,
 ) -> None:
     values = _values(codes, scales, block, bits, out.numel())
+    if squares is not None:
+        squares.copy_(code_squares(codes, scales, block, bits, out.numel()))
     res = base.to(F64) + weight * values.to(F64)
     out.copy_(res.to(out.dtype))
 

@@ -541,6 +541,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     staleness, outcome = await fed.apply_update(update, views, upload_log)
             except StrategyError as exc:
                 await self._abort(context, strategy_code(exc), str(exc), reason=reason_of(exc))
+            if "quantized" in seen and outcome.original is None:
+                seen["norm"] = seen["quantized"].norm  # noted by the strategy's fold, or read here
         finally:
             if waiting:
                 fed.updates_waiting -= 1

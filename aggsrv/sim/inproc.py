@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from aggsrv.client.clipping import clip_update
-from aggsrv.client.compression import Compressor
+from aggsrv.client.compression import Compressor, Section
 from aggsrv.server.trace import TraceWriter
 from aggsrv.sim.config import Budget
 from aggsrv.sim.progress import Progress
 from aggsrv.sim.setup import RunSetup, client_id
 from aggsrv.strategies import Job, Status, StrategyError, Update, UpdateKind, make_strategy
 from aggsrv.trace_format import FOLDED_IN
-from aggsrv.transport import WireDtype
+from aggsrv.transport import Encoding, WireDtype, quantized_values
+from aggsrv.values import QuantizedValues
 
 __all__ = ["InprocRun", "is_round_based"]
 
@@ -258,6 +259,21 @@ class InprocRun:
         self._inflight[c] = _InFlight(job, result, t, r)
         self._push(t + plan.duration, ARRIVE, c)
 
+    def _codes(self, section: Section) -> QuantizedValues | None:
+        """A dense quantized section as the codes the server folds in, where a server would
+        (``Federation.folds_quantized``): the strategy then repeats a server's arithmetic."""
+        strategy = self.strategy
+        if (
+            section.quantization is None
+            or section.encoding is not Encoding.DENSE
+            or strategy.device.type != "cpu"
+            or not strategy.folds_quantized_updates(UpdateKind.DELTA)
+        ):
+            return None
+        return quantized_values(
+            section.payload, section.quantization, section.numel, section.block, "update"
+        )
+
     def _on_arrive(self, t: float, c: int) -> None:
         flight = self._inflight.pop(c)
         start_sent = self._sent[c]
@@ -271,6 +287,7 @@ class InprocRun:
         delta = result.delta
         payload_bytes = result.payload_bytes
         compressor = None
+        codes = None
         if job.recipe.clip_norm is not None:  # the client clips, as the client library does
             delta = clip_update(delta, UpdateKind.DELTA, job.weights, job.recipe.clip_norm)
         elif self._compressors is not None:  # and compresses, as the client library does
@@ -282,6 +299,7 @@ class InprocRun:
             delta = compressor.sent
             buffer_bytes = 0 if result.buffers is None else 4 * result.buffers.numel()
             payload_bytes = sum(s.payload.nbytes for s in sections) + buffer_bytes
+            codes = self._codes(sections[0])
         update = Update(
             client_id=client_id(c),
             job_id=job.job_id,
@@ -292,6 +310,7 @@ class InprocRun:
             kind=UpdateKind.DELTA,
             tensor=delta,
             buffers=result.buffers,
+            quantized=codes,
         )
         self._sent[c] += 1
         accepted = False

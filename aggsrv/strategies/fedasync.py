@@ -164,9 +164,12 @@ class FedAsync(Strategy[FedAsyncConfig], name="fedasync"):
         else:
             torch.lerp(x, job.weights, a, out=new)
             base = new
+        squares = torch.zeros(1, dtype=torch.float64)  # its norm, for the server's metrics
         kernels.quantized_accumulate(
-            new, q.codes, q.scales, q.block, a, bits=q.bits, base=base, backend="cpu"
-        )
+            new, q.codes, q.scales, q.block, a, bits=q.bits, base=base, squares=squares,
+            backend="cpu",
+        )  # fmt: skip
+        q.note_squared_norm(float(squares))
         if update.buffers is not None:
             assert self.float_buffers.current is not None
             self.float_buffers.set(torch.lerp(self.float_buffers.current, update.buffers, a))

@@ -204,9 +204,12 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
             )
             if not self._weights:
                 self._sum.zero_()
+            squares = torch.zeros(1, dtype=torch.float64)  # its norm, for the server's metrics
             kernels.quantized_accumulate(
-                self._sum, q.codes, q.scales, q.block, w, bits=q.bits, backend="cpu"
-            )
+                self._sum, q.codes, q.scales, q.block, w, bits=q.bits, squares=squares,
+                backend="cpu",
+            )  # fmt: skip
+            q.note_squared_norm(float(squares))
             self._weights.append(w)
             if update.buffers is not None:
                 self.float_buffers.add(update.buffers, w)

@@ -153,9 +153,10 @@ class Decoder:
         an update as clipped to zero (a refusal would tell everyone that its values were
         not finite); the other buffers' are refused all the same. ``keep_quantized``: a main
         buffer sent as dense quantized values is checked but not decoded: :attr:`quantized`
-        holds its codes (its view in the slot is left as it was), :attr:`norm` their norm from
-        the codes, and no cosine is taken (unless a scale is too large to prove the values
-        finite without decoding them: that one is decoded and checked as usual)."""
+        holds its codes (its view in the slot is left as it was), there is no :attr:`norm`
+        (``QuantizedValues.norm`` has it, from the codes) and no cosine (unless a scale is too
+        large to prove the values finite without decoding them: that one is decoded and checked
+        as usual)."""
         self.slot = slot
         self.reference = reference
         self.exact_norm = exact_norm
@@ -438,14 +439,12 @@ class Decoder:
     def _check_finite(self) -> None:
         """NonFinite naming the first NaN/Inf; one read-only pass over the decoded values, which
         also gives the main buffer's norm (:attr:`norm`). Values kept as codes are finite by
-        their scales (QuantizedValues) and have their norm already."""
+        their scales (QuantizedValues), and not read here."""
         buffers = [self.flat] + [
             t.view for t in self._targets.values() if t.name in self.slot.extras
         ]
         for i, buf in enumerate(buffers):
             if i == 0 and self.quantized:
-                (kept,) = self.quantized.values()
-                self.norm = kept.norm
                 continue
             if i == 0:
                 uu = self._float64_check(buf)

@@ -145,16 +145,10 @@ def _tensor_view(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _checked_section(
-    raw: memoryview | bytes,
-    quantization: Quantization,
-    n: int,
-    block: int,
-    name: str,
-    squares: bool = False,
-) -> tuple[np.ndarray, np.ndarray, int, float | None]:
-    """(the uint8 code bytes, the float32 scales, bits, their squared norm from the codes when
-    ``squares``) of a quantized section, views of ``raw`` once its length, scales and codes
-    passed the format's checks (see :func:`decode_quantized`)."""
+    raw: memoryview | bytes, quantization: Quantization, n: int, block: int, name: str
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the uint8 code bytes, the float32 scales, bits) of a quantized section, views of ``raw``
+    once its length, scales and codes passed the format's checks (see :func:`decode_quantized`)."""
     expected = quantized_nbytes(quantization, n, block)
     if len(raw) != expected:
         raise WrongLength(
@@ -179,19 +173,14 @@ def _checked_section(
             f"tensor {name!r}: the padding nibble after the last of {n} int4 values must be 0",
             tensor=name,
         )
-    # numba: a receiver's check, never a sender's
-    from .code_scan import code_squares, first_refused_code
+    from .code_scan import first_refused_code  # numba: a receiver's check, never a sender's
 
-    sq: float | None = None
-    if squares:
-        sq, at = code_squares(body, n, scales, block, bits) if n else (0.0, -1)
-    else:
-        at = first_refused_code(body, bits) if n else -1
+    at = first_refused_code(body, bits) if n else -1
     if at >= 0:
         what = "code -128" if bits == 8 else "nibble 0b1000 (-8)"
         allowed = "int8 codes are -127..127" if bits == 8 else "int4 codes are -7..7"
         raise BadChunk(f"tensor {name!r}: {what} at value {at}; {allowed}", tensor=name)
-    return body, scales, bits, sq
+    return body, scales, bits
 
 
 def decode_quantized(
@@ -206,7 +195,7 @@ def decode_quantized(
     tensor with unit stride) when given; WrongLength when the bytes do not match ``n`` and
     ``block``, BadChunk for a scale that is not finite or negative or a code outside the format
     (-128, 0b1000, or a non-zero padding nibble)."""
-    body, scales, bits, _ = _checked_section(raw, quantization, n, block, name)
+    body, scales, bits = _checked_section(raw, quantization, n, block, name)
     if out is None:
         out = torch.empty(n, dtype=torch.float32)
     if n:
@@ -220,15 +209,14 @@ def decode_quantized(
 def quantized_values(
     raw: memoryview | bytes, quantization: Quantization, n: int, block: int, name: str
 ) -> QuantizedValues | None:
-    """The ``n`` values of a quantized section as codes over ``raw`` (no copy, no decoding), with
-    their norm taken from the codes, after :func:`decode_quantized`'s checks (the same errors);
-    None when a scale is too large to prove every value finite without decoding (above FLT_MAX /
-    128, or / 8 for INT4): decode those (:func:`decode_quantized`) and check the values."""
-    body, scales, bits, sq = _checked_section(raw, quantization, n, block, name, squares=True)
+    """The ``n`` values of a quantized section as codes over ``raw`` (no copy, no decoding),
+    after :func:`decode_quantized`'s checks (the same errors); None when a scale is too large to
+    prove every value finite without decoding (above FLT_MAX / 128, or / 8 for INT4): decode
+    those (:func:`decode_quantized`) and check the values."""
+    body, scales, bits = _checked_section(raw, quantization, n, block, name)
     if scales.size and float(scales.max()) > _FINITE_SCALE[bits]:
         return None
-    norm = math.sqrt(sq) if sq is not None else 0.0
     return QuantizedValues(
         _tensor_view(body, torch.int8 if bits == 8 else torch.uint8),
-        _tensor_view(scales, torch.float32), block, bits, n, norm,
+        _tensor_view(scales, torch.float32), block, bits, n,
     )  # fmt: skip

@@ -61,8 +61,13 @@ def quantized_accumulate(
     weight: float,
     bits: int,
     base: torch.Tensor,
+    squares: torch.Tensor | None = None,
 ) -> None:
     n = out.numel()
+    if squares is not None:  # a separate pass of torch operations (not fused on the GPU)
+        from ..reference import code_squares
+
+        squares.copy_(code_squares(codes, scales, block, bits, n))
     cfg = config(out)
     w = torch.tensor([weight], dtype=torch.float64).to(device=out.device, dtype=acc_dtype(out))
     _quantized_acc_kernel[(triton.cdiv(n, cfg.block),)](

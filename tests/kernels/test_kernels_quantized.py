@@ -107,6 +107,44 @@ def test_with_a_base_out_is_base_plus_the_weighted_values(backend, bits, n, bloc
     assert torch.equal(out, alone)  # the same bits as adding into a copy of base
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("n", "block"), [(1, 1), (1_001, 128), (4_099, 5), (70_001, 64)])
+@pytest.mark.parametrize("in_place", [True, False])
+def test_squares_receive_the_norm_of_the_codes_in_the_same_call(backend, bits, n, block, in_place):
+    """``squares=``: sum_b scale_b^2 sum code^2, the exact products' squares summed (math.fsum
+    here), with the accumulation's result unchanged; many parallel tasks at n = 70,001."""
+    rng = _rng()
+    values, codes = _codes(rng, bits, n)
+    scales = (rng.standard_normal(math.ceil(n / block)) ** 2).astype(np.float32)
+    scales[rng.random(scales.size) < 0.2] = 0.0
+    dev = DEVICE[backend]
+    start = torch.tensor(rng.standard_normal(n), dtype=torch.float32, device=dev)
+    base = None if in_place else start
+    out = start.clone() if in_place else torch.empty(n, device=dev)
+    squares = torch.full((1,), float("nan"), dtype=torch.float64, device=dev)
+    args = (codes.to(dev), torch.from_numpy(scales).to(dev), block, 0.3)
+    kernels.quantized_accumulate(out, *args, bits=bits, base=base, squares=squares,
+                                 backend=backend)  # fmt: skip
+    exact = math.fsum((float(c) * float(scales[i // block])) ** 2 for i, c in enumerate(values))
+    assert float(squares) == pytest.approx(exact, rel=1e-12, abs=0.0)
+    plain = start.clone() if in_place else torch.empty(n, device=dev)
+    kernels.quantized_accumulate(plain, *args, bits=bits, base=base, backend=backend)
+    assert torch.equal(out, plain)
+
+
+def test_squares_must_be_one_float64() -> None:
+    args = (torch.zeros(4), torch.zeros(4, dtype=torch.int8), torch.ones(1), 4, 1.0)
+    with pytest.raises(TypeError, match=r"float64 tensor of shape \(1,\), got \(2,\)"):
+        kernels.quantized_accumulate(*args, squares=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float64 tensor"):
+        kernels.quantized_accumulate(*args, squares=torch.zeros(1))
+    empty = torch.full((1,), 5.0, dtype=torch.float64)
+    kernels.quantized_accumulate(torch.zeros(0), torch.zeros(0, dtype=torch.int8),
+                                 torch.ones(0), 4, 1.0, squares=empty)  # fmt: skip
+    assert float(empty) == 0.0
+
+
 def test_a_base_is_checked_like_out() -> None:
     codes, scales = torch.zeros(10, dtype=torch.int8), torch.ones(4)
     with pytest.raises(ValueError, match="base must have shape"):

@@ -24,11 +24,26 @@ def _config(**keys) -> SimConfig:
     return SimConfig.from_mapping(SimConfig.load(None, {**base, **keys}).to_dict())
 
 
-def test_int8_updates_carry_a_quarter_of_the_bytes_and_the_model_still_learns(tmp_path) -> None:
+def test_int8_updates_carry_a_quarter_of_the_bytes_and_the_model_still_learns(
+    tmp_path, monkeypatch
+) -> None:
+    """FedBuff takes each update's codes, as a server does (no float32 copy of them)."""
+    from aggsrv.strategies.fedbuff import FedBuff
+
+    folded: list[int] = []
+    fold = FedBuff._apply_codes
+
+    def counted(self, update, w):
+        folded.append(update.quantized.bits)
+        return fold(self, update, w)
+
     plain = run(_config(), progress=False, out_dir=tmp_path / "plain").summary
+    monkeypatch.setattr(FedBuff, "_apply_codes", counted)
     packed = run(
         _config(compression={"quantization": "int8"}), progress=False, out_dir=tmp_path / "q"
     ).summary
+    assert folded and set(folded) == {8}
+    assert len(folded) >= packed["updates_applied"]
     per_update = [s["bytes_received"] / s["updates_applied"] for s in (plain, packed)]
     assert per_update[1] / per_update[0] <= 0.26
     assert packed["final_accuracy"] >= 0.8, packed

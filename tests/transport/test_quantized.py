@@ -226,12 +226,12 @@ def test_the_decoder_keeps_a_quantized_main_tensor_as_codes(q) -> None:
     assert torch.equal(kept.decode(torch.empty(n)), sent)
     assert bool((views["update"] == 7.0).all())  # not decoded into the slot
     assert torch.equal(views["buffers"], torch.arange(3, dtype=torch.float32))
-    assert decoder.norm == pytest.approx(float(sent.double().norm()), rel=1e-6)
-    assert decoder.cosine is None
+    assert decoder.norm is None and decoder.cosine is None  # the codes have it
+    assert kept.norm == pytest.approx(float(sent.double().norm()), rel=1e-6)
     # Without keep_quantized the same upload is decoded into the slot, as before.
     plain, views, _ = _decoder(q, n, block, False, section)
     assert plain.quantized == {} and torch.equal(views["update"], sent)
-    assert plain.norm is None or plain.norm == pytest.approx(decoder.norm, rel=1e-6)
+    assert plain.norm is None or plain.norm == pytest.approx(kept.norm, rel=1e-6)
 
 
 def test_a_kept_section_whose_scale_is_too_large_is_decoded_and_its_overflow_refused() -> None:
