@@ -893,6 +893,7 @@ def _q8_block(o, x, c, s, weight, want):  # pragma: no cover - compiled
 
 @nb.njit(cache=True, nogil=True, inline="always")
 def _q8_block_in_place(o, c, s, weight, want):  # pragma: no cover - compiled
+    """_q8_block with x = o: its own loop, as o aliasing x keeps LLVM from vectorising."""
     acc = np.int32(0)
     if want:
         for j in range(o.shape[0]):

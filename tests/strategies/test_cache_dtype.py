@@ -28,13 +28,6 @@ D = LAYOUT.numel
 DTYPES = ["float32", "bfloat16", "int8"]
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def stored(row: torch.Tensor, dtype: str) -> torch.Tensor:
     """A float32 row as the cache stores it, in float64: rounded by an independent encoder."""
     if dtype == "float32":

@@ -7,7 +7,6 @@ decoded float32 tensor; bad codes, scales and shapes are refused with a clear er
 from __future__ import annotations
 
 import math
-import secrets
 
 import pytest
 import torch
@@ -20,13 +19,6 @@ from aggsrv.values import QuantizedValues, Status, Update, UpdateKind
 F64 = torch.float64
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (41, 23)), ("fc.bias", (30,))])
 D = LAYOUT.numel  # 973: odd, and a ragged last block for every block size below
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 _uid = iter(range(10**9))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import secrets
 from typing import Any
 
 import pytest
@@ -37,14 +36,6 @@ from aggsrv.strategies.fedasync import staleness_weight
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("out.w", (5,))])
 D = LAYOUT.numel  # 37
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def build(name: str, gen: torch.Generator, **config: Any) -> Strategy:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
 import torch
 
@@ -22,14 +20,6 @@ from aggsrv.strategies import (
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("out.w", (5,))])
 D = LAYOUT.numel  # 37
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def build(gen: torch.Generator, name: str = "fedavg", **config: object) -> Strategy:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
 import pytest
@@ -19,14 +18,6 @@ F64 = torch.float64
 TINY = ModelLayout.from_named_shapes([("w", (3,))])
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (4, 7)), ("fc.bias", (4,)), ("out", (5,))])
 D = LAYOUT.numel
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 _uid = iter(range(10**9))

@@ -24,14 +24,6 @@ from aggsrv.values import Recipe, Status, Update, UpdateKind
 IN, OUT = 4, 3
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def tiny(gen: torch.Generator) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """nn.Linear(4, 3) (flat layout: weight 3x4, then bias 3) and five random batches of 6."""
     model = nn.Linear(IN, OUT)

@@ -4,7 +4,6 @@ docs/algorithms/orthofl.md 1.4 / 1.6 ("spec" below)."""
 from __future__ import annotations
 
 import math
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,6 @@ LAYOUT = ModelLayout.from_named_shapes(
     norm_names=["norm"],
 )  # fmt: skip
 D = LAYOUT.numel
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(31)
-    print(f"seed={seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def make_update(job: Job, weights: torch.Tensor, kind: UpdateKind = UpdateKind.WEIGHTS) -> Update:
