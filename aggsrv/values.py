@@ -189,6 +189,8 @@ class QuantizedValues:
                 )
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous CPU tensor, got one on {t.device}")
+        if bits == 4 and n % 2 and int(self.codes[-1]) >> 4:
+            raise ValueError(f"the padding nibble after the last of {n} 4-bit values must be 0")
         if nblocks:
             s = self.scales
             low, high = float(s.min()), float(s.max())
@@ -209,11 +211,13 @@ class QuantizedValues:
         products ``code * scale`` (before each value's rounding to binary32). A kernel that read
         the codes anyway may have noted it (:meth:`note_squared_norm`); else one read of them."""
         if not self._squared:
-            from aggsrv.transport.code_scan import code_squares  # numba, loaded when needed
+            from aggsrv import kernels  # the kernels load numba: not before a strategy needs them
 
-            body = self.codes.view(torch.uint8).numpy()
-            total = code_squares(body, self.numel, self.scales.numpy(), self.block, self.bits)
-            self._squared.append(total)
+            self._squared.append(
+                kernels.code_squares(
+                    self.codes, self.scales, self.block, self.numel, bits=self.bits, backend="cpu"
+                )
+            )
         return self._squared[0]
 
     def note_squared_norm(self, value: float) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "nnz_per_layer",
     "sparse_accumulate",
     "quantized_accumulate",
+    "code_squares",
     "dequantize",
     "average_linkage",
     "BACKENDS",
@@ -711,9 +712,11 @@ def quantized_accumulate(
         if base.numel() and base.stride(0) != 1:
             base = base.contiguous()
     if squares is not None:
-        shape = tuple(squares.shape) if isinstance(squares, torch.Tensor) else squares
-        if not isinstance(squares, torch.Tensor) or squares.dtype != torch.float64 or shape != (1,):
-            raise TypeError(f"squares must be a float64 tensor of shape (1,), got {shape!r}")
+        got = (
+            (squares.dtype, tuple(squares.shape)) if isinstance(squares, torch.Tensor) else squares
+        )
+        if got != (torch.float64, (1,)):
+            raise TypeError(f"squares must be a float64 tensor of shape (1,), got {got!r}")
         if squares.device != out.device:
             raise ValueError(f"squares is on {squares.device}, out on {out.device}")
     n = out.shape[0]
@@ -732,11 +735,19 @@ def quantized_accumulate(
 def _quantized_args(out: torch.Tensor, codes: Any, scales: Any, block: Any, bits: Any) -> None:
     """Check the arguments of a kernel that reads blockwise codes into ``out`` [n]."""
     _data("out", out, dims=(1,))
+    _code_args(out.shape[0], out.device, codes, scales, block, bits, where="out")
+    if out.numel() and out.stride(0) != 1:
+        raise ValueError("out must have unit stride")
+
+
+def _code_args(
+    n: int, device: torch.device, codes: Any, scales: Any, block: Any, bits: Any, where: str
+) -> None:
+    """Check ``n`` values' blockwise codes and scales, on ``device`` (``where``'s)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be an integer >= 1, got {block!r}")
-    n = out.shape[0]
     want = (torch.int8, n) if bits == 8 else (torch.uint8, (n + 1) // 2)
     if not isinstance(codes, torch.Tensor) or codes.dtype != want[0] or codes.dim() != 1:
         got = (codes.dtype, tuple(codes.shape)) if isinstance(codes, torch.Tensor) else codes
@@ -753,10 +764,31 @@ def _quantized_args(out: torch.Tensor, codes: Any, scales: Any, block: Any, bits
             f"{n} values in blocks of {block} take {nblocks} scales, got {tuple(scales.shape)}"
         )
     for name, t in (("codes", codes), ("scales", scales)):
-        if t.device != out.device:
-            raise ValueError(f"{name} must be on {out.device}, got {t.device}")
-    if out.numel() and out.stride(0) != 1:
-        raise ValueError("out must have unit stride")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} ({where}'s), got {t.device}")
+
+
+def code_squares(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    n: int,
+    *,
+    bits: int = 8,
+    backend: str = "auto",
+) -> float:
+    """``sum_b scales[b]^2 * sum_{i in b} code_i^2`` in float64: the squared L2 norm of ``n``
+    values given as blockwise codes (arguments as :func:`quantized_accumulate`), from the exact
+    products ``code * scale`` before each value's rounding to binary32, in one read of the codes.
+    The CPU backend runs on the calling thread alone (it may be called beside other kernels)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an integer >= 0, got {n!r}")
+    device = codes.device if isinstance(codes, torch.Tensor) else torch.device("cpu")
+    _code_args(n, device, codes, scales, block, bits, where="codes")
+    if not n:
+        return 0.0
+    impl = _backend(backend, device)
+    return float(impl.code_squares(codes.contiguous(), scales.contiguous(), block, bits, n))
 
 
 def dequantize(

@@ -152,8 +152,10 @@ class CallLog:
         reopened, or the part was not written) is written again first. Without an upload log
         (or parts) the record holds the tensors."""
         wal = self.wal
-        if upload is None or wal is None or not upload.finished or not upload.parts:
+        if wal is None:
             return self.append(kind, meta, tensors, jobs_issued)
+        if upload is None or not upload.finished or not upload.parts:
+            return self._append_whole(kind, meta, tensors, jobs_issued)
         placed = upload.placed()
         # Rotations happen on this thread (checkpoint cuts, recovery), so none comes between
         # the parts written here and the record.
@@ -169,6 +171,17 @@ class CallLog:
             if lsn is not None:
                 upload.claimed = True
                 return lsn
+        return self._append_whole(kind, meta, tensors, jobs_issued)
+
+    def _append_whole(
+        self, kind: str, meta: dict[str, Any], tensors: Any, jobs_issued: int
+    ) -> int | None:
+        """:meth:`append` with the tensors themselves, when the upload's parts cannot be named;
+        an update kept as codes has no values to write (the log fails)."""
+        if meta.get("codes"):
+            raise self._stop(
+                "could not log an update kept as codes", RuntimeError("its parts are not logged")
+            )
         return self.append(kind, meta, tensors, jobs_issued)
 
     async def make_durable(self, lsn: int | None) -> int:

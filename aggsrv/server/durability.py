@@ -109,8 +109,8 @@ class WalRecord:
     kind: str
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # The tensors logged whole as the wire's dense quantized values, also as their codes (see
-    # aggsrv.transport.quantized_values; absent where a scale is too large for it).
+    # The tensors of an update folded from its codes (meta "codes"), logged as the wire's dense
+    # quantized values: also as those codes (aggsrv.transport.quantized_values).
     quantized: dict[str, QuantizedValues] = field(default_factory=dict)
 
 
@@ -690,9 +690,10 @@ class _SegmentReader:
                 )
             tensors[name][start : start + data.numel()] = data
             spans[name].append((start, start + data.numel()))
-            kept = _part_codes(part, sizes[name])
-            if kept is not None:
-                codes[name] = kept
+            if meta.get("codes"):  # the live server folded them: replay folds them again
+                kept = _part_codes(part, sizes[name])
+                if kept is not None:
+                    codes[name] = kept
         f.seek(back)
         for name, numel in sizes.items():
             ends = [0]

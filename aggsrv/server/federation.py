@@ -430,6 +430,9 @@ class Federation:
             self._budget_logged = True
         elif record.kind == "update":
             tensors = record.tensors
+            kind = UpdateKind[m["kind"]]
+            if m.get("codes"):
+                self._require_codes(record, kind)
             update = Update(
                 client_id=m["client"],
                 job_id=int(m["job_id"]),
@@ -437,16 +440,11 @@ class Federation:
                 update_id=m["update_id"],
                 num_samples=int(m["num_samples"]),
                 work_done=float(m["work_done"]),
-                kind=UpdateKind[m["kind"]],
+                kind=kind,
                 tensor=_on(tensors["update"], strategy.device),
                 buffers=_on(tensors["buffers"], strategy.device) if "buffers" in tensors else None,
                 norm=m.get("norm"),
-                # Logged as codes: folded as codes again when the live server did.
-                quantized=(
-                    record.quantized.get("update")
-                    if self.folds_quantized(UpdateKind[m["kind"]])
-                    else None
-                ),
+                quantized=record.quantized["update"] if m.get("codes") else None,
             )
             outcome = strategy.on_update(update, m["now"])
             logged = Outcome.from_tuple(m["outcome"])
@@ -458,6 +456,21 @@ class Federation:
             self.count_accepted(outcome)
         else:
             raise RecoveryError(f"unknown record kind {record.kind!r}")
+
+    def _require_codes(self, record: WalRecord, kind: UpdateKind) -> None:
+        """An update the live server folded from its codes replays only as codes, into a
+        strategy that folds them: decoding first rounds differently."""
+        m = record.meta
+        what = f"update {m['update_id']!r} of {m['client']!r}"
+        if "update" not in record.quantized:
+            raise RecoveryError(f"{what} was folded from its codes, but its record holds none")
+        if not self.folds_quantized(kind):
+            raise RecoveryError(
+                f"{what} was folded from its INT8/INT4 codes when it was acknowledged; this "
+                "server would decode them first (its strategy settings, device or shards "
+                "differ), which rounds differently: resume with the settings the log was "
+                "written with"
+            )
 
     def restore_client(self, client_id: str, registered_at: float, labels: dict[str, str]) -> None:
         """A client of a checkpoint back in the registry (its lease counted from registration)."""
@@ -970,6 +983,9 @@ def update_meta(update: Update, now: float) -> dict[str, Any]:
         "kind": update.kind.name,
         "now": now,
         "norm": update.norm,  # a replay clips with the norm the live call used
+        # Folded from its wire codes (logged as they came): replay folds them again, the same
+        # arithmetic whatever the server it runs on would choose.
+        **({"codes": True} if update.quantized is not None else {}),
     }
 
 

@@ -182,6 +182,8 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
         m = self.config.buffer_size
         step = self.config.server_lr / m
         chunk = q.chunk_elements(1 << 18)
+        squares = torch.zeros(1, dtype=torch.float64)
+        chunk_squares: list[float] = []  # the flush's, chunk by chunk: the update's norm
 
         def summed(s: slice) -> torch.Tensor:
             """The running sum with this update's w delta added, elements ``s`` (float64)."""
@@ -192,9 +194,12 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
             else:
                 acc = torch.zeros(s.stop - s.start, dtype=torch.float64)
                 base = None
-            return kernels.quantized_accumulate(
-                acc, codes, scales, q.block, w, bits=q.bits, base=base, backend="cpu"
-            )
+            kernels.quantized_accumulate(
+                acc, codes, scales, q.block, w, bits=q.bits, base=base, squares=squares,
+                backend="cpu",
+            )  # fmt: skip
+            chunk_squares.append(float(squares))
+            return acc
 
         if len(self._weights) + 1 < m:
             self._require_finite_chunks(
@@ -204,7 +209,7 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
             )
             if not self._weights:
                 self._sum.zero_()
-            squares = torch.zeros(1, dtype=torch.float64)  # its norm, for the server's metrics
+            # Its norm (for the server's metrics) in the pass that adds it.
             kernels.quantized_accumulate(
                 self._sum, q.codes, q.scales, q.block, w, bits=q.bits, squares=squares,
                 backend="cpu",
@@ -215,6 +220,7 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
                 self.float_buffers.add(update.buffers, w)
             return Outcome(Status.BUFFERED, self.version)
         new = self._stepped_version(summed, step, extra=1, chunk=chunk)
+        q.note_squared_norm(math.fsum(chunk_squares))  # each chunk once, in order
         if update.buffers is not None:
             self.float_buffers.add(update.buffers, w)
         self._weights.clear()

@@ -11,6 +11,8 @@ parallel, and only a span whose test fired is searched byte by byte.
 
 from __future__ import annotations
 
+import functools
+
 import numba as nb
 import numpy as np
 
@@ -33,15 +35,42 @@ def _fired(words, ones, high):  # pragma: no cover - compiled
     return acc
 
 
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _fired_spans(words, ones, high, spans):  # pragma: no cover - compiled
-    """Per span of words (``spans`` equal parts, in parallel): whether its test fired."""
-    nw = words.shape[0]
-    fired = np.zeros(spans, dtype=np.uint8)
-    for k in nb.prange(spans):
-        if _fired(words[k * nw // spans : (k + 1) * nw // spans], ones, high) != 0:
-            fired[k] = 1
-    return fired
+def _fired_spans(parallel: bool):
+    """A compiled ``(body, bits) -> fired``: per span of the whole 64-bit words (``_SPANS``
+    equal parts of a large section), whether its test fired; the spans in parallel or in turn."""
+
+    def fired_spans(body, bits):  # pragma: no cover - compiled
+        n = body.shape[0]
+        whole = n - n % 8
+        words = body[:whole].view(np.uint64)
+        ones = _ONES8 if bits == 8 else _ONES4
+        high = _HIGH8 if bits == 8 else _HIGH4
+        nw = words.shape[0]
+        spans = max(1, min(_SPANS, nw * 8 // _SPAN))
+        fired = np.zeros(spans, dtype=np.uint8)
+        for k in nb.prange(spans):
+            if _fired(words[k * nw // spans : (k + 1) * nw // spans], ones, high) != 0:
+                fired[k] = 1
+        return fired
+
+    fired_spans.__qualname__ = fired_spans.__name__ = f"fired_spans_{parallel}"  # own cache
+    return nb.njit(cache=True, nogil=True, parallel=parallel)(fired_spans)
+
+
+# The spans in parallel where numba's threading layer lets two threads run parallel loops at
+# once (the decoder runs on the event loop while the aggregation thread runs kernels), else in
+# turn: its workqueue layer aborts the process on concurrent use.
+_fired_spans_parallel = _fired_spans(True)
+_fired_spans_serial = _fired_spans(False)
+
+
+@functools.cache
+def _parallel_is_threadsafe() -> bool:
+    try:
+        _fired_spans_parallel(np.zeros(8, dtype=np.uint8), 8)  # loads the threading layer
+        return nb.threading_layer() in ("tbb", "omp")
+    except Exception:  # no layer loads, or numba cannot say which: stay serial
+        return False
 
 
 @nb.njit(cache=True, nogil=True)
@@ -61,15 +90,11 @@ def _first_in(body, start, end, bits):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True, nogil=True)
-def _first(body, bits):  # pragma: no cover - compiled
+def _first(body, bits, fired):  # pragma: no cover - compiled
     n = body.shape[0]
     whole = n - n % 8
-    words = body[:whole].view(np.uint64)
-    ones = _ONES8 if bits == 8 else _ONES4
-    high = _HIGH8 if bits == 8 else _HIGH4
-    nw = words.shape[0]
-    spans = max(1, min(_SPANS, nw * 8 // _SPAN))
-    fired = _fired_spans(words, ones, high, spans)
+    nw = whole // 8
+    spans = fired.shape[0]
     for k in range(spans):  # in order: the first span that fired holds the first refused code
         if fired[k]:
             at = _first_in(body, k * nw // spans * 8, (k + 1) * nw // spans * 8, bits)
@@ -81,69 +106,6 @@ def _first(body, bits):  # pragma: no cover - compiled
 def first_refused_code(body: np.ndarray, bits: int) -> int:
     """The index of the first value whose code the format refuses, or -1: ``body`` the uint8
     code bytes of an INT8 (``bits`` 8) or INT4 (4) section."""
-    return int(_first(np.ascontiguousarray(body), bits))
-
-
-# The blocks are summed in this many fixed parts (in parallel), then the parts in order: the
-# same float64 sum whatever the number of threads.
-_PARTS = 64
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def _block_squares8(codes):  # pragma: no cover - compiled
-    """sum code^2 over one block (|code| <= 128 and block <= 65536 keep it within 32 bits): a
-    loop over a slice of its own, with no branch, so that LLVM vectorises it."""
-    acc = np.int32(0)
-    for i in range(codes.shape[0]):
-        c = np.int32(codes[i])
-        acc += c * c
-    return acc
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def _block_squares4(pairs):  # pragma: no cover - compiled
-    """sum code^2 over the two nibbles of each byte of ``pairs`` (sign-extended: (v ^ 8) - 8)."""
-    acc = np.int32(0)
-    for i in range(pairs.shape[0]):
-        b = np.int32(pairs[i])
-        lo = ((b & 0x0F) ^ 8) - 8
-        hi = ((b >> 4) ^ 8) - 8
-        acc += lo * lo + hi * hi
-    return acc
-
-
-@nb.njit(cache=True, nogil=True, parallel=True)
-def _squares(body, n, scales, block, bits):  # pragma: no cover - compiled
-    nblocks = scales.shape[0]
-    totals = np.zeros(_PARTS)
-    codes = body.view(np.int8)
-    for part in nb.prange(_PARTS):
-        total = 0.0
-        for b in range(part * nblocks // _PARTS, (part + 1) * nblocks // _PARTS):
-            if bits == 8:
-                acc = _block_squares8(codes[b * block : min(n, (b + 1) * block)])
-            elif block % 2 == 0:  # whole bytes (a last odd value's high nibble is 0)
-                half = block // 2
-                acc = _block_squares4(body[b * half : min(body.shape[0], (b + 1) * half)])
-            else:  # odd INT4 blocks split bytes: value by value
-                acc = np.int32(0)
-                for i in range(b * block, min(n, (b + 1) * block)):
-                    c = np.int32(((body[i >> 1] >> ((i & 1) * 4)) & 0x0F) ^ 8) - 8
-                    acc += c * c
-            s = np.float64(scales[b])
-            total += s * s * np.float64(acc)
-        totals[part] = total
-    total = 0.0
-    for part in range(_PARTS):
-        total += totals[part]
-    return total
-
-
-def code_squares(body: np.ndarray, n: int, scales: np.ndarray, block: int, bits: int) -> float:
-    """``sum_b scale_b^2 * sum_{i in b} code_i^2`` in float64 of the ``n`` values of a quantized
-    section, in one read of the codes: their squared L2 norm (the exact squares of ``code *
-    scale``, before each decoded value's rounding to binary32). ``body``: the uint8 code bytes
-    (an INT4 padding nibble 0); ``scales``: float32."""
     body = np.ascontiguousarray(body)
-    scales = np.ascontiguousarray(scales, dtype=np.float32)
-    return float(_squares(body, n, scales, block, bits))
+    spans = _fired_spans_parallel if _parallel_is_threadsafe() else _fired_spans_serial
+    return int(_first(body, bits, spans(body, bits)))

@@ -230,6 +230,8 @@ class Decoder:
         """Forget the previous upload (successful or not) and accept a new one into the slot."""
         for t in self._targets.values():
             t.received = 0
+            if self.quantized and t.name in self.quantized and t.raw is not None:
+                t.raw = memoryview(bytearray(t.nbytes))  # the codes handed out keep theirs
         self._crc.reset()
         self._state = "open"
         self.norm = self.cosine = None

@@ -11,7 +11,7 @@ import numpy as np
 from .distance import clip_rows, sq_distances_to
 from .gram import cosine_matrix, gram_matrix, layer_normalized_cosine, pairwise_sq_distances
 from .order import coordinate_median, mean_around_median, trimmed_mean
-from .quantized import dequantize, quantized_accumulate
+from .quantized import code_squares, dequantize, quantized_accumulate
 from .quantized_rows import quantize_rows, quantized_gram, quantized_rows_combination
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
@@ -34,6 +34,7 @@ __all__ = [
     "project_out",
     "quantize_rows",
     "quantized_accumulate",
+    "code_squares",
     "quantized_gram",
     "quantized_rows_combination",
     "sparse_accumulate",

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import code_squares
 from ._common import acc_dtype, config
 
 
@@ -65,8 +66,6 @@ def quantized_accumulate(
 ) -> None:
     n = out.numel()
     if squares is not None:  # a separate pass of torch operations (not fused on the GPU)
-        from ..reference import code_squares
-
         squares.copy_(code_squares(codes, scales, block, bits, n))
     cfg = config(out)
     w = torch.tensor([weight], dtype=torch.float64).to(device=out.device, dtype=acc_dtype(out))

@@ -616,3 +616,27 @@ def test_a_quantized_delta_folds_from_its_codes_live_and_in_replay(
     finally:
         resumed.stop()
     assert folded == ([d] * 3 if parts else [])
+
+
+def test_an_update_folded_from_its_codes_does_not_replay_as_decoded_values(
+    tmp_path, monkeypatch
+) -> None:
+    """The log says an update was folded from its codes; a server that would decode them (its
+    settings changed) refuses to resume rather than round differently."""
+    from aggsrv.client.compression import Compression
+    from aggsrv.server.fail_stop import AggregationFailed
+    from aggsrv.strategies.fedasync import FedAsync
+
+    config = {"strategy": "fedasync", "checkpoint_every_updates": 0}
+    srv = durable(tmp_path, **config)
+    try:
+        with Client(srv.address, "a", compression=Compression(quantization="int8")) as c:
+            c.register(layout=odd_layout(5_003), initial=torch.randn(5_003))
+            assert c.push(c.get_job(), torch.randn(5_003) * 0.01).status is Status.APPLIED
+        assert [r.meta.get("codes") for r in logged(srv) if r.kind == "update"] == [True]
+    finally:
+        srv.stop()
+    D.list_checkpoints(Path(srv.config.state_dir))[-1][1].unlink()
+    monkeypatch.setattr(FedAsync, "folds_quantized_updates", lambda self, kind: False)
+    with pytest.raises(AggregationFailed, match="folded from its INT8/INT4 codes .* resume with"):
+        durable(tmp_path, resume=True, **config)

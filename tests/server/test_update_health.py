@@ -114,3 +114,32 @@ def test_a_sign_flipped_update_is_a_cosine_outlier_on_a_real_server() -> None:
             assert m["aggsrv_update_cosine_outliers_total"] == 1
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("strategy", ["fedasync", "fedbuff"])
+def test_the_norm_of_an_update_folded_from_its_codes_is_the_decoded_values(strategy) -> None:
+    """FedAsync and FedBuff take INT8 deltas as codes: the norm metric comes from the codes, in
+    the pass that folds them (FedBuff's flushing update: chunk by chunk)."""
+    from aggsrv.client.compression import Compression
+    from aggsrv.transport import Quantization, quantize
+
+    config = {"buffer_size": 3} if strategy == "fedbuff" else {}
+    srv = RunningServer(strategy=strategy, metrics_port=0, rate_limit_per_second=0.0,
+                        strategy_config=config)  # fmt: skip
+    spec = Compression(quantization="int8", error_feedback=False)
+    try:
+        with Client(srv.address, "c1", compression=spec) as client:
+            client.register(tiny_model(7))
+            D = client.layout.numel
+            g = torch.Generator().manual_seed(7)
+            sent = []
+            for _ in range(6):
+                delta = torch.randn(D, generator=g) * 0.01
+                _, decoded = quantize(delta, Quantization.INT8, 128)
+                sent.append(float(decoded.double().norm()))
+                client.push(client.get_job(), delta)
+            m = _scrape(srv.server.metrics_port)
+    finally:
+        srv.stop()
+    assert m["aggsrv_update_norm_count"] == 6
+    assert m["aggsrv_update_norm_sum"] == pytest.approx(sum(sent), rel=1e-6)

@@ -89,8 +89,9 @@ def test_fedasync_folds_the_codes_into_the_next_version(q, block, gen) -> None:
      (Quantization.INT4, 64)],
 )  # fmt: skip
 def test_fedbuff_adds_the_codes_into_its_running_sum(q, block, gen, monkeypatch) -> None:
-    """x + lr / M * sum_i w_i delta_i per buffer of M, the sum in float64; chunks of the flush
-    and of its check are cut on whole blocks (and bytes), here several chunks of a small D."""
+    """x + lr / M * sum_i w_i delta_i per buffer of M, the sum in float64 in arrival order, bit
+    for bit; chunks of the flush and of its check are cut on whole blocks (and bytes), here
+    several chunks of a small D."""
     from aggsrv.strategies import fedbuff
 
     whole = QuantizedValues.chunk_elements  # chunks of about 64 values: many in D
@@ -103,7 +104,7 @@ def test_fedbuff_adds_the_codes_into_its_running_sum(q, block, gen, monkeypatch)
     assert isinstance(s, fedbuff.FedBuff)
     for c in "abcd":
         s.on_register(c, 0.0)
-    want = x0.to(F64)
+    model = x0.clone()
     total = torch.zeros(D, dtype=F64)
     buffered = 0
     for t, c in enumerate("abcdabcab"):
@@ -111,13 +112,14 @@ def test_fedbuff_adds_the_codes_into_its_running_sum(q, block, gen, monkeypatch)
         staleness = s.version - job.base_version
         kept, sent = codes_of(torch.randn(D, generator=gen) * 0.01, q, block)
         out = s.on_update(update(job, nan_staging(), kept), t + 0.5)
-        total += sent.to(F64) / math.sqrt(1 + staleness)
+        total = total + (1 / math.sqrt(1 + staleness)) * sent.to(F64)
+        assert kept._squared  # the fold noted its norm: no second read of the codes
+        assert kept.norm == pytest.approx(float(sent.double().norm()), rel=1e-6)
         buffered += 1
         if buffered == m:
             assert out.status is Status.APPLIED
-            want = want + lr / m * total
-            torch.testing.assert_close(s.global_model().to(F64), want, rtol=0, atol=1e-6)
-            want = s.global_model().to(F64)
+            model = torch.add(model, total, alpha=lr / m).float()
+            assert torch.equal(s.global_model(), model)
             total.zero_()
             buffered = 0
         else:
@@ -221,6 +223,10 @@ def _values(**change) -> QuantizedValues:
         ({"bits": 4}, r"torch.uint8 \[5\]"),
         ({"bits": 2}, "bits must be 8 or 4"),
         ({"block": 0}, "block must be an integer >= 1"),
+        (
+            {"bits": 4, "numel": 9, "codes": torch.tensor([0, 0, 0, 0, 0x10], dtype=torch.uint8)},
+            "padding nibble after the last of 9",
+        ),
         ({"codes": torch.zeros(20, dtype=torch.int8)[::2]}, "contiguous"),
     ],
 )
