@@ -208,3 +208,43 @@ def test_fedasync_folds_a_quantized_delta_as_sent_over_the_wire(q: str, monkeypa
     assert folded == [8 if q == "int8" else 4]
     _, sent = quantize(delta, Quantization.parse(q), 128)
     assert torch.equal(model, (w0.double() + 0.4 * sent.double()).float())
+
+
+@pytest.mark.parametrize(("scale", "code", "folded"), [(3e38 / 100, 1, False), (3e38 / 100, 127, None),
+                                                       (3e38 / 200, 127, True)])  # fmt: skip
+def test_a_scale_too_large_to_prove_finiteness_is_decoded_and_checked(
+    scale: float, code: int, folded: bool | None, monkeypatch
+) -> None:
+    """Above FLT_MAX / 128 the server cannot prove the values finite from the scales: it decodes
+    them (FedAsync's float path) and refuses an overflow; at or below it folds the codes."""
+    from aggsrv.strategies.fedasync import FedAsync
+
+    calls: list[int] = []
+    fold = FedAsync._apply_codes
+
+    def counted(s, u, j, a):
+        calls.append(1)
+        return fold(s, u, j, a)
+
+    monkeypatch.setattr(FedAsync, "_apply_codes", counted)
+    srv = RunningServer(strategy="fedasync", rate_limit_per_second=0.0,
+                        strategy_config={"alpha": 0.5, "staleness": "constant"})  # fmt: skip
+    try:
+        with Client(srv.address, "a") as c:
+            c.register(layout=_layout(), initial=torch.zeros(D))
+            job = c.get_job()
+            nblocks = -(-D // 128)
+            section = torch.full((nblocks,), scale).numpy().astype("<f4").tobytes()
+            section += bytes([code]) * D
+            if folded is None:  # 127 * FLT_MAX / 100 overflows: refused, the model untouched
+                with pytest.raises(grpc.RpcError) as refused:
+                    _raw_push(c, job, section, tpb.VALUE_QUANTIZATION_INT8, 128, "big")
+                assert "NaN/Inf" in refused.value.details()
+                assert torch.equal(c.get_model()[1], torch.zeros(D))
+            else:
+                _raw_push(c, job, section, tpb.VALUE_QUANTIZATION_INT8, 128, "big")
+                value = float(torch.tensor(float(code), dtype=torch.float32) * torch.tensor(scale))
+                assert torch.equal(c.get_model()[1], torch.full((D,), value * 0.5))
+    finally:
+        srv.stop()
+    assert calls == ([1] if folded else [])
