@@ -210,8 +210,10 @@ def test_fedasync_folds_a_quantized_delta_as_sent_over_the_wire(q: str, monkeypa
     assert torch.equal(model, (w0.double() + 0.4 * sent.double()).float())
 
 
-@pytest.mark.parametrize(("scale", "code", "folded"), [(3e38 / 100, 1, False), (3e38 / 100, 127, None),
-                                                       (3e38 / 200, 127, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("scale", "code", "folded"),
+    [(3e38 / 100, 1, False), (3e38 / 100, 127, None), (3e38 / 200, 127, True)],
+)
 def test_a_scale_too_large_to_prove_finiteness_is_decoded_and_checked(
     scale: float, code: int, folded: bool | None, monkeypatch
 ) -> None:
