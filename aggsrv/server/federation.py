@@ -467,9 +467,9 @@ class Federation:
         if not self.folds_quantized(kind):
             raise RecoveryError(
                 f"{what} was folded from its INT8/INT4 codes when it was acknowledged; this "
-                "server would decode them first (its strategy settings, device or shards "
-                "differ), which rounds differently: resume with the settings the log was "
-                "written with"
+                "server would decode them first (its device or shards differ from the server's "
+                "that wrote the log), which rounds differently: resume with the settings the "
+                "log was written with"
             )
 
     def restore_client(self, client_id: str, registered_at: float, labels: dict[str, str]) -> None:
