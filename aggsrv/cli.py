@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -77,8 +78,9 @@ def _configured(command: str, config_class, args: argparse.Namespace, overrides,
 
 
 def _printed_config(config) -> str:
-    """--print-config: the config's keys, then every key of the strategy with the value it
-    runs with and a description, so the output documents the strategy and loads back."""
+    """--print-config: every key of the config, then every key of the strategy with the value
+    it runs with, each with its description (a None key as a commented line), so the output
+    documents both and loads back to the same configuration."""
     from aggsrv.config_file import described_table
 
     settings = config.strategy_settings
@@ -87,7 +89,7 @@ def _printed_config(config) -> str:
     header = [f"{config.strategy} presets: {presets}"]
     header += [f"  {name}: {note}" for name, note in cls.PRESET_NOTES.items()]
     table = described_table("strategy_config", settings.to_dict(), cls.field_help(), header)
-    return config.to_toml(exclude=["strategy_config"]) + "\n" + table
+    return config.described_toml(exclude=["strategy_config"]) + "\n" + table
 
 
 def _torchrun_shard(overrides: dict) -> None:
@@ -106,64 +108,83 @@ def _torchrun_shard(overrides: dict) -> None:
         overrides["port"] = (ServerConfig.port if base is None else base) + local
 
 
-# Server keys with their own `serve` option (every key can also be set in --config).
+# Server keys with their own `serve` option (every key can also be set in --config), with the
+# type the option reads; each option's help is the key's description (ServerConfig.HELP).
 _SERVE_OPTIONS = {
-    "host": (str, None),
-    "port": (int, None),
-    "strategy": (
-        str,
-        "fedavg, fedasync, fedbuff, fedprox, fedogd, orthofl, feden, fedhist, "
-        "feddgic, mifa, ca2fl, twafl, fedfg (or package.module:Class)",
-    ),
-    "device": (str, "auto, cpu or cuda[:N]"),
-    "model_init": (str, "a torch.save'd state dict to start from"),
-    "max_clients": (int, None),
-    "max_concurrent_uploads": (int, None),
-    "events_file": (str, "append the strategy's events (FedDGIC's groupings) here, JSON lines"),
-    "trace": (str, "record every job and update here (JSON lines, no model data) for replay"),
-    "trace_max_bytes": (int, "rotate the trace past this size (default 64 MiB)"),
-    "trace_backups": (int, "rotated trace files kept (default 8)"),
-    "auth": (
-        str,
-        "hmac (default: tokens signed with the server secret), tokens (a tokens file) or none",
-    ),
-    "auth_secret_file": (str, "the HMAC secret (default: STATE_DIR/auth/secret, generated)"),
-    "tokens_file": (str, "TOML tokens file for --auth tokens"),
-    "tls_cert": (str, "server certificate chain (PEM); TLS on"),
-    "tls_key": (str, "server private key (PEM)"),
-    "tls_client_ca": (str, "CA for client certificates: mutual TLS"),
-    "state_dir": (str, "checkpoints and the write-ahead log (default aggsrv-state; '' for none)"),
-    "durability": (
-        str,
-        "on: every update fsynced to the log before its ack; off: checkpoints only; "
-        "auto (default): on with a state dir, off with --state-dir ''",
-    ),
-    "checkpoint_every_updates": (int, None),
-    "checkpoint_every_seconds": (float, None),
-    "checkpoint_every_bytes": (
-        int,
-        "checkpoint once the log holds this many bytes (default: 4x the model or more)",
-    ),
-    "checkpoint_keep": (int, None),
-    "metrics_port": (int, "serve Prometheus metrics on this port"),
-    "metrics_host": (str, None),
-    "dashboard_port": (int, "serve the status page (and /api/status JSON) on this port"),
-    "dashboard_host": (str, "the status page's address (default 127.0.0.1)"),
-    "eval": (str, "module:function evaluating the global model every --eval-every versions"),
-    "eval_every_versions": (int, None),
-    "rate_limit_per_second": (
-        float,
-        "updates and registrations (and, apart, job requests) per client per second (0: off)",
-    ),
-    "max_concurrent_rpcs": (int, None),
-    "upload_idle_timeout_seconds": (float, None),
-    "log_format": (str, "text or json (one object per line)"),
-    "log_level": (str, "debug, info, warning or error"),
-    "shards": (int, "serve one federation from N processes, each a slice of the model"),
-    "rank": (int, "this process's shard, 0 to N-1 (rank 0 coordinates)"),
-    "dist_url": (str, "tcp://HOST:PORT where the shards meet (rank 0's); under torchrun: unset"),
-    "shard_address": (str, "host:port clients reach this shard on (default: --host:--port)"),
+    "host": str,
+    "port": int,
+    "strategy": str,
+    "device": str,
+    "model_init": str,
+    "max_clients": int,
+    "max_concurrent_uploads": int,
+    "events_file": str,
+    "trace": str,
+    "trace_max_bytes": int,
+    "trace_backups": int,
+    "auth": str,
+    "auth_secret_file": str,
+    "tokens_file": str,
+    "tls_cert": str,
+    "tls_key": str,
+    "tls_client_ca": str,
+    "state_dir": str,
+    "durability": str,
+    "checkpoint_every_updates": int,
+    "checkpoint_every_seconds": float,
+    "checkpoint_every_bytes": int,
+    "checkpoint_keep": int,
+    "metrics_port": int,
+    "metrics_host": str,
+    "dashboard_port": int,
+    "dashboard_host": str,
+    "eval": str,
+    "eval_every_versions": int,
+    "rate_limit_per_second": float,
+    "max_concurrent_rpcs": int,
+    "upload_idle_timeout_seconds": float,
+    "log_format": str,
+    "log_level": str,
+    "shards": int,
+    "rank": int,
+    "dist_url": str,
+    "shard_address": str,
 }
+
+
+def _serve_flag(key: str) -> str:
+    """The `serve` option of a server key: --eval-every for eval_every_versions, --rate-limit
+    for rate_limit_per_second, else the key with dashes."""
+    return "--" + key.replace("_", "-").replace("-versions", "").replace("-per-second", "")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose options that set a config key take their help from the key's
+    description (the config class's ``field_help``) when the help is shown: the one source of
+    what a key does, without importing the config classes (and torch) to parse a command."""
+
+    config_help: Callable[[], Mapping[str, str]] | None = None
+
+    def format_help(self) -> str:
+        if self.config_help is not None:
+            descriptions = self.config_help()
+            for action in self._actions:
+                if action.help is None and action.dest in descriptions:
+                    action.help = descriptions[action.dest].replace("%", "%%")
+            self.config_help = None
+        return super().format_help()
+
+
+def _server_help() -> Mapping[str, str]:
+    from aggsrv.server.config import ServerConfig
+
+    return ServerConfig.field_help()
+
+
+def _sim_help() -> Mapping[str, str]:
+    from aggsrv.sim.config import SimConfig
+
+    return SimConfig.field_help()
 
 
 def _connect(args: argparse.Namespace, client_id: str = "aggsrv-cli"):
@@ -524,7 +545,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aggsrv", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="aggsrv", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=metadata.version("aggsrv"))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -535,10 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate",
         help="run a federated experiment (simulated clients, stragglers, real data)",
         description="Every config key can be set in --config FILE.toml, by its option, or with "
-        "--set KEY=VALUE (tables: --set strategy_config.learning_rate=0.05).",
+        "--set KEY=VALUE (tables: --set strategy_config.learning_rate=0.05). --print-config "
+        "prints every key with its value and description; docs/config.md lists them all.",
     )
+    sim.config_help = _sim_help
     sim.add_argument("--config", help="TOML file with simulate keys (see --print-config)")
     for key, kind in _SIM_OPTIONS.items():
+        # No help here: _Parser shows SimConfig's description of the key.
         sim.add_argument("--" + key.replace("_", "-"), dest=key, type=kind)
     sim.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other config key")
     sim.add_argument("--target", type=float, default=0.8, help="accuracy for 'time to target'")
@@ -606,13 +630,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the aggregation server",
-        description="Every key can be set in --config FILE.toml; docs/operations.md explains "
-        "authentication, TLS, durability, metrics and limits.",
+        description="Every key can be set in --config FILE.toml; --print-config prints every key "
+        "with its value and description, docs/config.md lists them all, and docs/operations.md "
+        "explains authentication, TLS, durability, metrics and limits.",
     )
+    serve.config_help = _server_help
     serve.add_argument("--config", help="TOML file with server keys (see --print-config)")
-    for key, (kind, text) in _SERVE_OPTIONS.items():
-        flag = "--" + key.replace("_", "-").replace("-versions", "").replace("-per-second", "")
-        serve.add_argument(flag, dest=key, type=kind, help=text)
+    for key, kind in _SERVE_OPTIONS.items():
+        # No help here: _Parser shows ServerConfig's description of the key.
+        serve.add_argument(_serve_flag(key), dest=key, type=kind)
     serve.add_argument(
         "--dashboard-allowed-host", dest="dashboard_allowed_hosts", action="append",
         metavar="NAME",

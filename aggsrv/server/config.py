@@ -3,8 +3,9 @@ the command line. Unknown keys are an error, so a typo never silently falls back
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
@@ -15,117 +16,199 @@ MIB = 1 << 20
 
 @dataclass
 class ServerConfig(TomlConfig):
-    """Everything `aggsrv serve` needs; every key may appear in the TOML file."""
+    """Everything `aggsrv serve` needs; every key may appear in the TOML file.
+
+    What each key does is in :attr:`HELP` (printed by --print-config, shown by the options'
+    --help, listed in docs/config.md); the comments here say why a default is what it is.
+    """
 
     KIND = "server"  # in error messages (not a field: no annotation)
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "host": "address the gRPC server listens on (0.0.0.0 or :: for every interface)",
+        "port": "port the gRPC server listens on; 0 picks a free one",
+        "strategy": "the aggregation strategy: a name (fedasync, fedavg, fedbuff, ...; "
+        "docs/config.md lists them) or package.module:Class",
+        "strategy_config": "the strategy's own keys (a [strategy_config] table), checked by its "
+        "config class",
+        "device": "where the strategy's tensors live: auto (cuda when available, else cpu), cpu, "
+        "cuda or cuda:N",
+        "model_init": "a torch.save'd state dict to start from, laid out as the clients lay out "
+        "theirs; unset = the first client's model",
+        "max_clients": "most clients the server registers; a new one beyond it is refused "
+        "(RESOURCE_EXHAUSTED)",
+        "max_concurrent_uploads": "staging slots: uploads decoded at once; more wait for a slot "
+        "(backpressure, not an error)",
+        "chunk_bytes": "largest tensor chunk either way, in bytes (a multiple of 4, >= 64, 64 "
+        "below max_receive_message_bytes)",
+        "update_quantizations": "quantized values (int8, int4) every job's recipe lets a client "
+        "send its update in; none under DP",
+        "quantization_block": "values per scale suggested to clients for quantized updates "
+        "(1 to 65536)",
+        "max_receive_message_bytes": "largest gRPC message the server receives or sends, in bytes",
+        "stream_window_bytes": "HTTP/2 flow-control window per stream, in bytes: what gRPC "
+        "buffers of an upload that waits for a slot",
+        "lease_seconds": "seconds a client stays active after its last Register, GetJob, "
+        "PushUpdate or Heartbeat",
+        "retained_versions": "newest model versions GetModel serves, the current one included",
+        "pending_interval_seconds": "a GetJob stream with no job yet sends JobPending after each "
+        "change and at least this often, in seconds",
+        "events_file": "append the strategy's events (e.g. FedDGIC's groupings) here as JSON "
+        "lines; unset = none written",
+        "trace": "record one JSON line per job and update here (no model data), for aggsrv tune; "
+        "unset = no trace",
+        "trace_max_bytes": "size in bytes at which the trace file rotates (to TRACE.1, TRACE.2, "
+        "...)",
+        "trace_backups": "rotated trace files kept",
+        "auth": "hmac (tokens signed with the server secret, client id inside), tokens (a tokens "
+        "file) or none",
+        "auth_secret_file": "the HMAC secret (hex); unset = STATE_DIR/auth/secret, generated on "
+        "first start and reused",
+        "tokens_file": 'TOML file of the accepted tokens, for auth = "tokens"; unset = none',
+        "tls_cert": "server certificate chain (PEM); with tls_key turns TLS on; unset = plaintext",
+        "tls_key": "server private key (PEM), with tls_cert; unset = plaintext",
+        "tls_client_ca": "CA (PEM) that must have signed each client's certificate (mutual TLS); "
+        "unset = none asked",
+        "max_concurrent_rpcs": "calls served at once, all clients together; more: "
+        "RESOURCE_EXHAUSTED (from gRPC)",
+        "max_streams_per_connection": "HTTP/2 streams one connection may have open at once",
+        "rate_limit_per_second": "PushUpdate and Register calls per second per client id, GetJob "
+        "calls apart; 0 = no limit",
+        "rate_limit_burst": "calls a client id may make at once beyond the rate (the token "
+        "bucket's size)",
+        "upload_idle_timeout_seconds": "seconds an upload may send nothing before it is cut "
+        "(DEADLINE_EXCEEDED) and its slot freed",
+        "max_model_bytes": "largest initial model a client may offer, in bytes (4 per weight and "
+        "buffer value)",
+        "max_labels": "labels a client may register with (each key and value at most 256 bytes)",
+        "state_dir": 'folder of the checkpoints and the write-ahead log; unset or "" = nothing '
+        "is written",
+        "durability": "on: each accepted update is in the fsynced log before its ack; off: "
+        "checkpoints only; auto: on with a state_dir",
+        "resume": "continue from state_dir's newest checkpoint and the log after it",
+        "checkpoint_every_updates": "checkpoint after this many accepted updates; 0 = not by count",
+        "checkpoint_every_seconds": "checkpoint this often, in seconds; 0 = not by time",
+        "checkpoint_every_bytes": "checkpoint at this many bytes of log since the last; 0 = not "
+        "by size; unset = max(4x model, 2x checkpoint, 16 MiB)",
+        "checkpoint_keep": "newest checkpoints kept, with the log segments after the oldest of "
+        "them",
+        "wal_part_bytes": "an arriving update is logged in parts of this many decoded bytes; 0 = "
+        "logged whole once applied",
+        "metrics_port": "serve Prometheus /metrics on this port (0 picks a free one); unset = no "
+        "metrics",
+        "metrics_host": "address the /metrics endpoint listens on",
+        "dashboard_port": "serve the read-only status page (and /api/status) on this port, 0 = a "
+        "free one; unset = no page",
+        "dashboard_host": "address the status page listens on (it has no authentication)",
+        "dashboard_allowed_hosts": "host names (no port) the status page answers besides IP "
+        "addresses and, on loopback, localhost",
+        "eval": "module:function given the global model's state dict every eval_every_versions "
+        "versions; unset = no evaluation",
+        "eval_every_versions": "evaluate (eval) every this many versions",
+        "log_format": "text, or json (one JSON object per line)",
+        "log_level": "debug, info, warning, error or critical",
+        "shards": "processes that serve the federation together, each a slice of the model "
+        "(docs/sharding.md)",
+        "rank": "this process's shard, 0 to shards - 1 (rank 0 coordinates)",
+        "dist_url": "tcp://HOST:PORT of rank 0's rendezvous for torch.distributed; unset = "
+        "env:// (torchrun's variables)",
+        "shard_address": "host:port clients reach this shard on (rank 0 hands it out); unset = "
+        "host:port, a wildcard host as the machine's name",
+        "shard_timeout_seconds": "seconds a collective between the shards may take before the "
+        "federation fails (fail-stop)",
+        "shard_slice_wait_seconds": "seconds an update rank 0 ordered waits for another shard's "
+        "slice before every shard refuses it",
+        "shard_order_wait_seconds": "seconds a slice on a shard of rank >= 1 waits for rank 0 to "
+        "order its update",
+        "shard_heartbeat_seconds": "seconds between rank 0's keep-alives when idle (a lost shard "
+        "is noticed this fast)",
+    }
+
     host: str = "127.0.0.1"
-    port: int = 50051  # 0 picks a free port (tests)
+    port: int = 50051
     strategy: str = "fedasync"
-    # The strategy's own keys ([strategy_config] table in TOML, e.g. alpha, max_staleness,
-    # learning_rate), checked by the strategy's config class.
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    device: str = "auto"  # auto | cpu | cuda
-    model_init: str | None = None  # a torch.save'd state dict; None: adopt the first client's
+    device: str = "auto"
+    model_init: str | None = None
     max_clients: Count = 1024
     max_concurrent_uploads: Count = 4
     chunk_bytes: int = MIB
-    # Quantized values a client may send in its updates (docs/compression.md): offered in every
-    # job's recipe (not under differential privacy), with the block size suggested.
+    # Quantized updates (docs/compression.md) are offered unless differential privacy is on,
+    # whose clipping bounds the norm of what a client sends.
     update_quantizations: list[str] = field(default_factory=lambda: ["int8", "int4"])
     quantization_block: int = 128
     max_receive_message_bytes: int = 4 * MIB
-    # HTTP/2 flow-control window per stream: what gRPC may buffer for an upload that waits for a
-    # staging slot (memory <= waiting uploads x this); smaller windows slow single uploads.
+    # Memory <= waiting uploads x this; smaller windows slow single uploads.
     stream_window_bytes: int = 256 * 1024
     lease_seconds: float = 60.0
     retained_versions: Count = 8
-    # A waiting job stream sends a "pending" message at least this often (keeps proxies happy).
+    # Keeps proxies from closing an idle stream.
     pending_interval_seconds: float = 30.0
-    # Append the strategy's events (FedDGIC's groupings and dropout flags) as JSON lines here.
     events_file: str | None = None
-    # Record one line per job and per update here (aggsrv.trace_format), for replay.
     trace: str | None = None
-    trace_max_bytes: int = 64 * MIB  # then the file rotates to trace.1, trace.2, ...
-    trace_backups: int = 8  # rotated files kept
+    trace_max_bytes: int = 64 * MIB
+    trace_backups: int = 8
 
-    # --- security (docs/operations.md "Authentication and TLS")
-    # hmac: tokens signed with the server secret (client id inside); tokens: a TOML tokens file;
-    # none: no authentication (only behind something else that authenticates).
+    # --- security (docs/operations.md "Authentication and TLS"); auth = "none" only behind
+    # something else that authenticates.
     auth: str = "hmac"
-    # The HMAC secret (hex). None: STATE_DIR/auth/secret, generated on first start and reused.
     auth_secret_file: str | None = None
-    tokens_file: str | None = None  # auth = "tokens"
-    # TLS: certificate chain and key (PEM); with tls_client_ca clients must present a certificate
-    # signed by that CA (mutual TLS).
+    tokens_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
 
-    # --- limits (each refusal is RESOURCE_EXHAUSTED, except the idle upload: DEADLINE_EXCEEDED)
-    max_concurrent_rpcs: Count = 256  # calls being served at once, all clients together
-    # HTTP/2 concurrent streams on one connection (many in-process clients share one).
-    max_streams_per_connection: Count = 128
-    # Token bucket per client over PushUpdate and Register (updates/s, burst); 0 turns it off.
+    # --- limits (docs/operations.md "Limits"): none lets a client make the server allocate
+    # more than its configuration allows.
+    max_concurrent_rpcs: Count = 256
+    max_streams_per_connection: Count = 128  # many in-process clients share one connection
     rate_limit_per_second: float = 20.0
     rate_limit_burst: int = 40
-    # An upload holding a staging slot is cut (its slot freed) after this long without a message.
     upload_idle_timeout_seconds: float = 30.0
-    # A registration offering a model larger than this is refused before anything is allocated.
+    # Checked before anything is allocated for the model.
     max_model_bytes: int = 16 << 30
-    max_labels: Count = 32  # per client, each key and value <= 256 bytes
+    max_labels: Count = 32
 
     # --- durability (docs/operations.md "Durability")
-    # Checkpoints and the write-ahead log live here; None or "": nothing is written.
     state_dir: str | None = "aggsrv-state"
-    # on: every accepted update is in the fsynced write-ahead log before it is acknowledged;
-    # off: checkpoints only; auto: on with a state_dir, off without one (resolved at load).
+    # "auto" is resolved in _check_durability when the config is built, so a built config
+    # (and --print-config) holds "on" or "off".
     durability: str = "auto"
-    resume: bool = False  # continue from state_dir's newest checkpoint and log
-    checkpoint_every_updates: int = 1000  # 0: not by count
-    checkpoint_every_seconds: float = 300.0  # 0: not by time
-    # Also checkpoint once the log since the last checkpoint holds this many bytes (GetJob,
-    # Register and update records alike), so no client can grow it (and recovery) without bound.
-    # None: the larger of 4x the model's bytes and twice the newest checkpoint's, at least
-    # 16 MiB; 0: not by size.
+    resume: bool = False
+    checkpoint_every_updates: int = 1000
+    checkpoint_every_seconds: float = 300.0
+    # By size too, so no client can grow the log (and recovery) without bound: GetJob, Register
+    # and update records alike count. Unset: aggsrv.server.checkpoints' default, which scales
+    # with the model and with a strategy's [K, D] cache (a checkpoint that large every few
+    # updates would cost more than the log it saves).
     checkpoint_every_bytes: int | None = None
-    checkpoint_keep: Count = 2  # newest checkpoints kept, with the log segments after the oldest
-    # An update is logged while it arrives, in records of this many decoded bytes, each sent on
-    # to the disk at once: smaller parts leave less for the acknowledging fsync, cost a record
-    # header (about 100 bytes) and a write each. 0: logged whole once applied.
+    checkpoint_keep: Count = 2
+    # Each part is sent on to the disk at once: smaller parts leave less for the acknowledging
+    # fsync, but cost a record header (about 100 bytes) and a write each.
     wal_part_bytes: int = MIB
 
     # --- operations
-    metrics_port: int | None = None  # Prometheus /metrics on metrics_host:metrics_port
+    metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
-    # The read-only status page and its JSON (docs/operations.md "Status page"); no auth, so
-    # loopback by default like the metrics.
+    # docs/operations.md "Status page". No auth, so loopback by default like the metrics.
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
-    # Host names (no port) the page answers besides IP addresses and, on loopback, localhost,
-    # e.g. the name a reverse proxy forwards; any other Host is refused (DNS rebinding).
+    # Any other Host header is refused (DNS rebinding); a reverse proxy's name goes here.
     dashboard_allowed_hosts: list[str] = field(default_factory=list)
-    # "module:function" called with the global model's state dict every eval_every_versions
-    # versions, on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
+    # Runs on its own thread; returns a mapping of metric name -> number (e.g. accuracy).
     eval: str | None = None
     eval_every_versions: Count = 50
-    log_format: str = "text"  # text | json (one JSON object per line)
+    log_format: str = "text"
     log_level: str = "info"
 
     # --- sharding (docs/sharding.md): N processes that serve one federation, each a slice
     shards: Count = 1
     rank: int = 0
-    # Rank 0's rendezvous for torch.distributed, tcp://HOST:PORT; None: torchrun's env://.
     dist_url: str | None = None
-    # host:port clients reach this shard on (rank 0 hands the list out); None: host:port.
     shard_address: str | None = None
-    # A collective between the shards that takes longer fails the federation (fail-stop).
     shard_timeout_seconds: float = 120.0
-    # How long an update rank 0 ordered waits for another shard's slice before all refuse it.
     shard_slice_wait_seconds: float = 10.0
-    # How long a slice on a shard of rank >= 1 waits for rank 0 to order its update.
     shard_order_wait_seconds: float = 60.0
-    # Rank 0 sends a keep-alive this often when idle (a lost shard is noticed this fast).
     shard_heartbeat_seconds: float = 1.0
 
     def __post_init__(self) -> None:

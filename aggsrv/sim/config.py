@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from aggsrv.config_check import Count
 from aggsrv.config_file import TomlConfig
@@ -61,39 +62,73 @@ def parse_budget(text: str | int | float) -> Budget:
 
 @dataclass
 class SimConfig(TomlConfig):
-    """Everything `aggsrv simulate` needs; every key may appear in the TOML file."""
+    """Everything `aggsrv simulate` needs; every key may appear in the TOML file.
+
+    What each key does is in :attr:`HELP` (printed by --print-config, shown by the options'
+    --help, listed in docs/config.md).
+    """
 
     KIND = "simulate"  # in error messages (not a field: no annotation)
 
+    HELP: ClassVar[Mapping[str, str]] = {
+        "strategy": "the aggregation strategy: a name (fedasync, fedavg, fedbuff, ...; "
+        "docs/config.md lists them) or package.module:Class",
+        "strategy_config": "the strategy's own keys, the client recipe included; unless given, "
+        "min_available = clients (where it has one)",
+        "dataset": "digits, fashion_mnist, mnist_subset, or module:callable returning a Dataset",
+        "data_dir": "folder of the data set's files (fashion_mnist, user loaders); unset = the "
+        "loader's default (the Debian package's)",
+        "partition": "how the data is split between the clients: NAME or NAME:key=value,... (e.g. "
+        "iid, dirichlet_per_client:alpha=0.5)",
+        "clients": "simulated clients",
+        "model": "the network: a name from aggsrv.sim.models.MODELS (e.g. mlp, lenet5) or "
+        "module:callable",
+        "model_config": "keyword arguments of the model's builder",
+        "profile": 'straggler and dropout profile: a preset ("tiers"), "name:key=value,..." or a '
+        "table",
+        "base_time": "virtual seconds of one full job on a tier-1 client",
+        "budget": "how long the run lasts: virtual seconds, versions or rounds, e.g. 600s, 500v, "
+        "50r",
+        "eval_every": "evaluate the global model every this much (e.g. 5s, 10v, 1r); auto = 40 "
+        "times per budget",
+        "transport": "grpc (a real server process and clients) or inproc (one process on a "
+        "virtual clock)",
+        "time_scale": "grpc only: wall seconds per virtual second",
+        "seed": "seed of the run: data split, initial model, profile, attackers (and dp_seed "
+        "under DP)",
+        "out": "the run's folder; unset = runs/STRATEGY-DATASET-TRANSPORT-sSEED",
+        "scenario": "the scenario's name in aggsrv report; unset = PROFILE/PARTITION[/ATTACK]",
+        "label": "the run's name in aggsrv report's tables and plots; unset = the strategy",
+        "eval_batch_size": "batch size of the evaluation on the test set",
+        "threads": "torch threads for training and evaluation; 0 = torch's default",
+        "attack": "Byzantine clients, NAME:fraction=0.2,KEY=VALUE,... (docs/attacks.md); unset = "
+        "every client honest",
+        "compression": "compressed client updates with error feedback (quantization, top_k, ...: "
+        "docs/compression.md); unset = float32",
+    }
+
     strategy: str = "fedasync"
-    # The strategy's own keys, including the client recipe (learning_rate, local_epochs,
-    # batch_size, momentum, ...): checked by the strategy's config class.
+    # The run's defaults are added by _run_defaults, not here: the table stays as written.
     strategy_config: dict[str, Any] = field(default_factory=dict)
-    dataset: str = "digits"  # digits | fashion_mnist | mnist_subset | module:callable
+    dataset: str = "digits"
     data_dir: str | None = None
-    partition: str = "iid"  # e.g. "dirichlet_per_client:alpha=0.5", "shards:shards_per_client=2"
+    partition: str = "iid"
     clients: Count = 8
-    model: str = "mlp"  # see aggsrv.sim.models.MODELS, or module:callable
+    model: str = "mlp"
     model_config: dict[str, Any] = field(default_factory=dict)
-    # Straggler/dropout profile: a preset name ("tiers"), "name:key=value,..." or a table.
     profile: str | dict[str, Any] = "tiers"
-    base_time: float = 1.0  # virtual seconds of one full job on a tier-1 client
+    base_time: float = 1.0
     budget: str = "60s"
-    # Evaluate the global model every this much ("5s", "10v", "1r"); "auto": 40 points.
     eval_every: str = "auto"
-    transport: str = "grpc"  # grpc: a real server process and clients; inproc: virtual clock
-    time_scale: float = 0.25  # grpc only: wall seconds per virtual second
+    transport: str = "grpc"
+    time_scale: float = 0.25
     seed: int = 0
-    out: str | None = None  # run directory; None: runs/<strategy>-<dataset>-<transport>-s<seed>
-    scenario: str | None = None  # label for `aggsrv report`; None: profile + partition
-    label: str | None = None  # the run's name in `aggsrv report` tables/plots; None: strategy
+    out: str | None = None
+    scenario: str | None = None
+    label: str | None = None
     eval_batch_size: Count = 2048
-    threads: int = 0  # torch threads for training and evaluation; 0: torch's default
-    # Byzantine clients, "NAME:fraction=0.2,KEY=VALUE,..." (aggsrv.sim.attacks, docs/attacks.md);
-    # None: every client is honest.
+    threads: int = 0
     attack: str | None = None
-    # Compressed updates with error feedback ([compression] table: quantization = "int8",
-    # top_k, block, stochastic, error_feedback; docs/compression.md); None: float32 updates.
     compression: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

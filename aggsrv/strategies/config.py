@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 from aggsrv.config_check import Count, check_fields
+from aggsrv.config_file import Described
 from aggsrv.values import Recipe
 
 __all__ = ["DEFAULT_JOB_LEASE_SECONDS", "DEFAULT_MAX_NUM_SAMPLES", "StrategyConfig"]
@@ -23,7 +24,7 @@ DEFAULT_JOB_LEASE_SECONDS = 3600.0
 
 
 @dataclass
-class StrategyConfig:
+class StrategyConfig(Described):
     """Settings every strategy shares: the client recipe, staleness bound and sampling seed,
     and the bounds every update must meet.
 
@@ -56,9 +57,9 @@ class StrategyConfig:
     # The strategy's name in error messages: by default the class name without "Config",
     # lowercased, which is the strategy's name for every built-in strategy.
     KIND: ClassVar[str] = "strategy"
-    # One line per key for --print-config, merged along the class hierarchy (field_help), so a
-    # subclass that only changes a default keeps its parent's description. A key whose value
-    # may be None says what "unset" means.
+    # One line per key (aggsrv.config_file.Described: --print-config, docs/config.md), merged
+    # along the class hierarchy by field_help, so a subclass that only changes a default keeps
+    # its parent's description. A key whose value may be None says what "unset" means.
     HELP: ClassVar[Mapping[str, str]] = {
         "seed": "seed of the strategy's random choices (e.g. client sampling)",
         "learning_rate": "client learning rate",
@@ -127,14 +128,6 @@ class StrategyConfig:
         if not isinstance(config, cls):
             raise TypeError(f"{strategy} needs a {cls.__name__}, got {type(config).__name__}")
         return config
-
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        """The one-line description of each key (empty where none is written)."""
-        merged: dict[str, str] = {}
-        for klass in reversed(cls.__mro__):
-            merged.update(vars(klass).get("HELP", {}))
-        return {f.name: merged.get(f.name, "") for f in dataclasses.fields(cls)}
 
     @classmethod
     def _check_preset(cls, preset: object) -> None:

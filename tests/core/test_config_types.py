@@ -1,16 +1,20 @@
 """Every configuration checks the type of each value and names the key and the type it wants;
-printed configurations (``--print-config``) describe every strategy key and load back."""
+printed configurations (``--print-config``) hold and describe every key and load back, and the
+options that set a key show its description as their help."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import subprocess
+import sys
 import tomllib
 from typing import Any
 
 import pytest
 
-from aggsrv.cli import main
+from aggsrv.cli import _SERVE_OPTIONS, _SIM_OPTIONS, build_parser, main
 from aggsrv.config_file import TomlConfig
 from aggsrv.server.config import ServerConfig
 from aggsrv.sim.config import SimConfig
@@ -248,3 +252,100 @@ def test_printed_values_are_the_configured_ones(capsys, tmp_path) -> None:
     sim = _section(_printed(capsys, "simulate", "--strategy", "fedavg", "--clients", "5",
                             "--print-config"))  # fmt: skip
     assert re.search(r"^min_available = 5  # ", sim, re.M)  # what the run uses
+
+
+# ------------------------------------------------- every serve and simulate key: described, printed
+
+
+@pytest.mark.parametrize("cls", [ServerConfig, SimConfig], ids=["serve", "simulate"])
+def test_every_server_and_simulate_key_has_a_one_line_description(cls) -> None:
+    described = cls.field_help()
+    for f in dataclasses.fields(cls):
+        text = described[f.name]
+        assert text, f"{cls.__name__}: {f.name} has no description"
+        assert "\n" not in text and len(text) < 120, (f.name, text)
+        if f.default is None:
+            assert "unset" in text, f"{cls.__name__}: {f.name} does not say what unset means"
+
+
+# Configurations that set keys of every kind: None and not, lists, tables (and none at all).
+GIVEN = {
+    "serve": 'strategy = "fedbuff"\nport = 6000\nmetrics_port = 0\ntrace = "t.jsonl"\n'
+    'dashboard_allowed_hosts = ["a.example"]\nstate_dir = ""\nauth = "none"\n'
+    "[strategy_config]\nbuffer_size = 3\n",
+    "simulate": 'strategy = "fedavg"\nout = "runs/x"\nlabel = "a \\"run\\""\nclients = 4\n'
+    'attack = "sign_flip:fraction=0.25"\n[model_config]\nhidden = 16\n[profile]\nname = "tiers"\n'
+    '[compression]\nquantization = "int8"\n',
+}
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["defaults", "given"])
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+def test_printed_config_has_every_key_and_loads_back(capsys, tmp_path, command, given) -> None:
+    cls = ServerConfig if command == "serve" else SimConfig
+    path = None
+    if given:
+        path = tmp_path / "given.toml"
+        path.write_text(GIVEN[command])
+    text = _printed(capsys, command, *(["--config", str(path)] if path else []), "--print-config")
+    config = cls.load(path)
+    described = cls.field_help()
+    top = text.split("\n[", 1)[0].splitlines()  # the keys before the first table
+    for f in dataclasses.fields(cls):
+        value = getattr(config, f.name)
+        if isinstance(value, dict):  # a table
+            assert f"\n[{f.name}]\n" in text, f"{command} --print-config leaves out [{f.name}]"
+            if f.name != "strategy_config":  # its header lists the strategy's presets
+                assert f"\n# {f.name}: {described[f.name]}\n[{f.name}]\n" in text
+            continue
+        line = next((x for x in top if re.match(rf"^(# )?{f.name} = ", x)), None)
+        assert line is not None, f"{command} --print-config leaves out {f.name}"
+        assert line.endswith(f"  # {described[f.name]}"), line
+        assert line.startswith(f"# {f.name} = ...  # ") == (value is None), line
+    printed = tmp_path / "printed.toml"
+    printed.write_text(text)
+    loaded = cls.load(printed)
+    for f in dataclasses.fields(cls):
+        if f.name != "strategy_config":  # printed as the strategy runs with it: every key
+            assert getattr(loaded, f.name) == getattr(config, f.name), f.name
+    assert loaded.strategy_settings == config.strategy_settings
+    assert _printed(capsys, command, "--config", str(printed), "--print-config") == text
+
+
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "options"),
+    [("serve", ServerConfig, _SERVE_OPTIONS), ("simulate", SimConfig, _SIM_OPTIONS)],
+    ids=["serve", "simulate"],
+)
+def test_an_option_that_sets_a_key_shows_the_keys_description(command, cls, options) -> None:
+    parser = _command_parser(command)
+    text = parser.format_help()
+    described = cls.field_help()
+    by_dest = {a.dest: a for a in parser._actions}
+    for key in options:
+        assert by_dest[key].help == described[key].replace("%", "%%"), key
+    if command == "serve":
+        flags = ("--host", "--metrics-host", "--dashboard-host", "--eval-every", "--rate-limit")
+        for flag in flags:
+            action = next(a for a in parser._actions if flag in a.option_strings)
+            assert action.help == described[action.dest], flag
+    shown = "".join(text.split())  # as argparse wraps it (at spaces and hyphens)
+    for key in options:
+        assert "".join(described[key].split()) in shown, key
+
+
+def test_building_the_parser_imports_no_config_class() -> None:
+    # The descriptions are read when --help is shown: `aggsrv status` does not load torch.
+    code = (
+        "import sys, aggsrv.cli; aggsrv.cli.build_parser(); print(sorted(m for m in sys.modules "
+        "if m.split('.')[0] == 'torch' or m.startswith(('aggsrv.server', 'aggsrv.sim'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
