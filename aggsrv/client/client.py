@@ -624,7 +624,8 @@ class Client:
             if flat.numel() == 0 or bool((flat[::step] != 0).all()):
                 enc = Encoding.DENSE
             else:
-                enc = choose_encoding(flat.numel(), int(torch.count_nonzero(flat)))
+                nnz = int(torch.count_nonzero(flat))
+                enc = choose_encoding(flat.numel(), nnz, self.upload_dtype)
         else:
             enc = Encoding.parse(encoding)
         payload = None

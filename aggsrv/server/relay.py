@@ -242,7 +242,7 @@ class ShardLinks:
         del header.tensors[:]
         header.tensors.append(tpb.TensorInfo(name="update", numel=flat.numel()))
         chunk_bytes = self.config.chunk_bytes
-        encoding, nnz = _encoding_of(flat)
+        encoding, nnz = _encoding_of(flat, dtype)
 
         async def messages():
             yield pb.UpdateMessage(header=header)
@@ -340,14 +340,14 @@ async def receive(call: Any) -> dict[str, torch.Tensor]:
     raise ConnectionError("the stream ended before its trailer")
 
 
-def _encoding_of(flat: torch.Tensor) -> tuple[Encoding, int]:
-    """The smallest encoding of a slice, as the Python client picks it (a slice with no zero
-    among ~1024 strided samples is dense without counting)."""
+def _encoding_of(flat: torch.Tensor, dtype: WireDtype) -> tuple[Encoding, int]:
+    """The smallest encoding of a slice in the wire ``dtype``, as the Python client picks it (a
+    slice with no zero among ~1024 strided samples is dense without counting)."""
     step = max(1, flat.numel() // 1024)
     if flat.numel() == 0 or bool((flat[::step] != 0).all()):
         return Encoding.DENSE, flat.numel()
     nnz = int(torch.count_nonzero(flat))
-    return choose_encoding(flat.numel(), nnz), nnz
+    return choose_encoding(flat.numel(), nnz, dtype), nnz
 
 
 def _relay_error(err: BaseException, refusal: StrategyError, missing: bool) -> bool:

@@ -77,16 +77,17 @@ def encoded_nbytes(
     return values
 
 
-def choose_encoding(numel: int, nnz: int) -> Encoding:
-    """The spec's rule (docs/algorithms/feden.md 4.5): the smallest of COO, bitmap and
-    dense at 4-byte values."""
+def choose_encoding(numel: int, nnz: int, wire_dtype: WireDtype = WireDtype.FLOAT32) -> Encoding:
+    """The smallest of COO, bitmap and dense for ``nnz`` stored values of ``numel`` in the wire
+    dtype (docs/algorithms/feden.md 4.5; at 4-byte values about COO below density 1/32, dense
+    from 31/32), counted exactly as the receiver counts them (:func:`encoded_nbytes`): a sparse
+    encoding only when strictly smaller than dense, bitmap on a tie with COO (the spec's COO is
+    for density below 1/32)."""
     if numel == 0:
         return Encoding.DENSE
-    if 32 * nnz < numel:
-        return Encoding.COO
-    if 32 * nnz < 31 * numel:
-        return Encoding.BITMAP
-    return Encoding.DENSE
+    sizes = {e: encoded_nbytes(e, numel, nnz, wire_dtype) for e in Encoding}
+    best = min((Encoding.BITMAP, Encoding.COO), key=sizes.__getitem__)
+    return best if sizes[best] < sizes[Encoding.DENSE] else Encoding.DENSE
 
 
 def encode_sparse(

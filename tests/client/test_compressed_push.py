@@ -250,3 +250,22 @@ def test_a_scale_too_large_to_prove_finiteness_is_decoded_and_checked(
     finally:
         srv.stop()
     assert calls == ([1] if folded else [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize(("numel", "zeros"), [(24, 1), (1000, 32), (3200, 101)])
+def test_a_delta_with_a_few_zeros_is_sent_in_an_encoding_the_server_takes(dtype, numel, zeros):
+    """The client picks sparse encodings by their exact wire size in its upload dtype: at these
+    sizes a bitmap is not smaller than dense, which the server refuses."""
+    srv = _server()
+    try:
+        with Client(srv.address, "a", upload_dtype=dtype) as c:
+            layout = ModelLayout.from_named_shapes([("w", (numel,))])
+            c.register(layout=layout, initial=torch.zeros(numel))
+            delta = torch.full((numel,), 0.5)
+            delta[:zeros] = 0.0
+            assert c.push(c.get_job(), delta, kind=UpdateKind.DELTA).status is Status.APPLIED
+            _, model = c.get_model()
+        assert torch.equal(model, delta)
+    finally:
+        srv.stop()

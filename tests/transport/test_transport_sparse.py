@@ -178,3 +178,16 @@ def test_malformed_sparse_push_is_refused_and_changes_nothing(server) -> None:
         result = raw_push(server.address, [pb.UpdateMessage(header=header), *body])
         assert result.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown encoding" in result.details()
+
+
+@pytest.mark.parametrize("wd", [WireDtype.FLOAT32, WireDtype.FLOAT16, WireDtype.BFLOAT16])
+def test_the_chosen_encoding_is_the_smallest_and_one_the_receiver_takes(wd) -> None:
+    """Whatever numel (not only multiples of 32), nnz and wire dtype: the choice is the smallest
+    encoding, and a sparse one is strictly smaller than dense (what the decoder requires)."""
+    for numel in range(1, 140):
+        for nnz in range(numel + 1):
+            chosen = choose_encoding(numel, nnz, wd)
+            sizes = {e: encoded_nbytes(e, numel, nnz, wd) for e in Encoding}
+            assert sizes[chosen] == min(sizes.values()), (numel, nnz, chosen, sizes)
+            if chosen is not Encoding.DENSE:
+                assert sizes[chosen] < sizes[Encoding.DENSE], (numel, nnz, chosen, sizes)
