@@ -717,6 +717,13 @@ class _SegmentReader:
                 f"record at offset {offset}: truncated header ({len(head)} of {_HEADER.size} bytes)"
             )
         magic, body_length, crc = _HEADER.unpack(head)
+        if magic != WAL_MAGIC and magic[:3] == WAL_MAGIC[:3] and magic[3:].isdigit():
+            # Another version's log, not a torn write: dropping it would lose acknowledged calls.
+            raise WalDamaged(
+                f"{self.path}: the record at offset {offset} is of log format "
+                f"{magic.decode()}, and this aggsrv reads {WAL_MAGIC.decode()}: a newer aggsrv "
+                "wrote it; resume it with that version (docs/compatibility.md)"
+            )
         if magic != WAL_MAGIC:
             raise _Torn(f"record at offset {offset}: bad magic {magic!r} (expected {WAL_MAGIC!r})")
         if body_length > remaining - _HEADER.size:

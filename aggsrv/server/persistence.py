@@ -219,7 +219,8 @@ def restore(fed: Any, payload: dict[str, Any]) -> None:
     if payload.get("format") not in FORMATS_READ:
         raise RecoveryError(
             f"not an aggsrv checkpoint this version reads (format {payload.get('format')!r}; "
-            f"it reads {', '.join(FORMATS_READ)})"
+            f"it reads {', '.join(FORMATS_READ)}): a newer aggsrv wrote it; resume it with that "
+            "version, or start a new state directory from its model (docs/compatibility.md)"
         )
     cfg = fed.config
     check_shard(payload.get("shard"), cfg.rank, cfg.shards)
