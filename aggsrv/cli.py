@@ -1,6 +1,7 @@
-"""The `aggsrv` command line: `simulate` runs an experiment, `report` compares runs, `serve` runs
-the aggregation server, `status` / `checkpoint` / `shutdown` operate a running one, `token` issues
-bearer tokens, `pull` downloads the global model, `info` describes this installation."""
+"""The `aggsrv` command line: `simulate` runs an experiment, `report` compares runs, `sweep` runs a
+setting over a grid, `tune` tries settings on a recorded trace, `serve` runs the aggregation
+server, `status` / `checkpoint` / `shutdown` operate a running one, `token` issues bearer tokens,
+`pull` downloads the global model, `info` describes this installation."""
 
 from __future__ import annotations
 
@@ -545,7 +546,7 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="aggsrv", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="aggsrv", description=" ".join(__doc__.split()))
     parser.add_argument("--version", action="version", version=metadata.version("aggsrv"))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -642,8 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dashboard-allowed-host", dest="dashboard_allowed_hosts", action="append",
         metavar="NAME",
-        help="a host name the status page answers besides IP addresses and localhost (e.g. a "
-        "reverse proxy's); repeat or separate with commas; replaces the config file's list",
+        help="a host name the page answers besides IPs and localhost (a proxy's); repeat, or "
+        "use commas; replaces the file's list",
     )  # fmt: skip
     serve.add_argument(
         "--resume", metavar="DIR",
@@ -651,8 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--dp-target-epsilon", type=float, metavar="EPS",
-        help="differential privacy (the strategy's dp_ keys, docs/privacy.md): publish no "
-        "version that takes epsilon past EPS (sets strategy_config.dp_target_epsilon)",
+        help="with the dp_ keys: publish no version that takes epsilon past EPS "
+        "(strategy_config.dp_target_epsilon)",
     )  # fmt: skip
     serve.add_argument(
         "--print-config", action="store_true", help="print the effective configuration and exit"
@@ -682,7 +683,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument("subjects", nargs="*", metavar="CLIENT_ID", help="client ids to issue for")
     token.add_argument("--secret-file", required=True, help="the server's secret (hex)")
-    token.add_argument("--admin", action="store_true", help="an admin token (status, checkpoint)")
+    token.add_argument(
+        "--admin",
+        action="store_true",
+        help="an admin token: checkpoint and shutdown, and the whole status under DP",
+    )
     token.add_argument("--ttl-hours", type=float, help="expire after this many hours")
     token.add_argument(
         "--new-secret", action="store_true", help="first write a new random secret to the file"
@@ -709,7 +714,7 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rank0-only", action="store_true",
         help="a sharded server: talk to rank 0 only, which fetches the other shards' slices "
-        "(default: read them from every shard directly)",
+        "(default: every shard)",
     )  # fmt: skip
 
 

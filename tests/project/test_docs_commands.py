@@ -143,3 +143,25 @@ def test_the_check_catches_what_it_should() -> None:
     assert _mention_refusal(parser, ["status"]) is None
     assert _mention_refusal(parser, ["status", "--no-such"]) is not None
     assert _mention_refusal(parser, ["frobnicate"]) is not None
+
+
+def _helps(parser: argparse.ArgumentParser, where: str = "aggsrv"):
+    """(where, option, help text) of every option of every subcommand, help filled in."""
+    parser.format_help()  # fills the help texts that come from the config classes
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _helps(sub, f"{where} {name}")
+        elif action.help and action.help != argparse.SUPPRESS:
+            yield where, "/".join(action.option_strings) or action.dest, action.help
+
+
+def test_the_cli_describes_itself_in_whole_lines() -> None:
+    parser = build_parser()
+    description = parser.description or ""
+    assert description.endswith(".") and "\n" not in description
+    missing = [name for name in _subparsers(parser) if f"`{name}`" not in description]
+    assert not missing, f"`aggsrv --help` does not name {missing}"
+    long = [f"{where} {option}: {len(text)}" for where, option, text in _helps(parser)
+            if len(text) >= 120]  # fmt: skip
+    assert not long, "help texts of 120 characters or more:\n" + "\n".join(long)
