@@ -89,7 +89,9 @@ def _printed_config(config) -> str:
     presets = ", ".join(sorted(cls.PRESETS)) or "none"
     header = [f"{config.strategy} presets: {presets}"]
     header += [f"  {name}: {note}" for name, note in cls.PRESET_NOTES.items()]
-    table = described_table("strategy_config", settings.to_dict(), cls.field_help(), header)
+    offered = settings.to_dict()
+    offered = {key: offered[key] for key in cls.offered_keys()}
+    table = described_table("strategy_config", offered, cls.field_help(), header)
     return config.described_toml(exclude=["strategy_config"]) + "\n" + table
 
 

@@ -99,7 +99,7 @@ def _strategy_keys(cls: type[StrategyConfig]) -> list[str]:
     (each group in the class's order)."""
     shared = {f.name for f in dataclasses.fields(StrategyConfig)}
     private = {f.name for f in dataclasses.fields(PrivacyConfig)}
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = cls.offered_keys()
     own = [n for n in names if n not in shared and n not in private]
     return own + [n for n in names if n in shared] + [n for n in names if n in private]
 

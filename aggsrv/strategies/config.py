@@ -155,3 +155,14 @@ class StrategyConfig(Described):
     def to_dict(self) -> dict[str, Any]:
         """Plain values."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def offered_keys(cls) -> list[str]:
+        """The keys a user may set: every field, but the ``dp_`` keys only for a strategy that
+        supports differential privacy (FedEN has FedAvg's fields, and refuses them)."""
+        from aggsrv.strategies.privacy import DP_STRATEGIES
+
+        names = [f.name for f in dataclasses.fields(cls)]
+        if cls.KIND in DP_STRATEGIES:
+            return names
+        return [n for n in names if not n.startswith("dp_")]

@@ -207,7 +207,11 @@ def test_printed_config_lists_the_strategy_keys_and_loads_back(
     defaults = config_class.from_dict({})
     presets = ", ".join(sorted(config_class.PRESETS)) or "none"
     assert f"# {strategy} presets: {presets}\n" in section
+    offered = config_class.offered_keys()
     for f in dataclasses.fields(config_class):
+        if f.name not in offered:  # a dp_ key of a strategy without DP: not offered
+            assert not re.search(rf"^(# )?{f.name} = ", section, re.M)
+            continue
         if f.default_factory is not dataclasses.MISSING:  # a table: [strategy_config.KEY]
             assert f"# {f.name}: {help_[f.name]}\n[strategy_config.{f.name}]\n" in section
             continue
@@ -349,3 +353,26 @@ def test_building_the_parser_imports_no_config_class() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_keys_a_strategy_offers_are_the_keys_it_takes(name: str) -> None:
+    """--print-config and docs/config.md list a strategy's offered keys: the dp_ keys only where
+    the strategy takes them (FedEN has FedAvg's fields but refuses differential privacy)."""
+    from aggsrv.strategies import strategy_settings
+    from aggsrv.strategies.privacy import DP_STRATEGIES
+
+    cls = type(strategy_settings(name, {}))
+    offered = cls.offered_keys()
+    assert any(k.startswith("dp_") for k in offered) == (name in DP_STRATEGIES)
+    if name in DP_STRATEGIES:
+        assert strategy_settings(name, {"dp_clip_norm": 1.0}).dp_clip_norm == 1.0
+    elif any(f.name == "dp_clip_norm" for f in dataclasses.fields(cls)):
+        with pytest.raises(ValueError, match="does not support differential privacy"):
+            strategy_settings(name, {"dp_clip_norm": 1.0})
+    printed = subprocess.run(
+        [sys.executable, "-m", "aggsrv.cli", "serve", "--strategy", name, "--print-config"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    table = printed[printed.index("[strategy_config]") :]
+    assert ("dp_clip_norm" in table) == (name in DP_STRATEGIES)
