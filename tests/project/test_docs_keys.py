@@ -100,7 +100,8 @@ def test_a_stated_default_is_the_codes(where: str, line: int, key: str, stated: 
     value = _value(stated)
     actual = []
     for cls in (ServerConfig, SimConfig):
-        if key in cls.keys():
+        names = cls.keys()
+        if key in names:
             actual.append(getattr(cls.from_mapping({}), key))
     actual += [d[key] for d in STRATEGY_DEFAULTS.values() if key in d]
     assert value in actual, f"{where}:{line}: `{key}` (default {stated}); the code has {actual}"
