@@ -1,6 +1,7 @@
 # Set up and run, in one command each (README.md "Try it"):
 #   make demo   creates .venv, installs the project with its extras, runs `aggsrv simulate`
 #   make test   the same set-up, Fashion-MNIST where it can, then the tests (.ci/run runs this)
+#   make api    the API reference, HTML under build/api
 # Each step runs once: a second `make test` finds .venv installed (again only when pyproject.toml
 # changed) and the data set in place, and goes straight to the tests.
 #
@@ -21,13 +22,17 @@ PYTEST_ARGS ?= -n 2
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 STAMP := $(VENV)/.aggsrv-installed
 
-.PHONY: demo test setup dataset services
+.PHONY: demo test setup dataset services api
 
 demo: setup
 	$(BIN)/aggsrv simulate
 
 test: setup dataset services
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The API reference (pdoc) as HTML under build/api; warnings fail it.
+api: setup
+	$(BIN)/python -m aggsrv.api_reference build/api
 
 setup: $(STAMP)
 
