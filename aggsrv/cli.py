@@ -1,7 +1,8 @@
 """The `aggsrv` command line: `simulate` runs an experiment, `report` compares runs, `sweep` runs a
 setting over a grid, `tune` tries settings on a recorded trace, `serve` runs the aggregation
-server, `status` / `checkpoint` / `shutdown` operate a running one, `token` issues bearer tokens,
-`pull` downloads the global model, `info` describes this installation."""
+server, `client` trains as one of its clients, `status` / `checkpoint` / `shutdown` operate a
+running server, `token` issues bearer tokens, `pull` downloads the global model, `info` describes
+this installation."""
 
 from __future__ import annotations
 
@@ -211,6 +212,23 @@ def _ask(args: argparse.Namespace, command: str, call):
     except grpc.RpcError as exc:
         sys.stderr.write(f"aggsrv {command}: {exc.code().name}: {exc.details()}\n")
         return None, 1
+
+
+def _client(args: argparse.Namespace) -> int:
+    import threading
+
+    from aggsrv.client_command import ClientOptions, install_signal_handlers, run_client
+
+    names = ("server", "client_id", "token", "token_file", "tls_ca", "tls_cert", "tls_key",
+             "data", "data_dir", "partition", "clients", "index", "model", "seed", "state_dir",
+             "updates", "poll_seconds", "give_up_after")  # fmt: skip
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    try:
+        return run_client(ClientOptions(**{n: getattr(args, n) for n in names}), stop)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"aggsrv client: {exc}\n")
+        return 2
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -662,6 +680,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
+    client = sub.add_parser(
+        "client",
+        help="run a training client: jobs from a server, trained on its part of a data set",
+        description="Registers, then trains every job the server hands it on its part of a "
+        "data set, by the job's recipe, and pushes the update, until --updates, a spent privacy "
+        "budget or SIGTERM. Every client of a federation gives the same --data, --partition, "
+        "--clients, --model and --seed, and its own --index and --client-id.",
+    )
+    client.add_argument("--server", required=True, help="host:port of the server")
+    client.add_argument("--client-id", required=True, help="this client's id (its token's)")
+    client.add_argument("--token", help="bearer token (aggsrv token ... CLIENT_ID)")
+    client.add_argument("--token-file", help="file whose first line is the token")
+    client.add_argument("--tls-ca", "--ca", dest="tls_ca",
+                        help="CA certificate that signed the server's (TLS on)")  # fmt: skip
+    client.add_argument("--tls-cert", help="client certificate for mutual TLS")
+    client.add_argument("--tls-key", help="client key for mutual TLS")
+    client.add_argument("--data", default="digits",
+                        help="digits, fashion_mnist, mnist_subset, or module:callable")  # fmt: skip
+    client.add_argument("--data-dir", help="where a data set's files are (the simulator's)")
+    client.add_argument("--partition", default="iid", help="how the data set is split (simulate's)")
+    client.add_argument("--clients", type=int, default=1, help="parts the data set is split in")
+    client.add_argument("--index", type=int, default=0, help="this client's part, 0-based")
+    client.add_argument("--model", default="mlp", help="a built-in model or module:callable")
+    client.add_argument("--seed", type=int, default=0, help="the split's and the model's seed")
+    client.add_argument("--state-dir", help="updates pushed and the one in flight, for restarts")
+    client.add_argument(
+        "--updates",
+        type=int,
+        help="stop once this many updates were accepted in all (restarts included)",
+    )
+    client.add_argument("--poll-seconds", type=float, default=5.0,
+                        help="a wait for a job before the client asks again")  # fmt: skip
+    client.add_argument("--give-up-after", type=float, default=300.0,
+                        help="seconds without the server before exiting (code 3)")  # fmt: skip
+    client.set_defaults(func=_client)
     pull = sub.add_parser("pull", help="download the global model as a state dict")
     _connection_options(pull)
     pull.add_argument("--version", type=int, help="a retained version (default: the latest)")
