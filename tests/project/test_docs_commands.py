@@ -64,6 +64,8 @@ def _argv(command: str) -> list[str]:
             break
         if not token.startswith("$"):
             argv.append(token)
+        elif not re.fullmatch(r"\$\{?\w+\}?", token):
+            argv.append("VALUE")  # "$HOST:50051": a value made with a variable
         elif argv and argv[-1].startswith("--") and "=" not in argv[-1]:
             argv.append("VALUE")
     return argv
