@@ -383,13 +383,17 @@ class Federation:
         return self.shards is not None and not self.shards.is_coordinator
 
     def count_accepted(self, outcome: Outcome) -> None:
-        """Count an accepted update (served or replayed from the log). A FILTERED one is not
-        accepted: the strategy's update filters count those (in its state)."""
+        """Count an update taken in (served or replayed from the log): FILTERED is not accepted
+        (the strategy's update filters also count it in their state); an accepted one was
+        APPLIED (it completed a version) or BUFFERED (it waits for the step that folds it in)."""
         if outcome.status is Status.FILTERED:
+            self.counters["filtered"] += 1
             return
         self.counters["accepted"] += 1
         if outcome.status is Status.APPLIED:
             self.counters["applied"] += 1
+        elif outcome.status is Status.BUFFERED:
+            self.counters["buffered"] += 1
 
     def count_outcome(self, outcome: Outcome) -> None:
         """Count what an update came to: a duplicate of one acknowledged before, or not."""

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 FORMAT = "aggsrv-checkpoint/2"
 FORMATS_READ = ("aggsrv-checkpoint/1", FORMAT)
 # Federation.counters restored from a checkpoint (and kept up by replaying the log).
-DURABLE_COUNTERS = ("accepted", "applied")
+DURABLE_COUNTERS = ("accepted", "applied", "buffered", "filtered")
 
 
 class RecoveryError(RuntimeError):

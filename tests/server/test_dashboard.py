@@ -71,7 +71,8 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
             c1.push(c1.get_job(), torch.randn(D))
         doc = _status(port)
         assert doc["version"] == 4 and doc["versions_last_minute"] == 4
-        assert doc["updates"] == {"accepted": 4, "applied": 4, "duplicate": 0, "rejected": 0}
+        assert doc["updates"] == {"accepted": 4, "applied": 4, "buffered": 0, "filtered": 0,
+                                  "duplicate": 0, "rejected": 0}  # fmt: skip
         assert doc["clients"]["known"] == 2 and sum(doc["clients"]["states"].values()) == 2
         assert doc["clients"]["slowest"][0]["client"] == "c2"
         assert doc["staleness"]["count"] == 4 and doc["staleness"]["counts"][0] == 4
@@ -81,8 +82,15 @@ def test_the_json_document_says_what_the_clients_did(dashboard_server) -> None:
         assert doc["client_update_rate"]["count"] == 1  # c1's 4 updates; c2 sent none
         silence = doc["client_silence_seconds"]  # both registered, both just seen
         assert silence["count"] == 2 and silence["counts"][0] == 2 and silence["le"][0] == 1.0
-        assert doc["strategy"] == {"name": "fedasync", "settings": doc["strategy"]["settings"]}
+        assert doc["strategy"]["name"] == "fedasync"
         assert doc["strategy"]["settings"]["alpha"] == 0.6
+        # The settings for people, by group; DP's keys only when DP is on (here it is off).
+        groups = dict(doc["strategy"]["groups"])
+        assert list(groups) == ["strategy", "every strategy: the clients' recipe and bounds"]
+        assert "alpha" in groups["strategy"] and "learning_rate" in groups[list(groups)[1]]
+        shown = [k for keys in groups.values() for k in keys]
+        assert not [k for k in shown if k.startswith("dp_")]
+        assert set(shown) == {k for k in doc["strategy"]["settings"] if not k.startswith("dp_")}
         bad = torch.randn(D)
         bad[0] = float("nan")
         with pytest.raises(Exception, match="INVALID_ARGUMENT|NaN|finite"):
@@ -128,7 +136,10 @@ def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> 
             for _ in range(4):
                 c1.push(c1.get_job(), torch.randn(D))
             wait_until(lambda: text("version") == "7", "the page to follow to version 7")
-            assert text("updates-applied") == "7"
+            assert text("updates-applied") == "7" and text("updates-buffered") == "0"
+            settings = browser.find_element(By.ID, "settings").text
+            assert "every strategy: the clients' recipe and bounds" in settings
+            assert "alpha" in settings and "dp_clip_norm" not in settings  # DP is off
             wait_until(lambda: text("eval-count") not in ("", "0"), "evaluation results")
             bars = browser.find_elements(By.CSS_SELECTOR, "#chart-staleness svg rect")
             assert bars, "the staleness histogram has bars"
@@ -145,3 +156,26 @@ def test_the_page_in_a_real_browser_follows_the_federation(dashboard_server) -> 
             assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     finally:
         browser.quit()
+
+
+def test_a_buffered_strategy_names_every_outcome_and_shows_dp_settings_when_on() -> None:
+    """FedBuff with a buffer of 4: 9 updates are 2 that completed a version and 7 buffered;
+    with the dp_ keys set, the settings have a differential-privacy group."""
+    srv = RunningServer(
+        strategy="fedbuff", dashboard_port=0, rate_limit_per_second=0.0,
+        strategy_config={"buffer_size": 4, "dp_clip_norm": 1.0, "dp_noise_multiplier": 0.5,
+                         "dp_seed": 3, "dp_insecure_seed": True},
+    )  # fmt: skip
+    try:
+        with Client(srv.address, "c1") as c1:
+            c1.register(tiny_model(2))
+            for _ in range(9):
+                c1.push(c1.get_job(), torch.randn(c1.layout.numel) * 0.01)
+            doc = _status(srv.server.dashboard_port)
+    finally:
+        srv.stop()
+    assert doc["version"] == 2
+    assert doc["updates"] == {"accepted": 9, "applied": 2, "buffered": 7, "filtered": 0,
+                              "duplicate": 0, "rejected": 0}  # fmt: skip
+    groups = dict(doc["strategy"]["groups"])
+    assert "differential privacy" in groups and "dp_clip_norm" in groups["differential privacy"]

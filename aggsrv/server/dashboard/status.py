@@ -7,14 +7,14 @@ strategy's tensors or any state a call on the aggregation thread may be changing
 
 The document (``format`` 1), documented for scripts in docs/operations.md:
 
-``time``, ``started`` (server clock, Unix seconds), ``strategy`` {``name``, ``settings``},
-``version``, ``versions_last_minute``, ``updates`` {``accepted``,
-``applied``, ``duplicate``, ``rejected``}, ``refusals`` {status code: count},
-``refusal_reasons`` [{``code``, ``reason``, ``count``}], ``data_withheld``,
-``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``, ``seconds``}]},
-``staleness``, ``job_turnaround_seconds``, ``client_lag``, ``client_update_rate`` (each client's
-updates per minute), ``client_silence_seconds`` (per registered client, the seconds since it
-last called; each of the five {``le``: upper bounds,
+``time``, ``started`` (server clock, Unix seconds), ``strategy`` {``name``, ``settings``,
+``groups``: [[title, [keys]]]}, ``version``, ``versions_last_minute``, ``updates``
+{``accepted``, ``applied``, ``buffered``, ``filtered``, ``duplicate``, ``rejected``},
+``refusals`` {status code: count}, ``refusal_reasons`` [{``code``, ``reason``, ``count``}],
+``data_withheld``, ``clients`` {``known``, ``states`` {state: count}, ``slowest`` [{``client``,
+``seconds``}]}, ``staleness``, ``job_turnaround_seconds``, ``client_lag``,
+``client_update_rate`` (each client's updates per minute), ``client_silence_seconds`` (per
+registered client, the seconds since it last called; each of the five {``le``: upper bounds,
 ``counts``: per bucket, not cumulative, ``count``, ``sum``}), ``evaluation`` [{``version``,
 ``time``, ``metrics``}] (the last 500 ``--eval`` results), ``groups`` (FedDGIC's last grouping:
 {``version``, ``k``, ``groups``: [[client ids]]} or null), ``dropped_flags`` (client ids the
@@ -37,6 +37,7 @@ the document is rank 0's own, which sees every client: nothing in it grows with 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,29 @@ def values_json(values: list[int] | list[float], bounds: tuple[float, ...]) -> d
     return _buckets_json(list(bounds), cumulative, len(values), float(sum(values)))
 
 
+# The counts of /api/status "updates" (and "rejected"): every outcome an upload can have.
+UPDATE_OUTCOMES = ("accepted", "applied", "buffered", "filtered", "duplicate")
+
+
+def setting_groups(config: Any, private: bool) -> list[list[Any]]:
+    """The strategy's settings for people, as [title, [keys]]: the strategy's own, those every
+    strategy has (the clients' recipe, staleness and norm bounds), and differential privacy's
+    only when it is on."""
+    from aggsrv.strategies import StrategyConfig
+    from aggsrv.strategies.privacy import PrivacyConfig
+
+    shared = {f.name for f in dataclasses.fields(StrategyConfig)}
+    dp = {f.name for f in dataclasses.fields(PrivacyConfig)}
+    keys = type(config).offered_keys()
+    groups = [
+        ["strategy", [k for k in keys if k not in shared and k not in dp]],
+        ["every strategy: the clients' recipe and bounds", [k for k in keys if k in shared]],
+    ]
+    if private:
+        groups.append(["differential privacy", [k for k in keys if k in dp]])
+    return [g for g in groups if g[1]]
+
+
 def status_document(fed: Federation, shard_watch: ShardWatch | None = None) -> dict[str, Any]:
     """The snapshot (HTTP thread); ``shard_watch``: rank 0's view of the shards, if sharded."""
     from aggsrv.server.metrics import RATE_BUCKETS, SILENCE_BUCKETS, STALENESS_BUCKETS
@@ -97,8 +121,10 @@ def status_document(fed: Federation, shard_watch: ShardWatch | None = None) -> d
     clients = fed.clients_now()
     strategy = fed.strategy
     settings: dict[str, Any] = {}
+    groups: list[list[Any]] = []
     if strategy is not None:
         settings = {k: _plain(v) for k, v in strategy.config.to_dict().items()}
+        groups = setting_groups(strategy.config, private=fed.private)
     events = fed.strategy_events
     withheld = fed.private  # differential privacy: no caller of the page is an admin
     rejected, by_code, by_reason = fed.refusal_counts(full=not withheld)
@@ -116,12 +142,12 @@ def status_document(fed: Federation, shard_watch: ShardWatch | None = None) -> d
         "time": now,
         "wall_time": time.time(),
         "started": fed.started_at,
-        "strategy": {"name": fed.config.strategy, "settings": settings},
+        "strategy": {"name": fed.config.strategy, "settings": settings, "groups": groups},
         "has_model": strategy is not None,
         "version": fed.published_version if strategy is not None else None,
         "versions_last_minute": fed.publish_rate.last_minute(now),
         "updates": {
-            **{k: int(fed.counters[k]) for k in ("accepted", "applied", "duplicate")},
+            **{k: int(fed.counters[k]) for k in UPDATE_OUTCOMES},
             "rejected": rejected,
         },
         "refusals": dict(sorted(by_code.items())),

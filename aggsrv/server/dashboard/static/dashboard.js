@@ -126,6 +126,30 @@ function fillRows(id, rows) {
   }
 }
 
+// The settings by group (s.strategy.groups: [title, keys]; differential privacy's only when
+// it is on), a heading row before each group's key/value rows.
+function renderSettings(strategy) {
+  const body = $("settings");
+  body.replaceChildren();
+  for (const [title, keys] of strategy.groups || []) {
+    const head = document.createElement("tr");
+    const th = document.createElement("th");
+    th.colSpan = 2;
+    th.textContent = title;
+    head.appendChild(th);
+    body.appendChild(head);
+    for (const k of keys) {
+      const tr = document.createElement("tr");
+      for (const c of [k, JSON.stringify(strategy.settings[k])]) {
+        const td = document.createElement("td");
+        td.textContent = String(c);
+        tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+  }
+}
+
 // One row per shard (rank 0's view, s.shards; null for a single server): N rows, N small.
 function renderShards(s) {
   const panel = $("shards-panel");
@@ -158,7 +182,9 @@ function render(s) {
   setText("strategy-name-2", s.strategy.name);
   setText("version", s.version);
   setText("versions-last-minute", s.versions_last_minute);
-  for (const k of ["accepted", "applied", "duplicate", "rejected"]) setText(`updates-${k}`, s.updates[k]);
+  for (const k of ["accepted", "applied", "buffered", "filtered", "duplicate", "rejected"]) {
+    setText(`updates-${k}`, s.updates[k]);
+  }
   setText("clients-known", s.clients.known);
   const bar = $("states-bar");
   bar.replaceChildren();
@@ -194,7 +220,7 @@ function render(s) {
   fillRows("slowest", s.clients.slowest.map((r) => [r.client, r.seconds.toFixed(1)]));
   fillRows("refusals", s.refusal_reasons.map((r) => [r.code, r.reason, r.count]));
   $("data-withheld").hidden = !s.data_withheld;
-  fillRows("settings", Object.entries(s.strategy.settings).map(([k, v]) => [k, JSON.stringify(v)]));
+  renderSettings(s.strategy);
   const groups = $("groups");
   groups.replaceChildren();
   if (s.groups) {
