@@ -217,15 +217,15 @@ def _ask(args: argparse.Namespace, command: str, call):
 def _client(args: argparse.Namespace) -> int:
     import threading
 
-    from aggsrv.client_command import ClientOptions, install_signal_handlers, run_client
+    from aggsrv.client_command import ClientOptions, run_client, signals_stop
 
     names = ("server", "client_id", "token", "token_file", "tls_ca", "tls_cert", "tls_key",
              "data", "data_dir", "partition", "clients", "index", "model", "seed", "state_dir",
-             "updates", "poll_seconds", "give_up_after")  # fmt: skip
+             "updates", "job_wait_seconds", "give_up_after")  # fmt: skip
     stop = threading.Event()
-    install_signal_handlers(stop)
     try:
-        return run_client(ClientOptions(**{n: getattr(args, n) for n in names}), stop)
+        with signals_stop(stop):
+            return run_client(ClientOptions(**{n: getattr(args, n) for n in names}), stop)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"aggsrv client: {exc}\n")
         return 2
@@ -710,8 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="stop once this many updates were accepted in all (restarts included)",
     )
-    client.add_argument("--poll-seconds", type=float, default=5.0,
-                        help="a wait for a job before the client asks again")  # fmt: skip
+    client.add_argument("--job-wait-seconds", type=float, default=300.0,
+                        help="the longest one wait for a job and its download lasts")  # fmt: skip
     client.add_argument("--give-up-after", type=float, default=300.0,
                         help="seconds without the server before exiting (code 3)")  # fmt: skip
     client.set_defaults(func=_client)

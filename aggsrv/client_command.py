@@ -1,32 +1,41 @@
 """`aggsrv client`: a real client process. It registers, then repeats: wait for a job, train
 it by the job's recipe (`aggsrv.client.train`) on its part of a data set, push the update. While
-it trains it sends heartbeats, so the server keeps the job's lease.
+it trains it sends heartbeats, so the server counts it as active (the job's own lease runs from
+its issue, `job_lease_seconds`, whatever the heartbeats).
 
 - **Data and model** are the simulator's (`aggsrv.sim`): a built-in data set or
   `module:callable` returning an `aggsrv.data.Dataset`, split by `--partition` among `--clients`,
   of which this process trains part `--index`; a built-in model or `module:callable`. Every
   client of a federation gives the same data set, partition, client count, model and seed, so
   the parts are disjoint and the models match.
-- **Restarts.** With `--state-dir` the process keeps there the number of updates it pushed and
-  the update it is pushing (its job, delta and id) until the server answered it. A restarted
-  process pushes that update again under the same id (the server applies it at most once), then
-  goes on numbering its updates where it stopped.
+- **Restarts.** Update ids are a run id (random, kept in `--state-dir`) and a count. With
+  `--state-dir` the process keeps there the count and the update it is pushing (its job, delta
+  and id) until the server answered it. A restarted process pushes that update again under the
+  same id (the server applies it at most once), then goes on counting. Without `--state-dir`
+  every start is a new run: nothing it sends is taken for an earlier run's update.
+- **Refusals.** An update the server refuses (its job superseded or expired, too stale, not
+  finite, too large) is logged and dropped, and the client goes on to its next job.
 - **The server away.** Each call retries an unreachable server with exponential backoff
-  (`aggsrv.client.Client`). The loop waits and reconnects until `--give-up-after` seconds pass
-  without an answer.
+  (`aggsrv.client.Client`); registering, waiting for a job and pushing go on retrying until
+  `--give-up-after` seconds pass without an answer.
 - **Ending.** After `--updates` accepted updates, when the server's privacy budget is spent, or
-  on SIGTERM/SIGINT (after the push in flight, never in the middle of one). Exit 0; 2 for bad
-  options or a refused connection (TLS, token); 3 when the server stayed away.
+  on SIGTERM/SIGINT (after the push in flight, never in the middle of one; while it waits for a
+  job, at the server's next pending message, at least every 30 s). Exit 0; 2 for bad options or
+  a token the server refuses; 3 when the server stayed away (a server whose certificate the
+  client does not trust looks away: the TLS handshake fails); 1 for anything else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,18 +78,15 @@ class ClientOptions:
     # Stop once this many updates were accepted in all, those before a restart included (None:
     # run on).
     updates: int | None = None
-    poll_seconds: float = 5.0  # how long one wait for a job lasts before it is asked again
+    # The longest one GetJob call lasts, the wait and the job's download together (then it is
+    # asked again): longer than a model's download on the slowest link.
+    job_wait_seconds: float = 300.0
     give_up_after: float = 300.0  # seconds without an answer from the server
+    retry_seconds: float = 2.0  # between tries while the server is away
 
 
-class _Stop:
-    """Set by SIGTERM/SIGINT (or the caller): the loop ends after the push in flight."""
-
-    def __init__(self, event: threading.Event | None) -> None:
-        self.event = event or threading.Event()
-
-    def __call__(self) -> bool:
-        return self.event.is_set()
+class _Stopped(Exception):
+    """The stop flag was seen while waiting for a job."""
 
 
 def _check(opts: ClientOptions) -> None:
@@ -88,8 +94,8 @@ def _check(opts: ClientOptions) -> None:
         raise ValueError(f"--index must be in [0, {opts.clients}), got {opts.index}")
     if opts.updates is not None and opts.updates < 1:
         raise ValueError(f"--updates must be >= 1, got {opts.updates}")
-    if opts.poll_seconds <= 0 or opts.give_up_after <= 0:
-        raise ValueError("--poll-seconds and --give-up-after must be > 0")
+    if min(opts.job_wait_seconds, opts.give_up_after, opts.retry_seconds) <= 0:
+        raise ValueError("--job-wait-seconds and --give-up-after must be > 0")
 
 
 def _trainer(opts: ClientOptions) -> Any:
@@ -105,11 +111,29 @@ def _trainer(opts: ClientOptions) -> Any:
     return prepare(config)
 
 
+def _write_durably(path: Path, write: Any) -> None:
+    """``write(tmp)`` then fsync and rename over ``path`` and fsync the folder: a crash leaves
+    the old file or the new one, whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
 class _State:
-    """The updates pushed and the one in flight, kept in ``--state-dir`` (or in memory)."""
+    """The run id, the updates pushed and the one in flight, kept in ``--state-dir`` (or, without
+    one, for this process only)."""
 
     def __init__(self, directory: str | None, client_id: str) -> None:
         self.dir = Path(directory) if directory else None
+        self.client_id = client_id
+        self.run = uuid.uuid4().hex[:16]
         self.pushed = 0
         self.accepted = 0
         if self.dir is not None:
@@ -122,21 +146,22 @@ class _State:
                         f"{path} belongs to client {saved.get('client_id')!r}, not "
                         f"{client_id!r}: give each client its own --state-dir"
                     )
+                self.run = str(saved["run"])
                 self.pushed = int(saved["pushed"])
                 self.accepted = int(saved.get("accepted", 0))
-        self.client_id = client_id
+            self.save()
 
     def update_id(self) -> str:
-        return f"{self.client_id}-{self.pushed}"
+        """The id of the next update: this run's and its number (ids the server keeps per
+        client, so the client id need not be in it)."""
+        return f"{self.run}-{self.pushed}"
 
     def save(self) -> None:
         if self.dir is None:
             return
-        path = self.dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        state = {"client_id": self.client_id, "pushed": self.pushed, "accepted": self.accepted}
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        state = {"client_id": self.client_id, "run": self.run, "pushed": self.pushed,
+                 "accepted": self.accepted}  # fmt: skip
+        _write_durably(self.dir / STATE_FILE, lambda tmp: tmp.write_text(json.dumps(state)))
 
     def keep_pending(self, job: ClientJob, push: dict[str, Any]) -> None:
         """The update about to be pushed, so that a restart pushes it again under its id."""
@@ -148,19 +173,28 @@ class _State:
                     "tensors": dict(job.tensors)},
             "push": push,
         }  # fmt: skip
-        tmp = self.dir / (PENDING_FILE + ".tmp")
-        torch.save(record, tmp)
-        os.replace(tmp, self.dir / PENDING_FILE)
+        _write_durably(self.dir / PENDING_FILE, lambda tmp: torch.save(record, tmp))
 
     def pending(self) -> tuple[ClientJob, dict[str, Any]] | None:
+        """The update in flight when the process stopped, if it is still the next one: a record
+        whose update the count already passed (a stop between the two writes) is dropped, and
+        so is one that cannot be read (it was never pushed whole)."""
         path = None if self.dir is None else self.dir / PENDING_FILE
         if path is None or not path.exists():
             return None
-        record = torch.load(path, weights_only=False)
-        j = record["job"]
-        job = ClientJob(j["job_id"], j["base_version"], j["deadline"],
-                        Recipe.from_dict(j["recipe"]), j["tensors"])  # fmt: skip
-        return job, record["push"]
+        try:
+            record = torch.load(path, weights_only=True)
+            j, push = record["job"], record["push"]
+            job = ClientJob(j["job_id"], j["base_version"], j["deadline"],
+                            Recipe.from_dict(j["recipe"]), j["tensors"])  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - any damage: the record is not usable
+            log.warning("%s cannot be read (%s): dropping it", path, exc)
+            path.unlink()
+            return None
+        if push["update_id"] != self.update_id():
+            path.unlink()
+            return None
+        return job, push
 
     def done_pending(self, accepted: bool) -> None:
         self.pushed += 1
@@ -171,7 +205,8 @@ class _State:
 
 
 class _Heartbeats:
-    """Heartbeats for the job being trained, every third of the server's lease."""
+    """Heartbeats while a job trains, every third of the server's client lease: the server then
+    counts the client as active (the job's own lease runs from its issue regardless)."""
 
     def __init__(self, client: Client, job_id: str, every: float) -> None:
         self._stop = threading.Event()
@@ -195,52 +230,110 @@ class _Heartbeats:
         self._thread.join()
 
 
-def _push(client: Client, job: ClientJob, push: dict[str, Any]) -> Any:
-    return client.push(
-        job, push["delta"], kind=UpdateKind.DELTA, num_samples=push["num_samples"],
-        steps=push["steps"], epochs=push["epochs"], complete=push["complete"],
-        update_id=push["update_id"], buffers=push["buffers"],
-    )  # fmt: skip
+AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class _Patience:
+    """How long the server has been away, against ``--give-up-after``."""
+
+    def __init__(self, opts: ClientOptions, stop: threading.Event) -> None:
+        self.opts, self.stop = opts, stop
+        self.since: float | None = None
+
+    def answered(self) -> None:
+        self.since = None
+
+    def wait(self) -> bool:
+        """The server is away: True after a pause to try again, False once it was away too long
+        (or a stop came)."""
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since > self.opts.give_up_after:
+            log.error("the server stayed away for %.0f s: giving up", self.opts.give_up_after)
+            return False
+        return not self.stop.wait(self.opts.retry_seconds)
+
+
+def _push(client: Client, job: ClientJob, push: dict[str, Any], state: _State,
+          patience: _Patience) -> int | None:  # fmt: skip
+    """Push the update in flight until the server answers; an exit code to end with, or None to
+    go on. A refused update is dropped (the next job is another chance)."""
+    while True:
+        try:
+            answer = client.push(
+                job, push["delta"], kind=UpdateKind.DELTA, num_samples=push["num_samples"],
+                steps=push["steps"], epochs=push["epochs"], complete=push["complete"],
+                update_id=push["update_id"], buffers=push["buffers"],
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in AWAY:
+                if patience.wait():
+                    continue
+                return 0 if patience.stop.is_set() else 3  # the update stays in flight
+            if code in FATAL:
+                log.error("the server refused this client: %s: %s", code.name, details)
+                return 2
+            log.warning("update %s refused: %s: %s", push["update_id"], code.name, details)
+            state.done_pending(False)
+            if code == grpc.StatusCode.FAILED_PRECONDITION and "budget" in details:
+                log.info("the server's privacy budget is spent: no more jobs")
+                return 0
+            return None
+        patience.answered()
+        taken = (Status.APPLIED, Status.BUFFERED)
+        state.done_pending(answer.status in taken or answer.original in taken)
+        log.info("update %s: %s (version %d)", push["update_id"], answer.status.name,
+                 answer.version)  # fmt: skip
+        return None
 
 
 def _lease_seconds(client: Client) -> float:
-    limits = client.status().limits
+    try:
+        limits = client.status().limits
+    except grpc.RpcError:
+        return 60.0
     seconds = limits.lease.seconds + limits.lease.nanos / 1e9
     return seconds if seconds > 0 else 60.0
 
 
-def _serve_jobs(opts: ClientOptions, client: Client, setup: Any, state: _State, stop: _Stop):
+def _serve_jobs(opts: ClientOptions, client: Client, setup: Any, state: _State,
+                stop: threading.Event) -> int:  # fmt: skip
     """The loop: a pending push first, then job, train, push, until a budget or a stop."""
     trainer = setup.trainer()
     samples = trainer.num_samples(opts.index)
     beat = max(1.0, _lease_seconds(client) / 3)
-    waited_since: float | None = None
+    patience = _Patience(opts, stop)
     pending = state.pending()
     if pending is not None:
         job, push = pending
         log.info("pushing again update %s, in flight when the client stopped", push["update_id"])
-        result = _push(client, job, push)
-        state.done_pending(result.status in (Status.APPLIED, Status.BUFFERED)
-                           or result.original in (Status.APPLIED, Status.BUFFERED))  # fmt: skip
-    while not stop() and (opts.updates is None or state.accepted < opts.updates):
+        code = _push(client, job, push, state, patience)
+        if code is not None:
+            return code
+
+    def on_pending(_: Any) -> None:
+        if stop.is_set():
+            raise _Stopped
+
+    while not stop.is_set() and (opts.updates is None or state.accepted < opts.updates):
         try:
-            job = client.get_job(timeout=opts.poll_seconds)
+            job = client.get_job(timeout=opts.job_wait_seconds, on_pending=on_pending)
+        except _Stopped:
+            break
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                continue  # no job yet: ask again (and look at the stop flag)
+                continue  # no job within the wait: ask again
             if code == grpc.StatusCode.FAILED_PRECONDITION and "budget" in (exc.details() or ""):
                 log.info("the server's privacy budget is spent: no more jobs")
                 return 0
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                waited_since = waited_since or time.monotonic()
-                if time.monotonic() - waited_since > opts.give_up_after:
-                    log.error("the server stayed away for %.0f s: giving up", opts.give_up_after)
-                    return 3
-                time.sleep(min(5.0, opts.poll_seconds))
-                continue
+            if code in AWAY:
+                if patience.wait():
+                    continue
+                return 0 if stop.is_set() else 3
             raise
-        waited_since = None
+        patience.answered()
         with _Heartbeats(client, job.job_id, beat):
             result = trainer.run(opts.index, state.pushed, job.weights, job.recipe,
                                  basis=job.tensors.get("basis"), buffers=job.buffers)  # fmt: skip
@@ -248,26 +341,24 @@ def _serve_jobs(opts: ClientOptions, client: Client, setup: Any, state: _State, 
                 "steps": result.steps, "epochs": result.epochs, "complete": result.complete,
                 "update_id": state.update_id()}  # fmt: skip
         state.keep_pending(job, push)
-        answer = _push(client, job, push)
-        accepted = answer.status in (Status.APPLIED, Status.BUFFERED)
-        state.done_pending(accepted)
-        log.info("update %s: %s (version %d)", push["update_id"], answer.status.name,
-                 answer.version)  # fmt: skip
+        code = _push(client, job, push, state, patience)
+        if code is not None:
+            return code
     return 0
 
 
 def run_client(opts: ClientOptions, stop_event: threading.Event | None = None) -> int:
     """Run the client until its budget, a stop or a failure; the process's exit code."""
     _check(opts)
-    stop = _Stop(stop_event)
+    stop = stop_event or threading.Event()
     state = _State(opts.state_dir, opts.client_id)
     setup = _trainer(opts)
     client = Client(
         opts.server, opts.client_id, token=opts.token, token_file=opts.token_file,
         tls_ca=opts.tls_ca, tls_cert=opts.tls_cert, tls_key=opts.tls_key, timeout=60.0,
     )  # fmt: skip
+    patience = _Patience(opts, stop)
     try:
-        since = time.monotonic()
         while True:
             try:
                 client.register(
@@ -276,13 +367,13 @@ def run_client(opts: ClientOptions, stop_event: threading.Event | None = None) -
                 )  # fmt: skip
                 break
             except grpc.RpcError as exc:
-                away = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-                if away and time.monotonic() - since < opts.give_up_after and not stop():
-                    time.sleep(min(5.0, opts.poll_seconds))
+                if exc.code() in AWAY and patience.wait():
                     continue
+                if stop.is_set():
+                    return 0
                 log.error("cannot register with %s: %s: %s", opts.server, exc.code().name,
                           exc.details())  # fmt: skip
-                return 3 if away else 2
+                return 3 if exc.code() in AWAY else 2
         try:
             return _serve_jobs(opts, client, setup, state, stop)
         except grpc.RpcError as exc:
@@ -292,12 +383,18 @@ def run_client(opts: ClientOptions, stop_event: threading.Event | None = None) -
         client.close()
 
 
-def install_signal_handlers(event: threading.Event) -> None:
-    """SIGTERM and SIGINT end the loop after the push in flight."""
+@contextlib.contextmanager
+def signals_stop(event: threading.Event) -> Iterator[None]:
+    """While inside: SIGTERM and SIGINT set ``event`` (the loop ends after the push in flight);
+    the handlers before are put back at the end."""
 
     def handler(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping after the update in flight", signum)
         event.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, previous in before.items():
+            signal.signal(sig, previous)

@@ -28,7 +28,7 @@ def _server(**config) -> RunningServer:
 def _options(srv: RunningServer, index: int, state: Path | None, **more) -> ClientOptions:
     where = str(state) if state else None
     return ClientOptions(server=srv.address, client_id=f"c{index}", clients=2, index=index,
-                         state_dir=where, poll_seconds=0.5, **more)  # fmt: skip
+                         state_dir=where, job_wait_seconds=30.0, **more)  # fmt: skip
 
 
 def _applied(srv: RunningServer) -> int:
@@ -66,23 +66,57 @@ def test_a_restart_pushes_the_update_in_flight_again_and_it_counts_once(
     srv = _server()
     state = tmp_path / "state"
     try:
-        real_push, real_done = client_command._push, client_command._State.done_pending
-
-        def push_then_die(*args):
-            if crash == "after the push":
-                real_push(*args)
-            raise RuntimeError("killed")
-
-        monkeypatch.setattr(client_command, "_push", push_then_die)
+        die_after_push(monkeypatch, crash)
         with pytest.raises(RuntimeError, match="killed"):
             run_client(_options(srv, 0, state, updates=2))
         assert (state / client_command.PENDING_FILE).exists()
         assert _applied(srv) == (1 if crash == "after the push" else 0)
-        monkeypatch.setattr(client_command, "_push", real_push)
-        monkeypatch.setattr(client_command._State, "done_pending", real_done)
+        monkeypatch.undo()
         assert run_client(_options(srv, 0, state, updates=2)) == 0
         assert _applied(srv) == 2  # the update in flight was applied once, then one more
         assert not (state / client_command.PENDING_FILE).exists()
+    finally:
+        srv.stop()
+
+
+def die_after_push(monkeypatch, crash: str) -> None:
+    """The next push kills the process: before it reaches the server, or after it was applied
+    but before the client wrote that down."""
+    push = client_command.Client.push
+
+    def dying(self, *args, **kwargs):
+        if crash == "after the push":
+            push(self, *args, **kwargs)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(client_command.Client, "push", dying)
+
+
+def test_an_update_in_flight_that_the_server_now_refuses_is_dropped(tmp_path, monkeypatch):
+    """Its job's lease ran out while the client was down: the push is refused, the record
+    dropped, and the client goes on to new jobs (no crash at every start)."""
+    srv = _server(strategy_config={"job_lease_seconds": 1.0})
+    state = tmp_path / "state"
+    try:
+        die_after_push(monkeypatch, "before the push")
+        with pytest.raises(RuntimeError, match="killed"):
+            run_client(_options(srv, 0, state, updates=2))
+        monkeypatch.undo()
+        time.sleep(1.5)  # the job's lease ends
+        assert run_client(_options(srv, 0, state, updates=2)) == 0
+        assert _applied(srv) == 2 and not (state / client_command.PENDING_FILE).exists()
+        saved = (state / client_command.STATE_FILE).read_text()
+        assert '"pushed": 3' in saved and '"accepted": 2' in saved  # the refused one counted
+    finally:
+        srv.stop()
+
+
+def test_without_a_state_dir_every_start_sends_new_updates(tmp_path: Path) -> None:
+    srv = _server()
+    try:
+        assert run_client(_options(srv, 0, None, updates=2)) == 0
+        assert run_client(_options(srv, 0, None, updates=2)) == 0
+        assert _applied(srv) == 4  # none of the second run's taken for the first's
     finally:
         srv.stop()
 
@@ -92,7 +126,7 @@ def test_sigterm_ends_a_running_client_after_its_push(tmp_path: Path) -> None:
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "aggsrv.cli", "client", "--server", srv.address,
-             "--client-id", "c0", "--poll-seconds", "0.5", "--state-dir", str(tmp_path)],
+             "--client-id", "c0", "--state-dir", str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
@@ -113,12 +147,15 @@ def test_sigterm_ends_a_running_client_after_its_push(tmp_path: Path) -> None:
 
 def test_a_refused_token_and_an_absent_server_end_with_their_codes(tmp_path: Path, capsys):
     srv = _server(auth="hmac", state_dir=str(tmp_path / "srv"))
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
     try:
         code = main(["client", "--server", srv.address, "--client-id", "c0", "--token", "forged"])
         assert code == 2
+        # The command's SIGTERM/SIGINT handlers are put back when it returns.
+        assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers
     finally:
         srv.stop()
-    opts = ClientOptions(server=srv.address, client_id="c0", poll_seconds=0.2, give_up_after=1.0)
+    opts = ClientOptions(server=srv.address, client_id="c0", retry_seconds=0.2, give_up_after=1.0)
     start = time.monotonic()
     assert run_client(opts) == 3  # the server is gone: it waited its second, then gave up
     assert time.monotonic() - start < 60

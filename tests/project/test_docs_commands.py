@@ -40,12 +40,18 @@ def _commands(path: Path) -> list[tuple[int, str, bool]]:
     for block in re.finditer(r"^```([\w-]*)\n(.*?)^```", text, re.S | re.M):
         if block.group(1) not in SHELL_BLOCKS:
             continue
-        first = text[: block.start()].count("\n") + 2
-        lines = block.group(2).replace("\\\n", " \n").split("\n")
-        for i, line in enumerate(lines):
-            command = line.strip().removeprefix("$ ")
+        line = start = text[: block.start()].count("\n") + 2
+        command = ""
+        for raw in block.group(2).split("\n"):  # a line ending in \ goes on on the next one
+            start = line if not command else start
+            command += raw.strip().removesuffix("\\") + " " if raw.endswith("\\") else raw
+            line += 1
+            if raw.endswith("\\"):
+                continue
+            command = command.strip().removeprefix("$ ")
             if command.startswith("aggsrv "):
-                found.append((first + i, command, False))
+                found.append((start, " ".join(command.split()), False))
+            command = ""
     prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
     for span in re.finditer(r"`(aggsrv [^`]+)`", prose):
         command = " ".join(span.group(1).split())
@@ -167,3 +173,11 @@ def test_the_cli_describes_itself_in_whole_lines() -> None:
     long = [f"{where} {option}: {len(text)}" for where, option, text in _helps(parser)
             if len(text) >= 120]  # fmt: skip
     assert not long, "help texts of 120 characters or more:\n" + "\n".join(long)
+
+
+def test_a_command_continued_over_lines_is_checked_whole(tmp_path: Path) -> None:
+    page = tmp_path / "page.txt"
+    page.write_text("text\n\n```bash\naggsrv simulate --seed 1 \\\n    --no-such-option 2\n```\n")
+    ((line, command, mention),) = _commands(page)
+    assert (line, command, mention) == (4, "aggsrv simulate --seed 1 --no-such-option 2", False)
+    assert "--no-such-option" in (_refusal(build_parser(), _argv(command)) or "")

@@ -24,8 +24,10 @@ from aggsrv.server.persistence import FORMAT
 from aggsrv.trace_format import FORMAT as TRACE_FORMAT
 
 LAYOUT = ModelLayout.from_named_shapes([("fc.weight", (7, 3)), ("fc.bias", (3,))])
+# On the CPU: a log of updates folded from their codes resumes only where they fold again.
 CONFIG = {"strategy": "fedasync", "auth": "none", "durability": "on", "rate_limit_per_second": 0.0,
-          "checkpoint_every_updates": 0, "strategy_config": {"alpha": 0.5}}  # fmt: skip
+          "checkpoint_every_updates": 0, "device": "cpu",
+          "strategy_config": {"alpha": 0.5}}  # fmt: skip
 
 
 def write_state(state_dir: Path) -> dict:

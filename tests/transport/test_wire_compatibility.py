@@ -71,9 +71,27 @@ def _missing(old, new, path: str) -> list[str]:
     return [] if old == new else [f"{path}: {old!r} became {new!r}"]
 
 
+def _moved_into_oneofs(old: dict, new: dict, path: str) -> list[str]:
+    """Fields of a message in the snapshot that a oneof of it now holds but none held before
+    (a field moved into a oneof breaks a sender that sets it beside the oneof's others)."""
+    found = []
+    for name, message in old.get("messages", {}).items():
+        now = new.get("messages", {}).get(name)
+        if now is None:
+            continue
+        before = {f for fields in message["oneofs"].values() for f in fields}
+        for oneof, fields in now["oneofs"].items():
+            found += [f"{path}.{name}.{field} moved into oneof {oneof}" for field in fields
+                      if field in message["fields"] and field not in before]  # fmt: skip
+        found += _moved_into_oneofs(message, now, f"{path}.{name}")
+    return found
+
+
 def test_the_wire_only_grew_since_the_snapshot() -> None:
-    snapshot = json.loads(SNAPSHOT.read_text())
-    changed = _missing(snapshot, current(), "aggsrv.v1")
+    snapshot, now = json.loads(SNAPSHOT.read_text()), current()
+    changed = _missing(snapshot, now, "aggsrv.v1")
+    for proto, described in snapshot.items():
+        changed += _moved_into_oneofs(described, now.get(proto, {}), proto)
     assert not changed, "aggsrv.v1 changed incompatibly:\n" + "\n".join(changed)
 
 
@@ -87,6 +105,13 @@ def test_the_check_sees_a_removed_or_renumbered_field() -> None:
     assert any("became" in c for c in _missing(snapshot, now, "v1"))
     del now[proto]["messages"][message]["fields"][field]
     assert any("was removed" in c for c in _missing(snapshot, now, "v1"))
+    # A field that joins a oneof.
+    now = current()
+    header = now["aggsrv/v1/aggregation.proto"]["messages"]["UpdateHeader"]
+    header["oneofs"]["new_choice"] = ["client_id"]
+    assert _moved_into_oneofs(
+        snapshot["aggsrv/v1/aggregation.proto"], now["aggsrv/v1/aggregation.proto"], "v1"
+    ) == ["v1.UpdateHeader.client_id moved into oneof new_choice"]
 
 
 if __name__ == "__main__":
