@@ -147,6 +147,11 @@ _CODE_MAGNITUDE = {8: 128, 4: 8}
 _FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
+def finite_scale_limit(bits: int) -> float:
+    """The largest scale whose every code (even one the wire refuses) decodes finite."""
+    return _FLT_MAX / _CODE_MAGNITUDE[bits]
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedValues:
     """``numel`` values as blockwise absmax codes (the wire's quantized values, docs/wire.md):
@@ -194,7 +199,7 @@ class QuantizedValues:
         if nblocks:
             s = self.scales
             low, high = float(s.min()), float(s.max())
-            limit = _FLT_MAX / _CODE_MAGNITUDE[bits]
+            limit = finite_scale_limit(bits)
             if not (low >= 0 and high <= limit):  # NaN fails both
                 raise ValueError(
                     f"scales must be finite, not negative and at most {limit:.6g} (so that every "

@@ -40,15 +40,21 @@ from aggsrv.transport import Quantization, decode_quantized, quantize
 BLOCK = 128
 
 
+def _section(values: torch.Tensor, q: Quantization) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """The wire section of ``values`` and, over copies of its bytes, its float32 scales and its
+    uint8 code bytes (what a kernel takes)."""
+    wire, _ = quantize(values, q, BLOCK)
+    nblocks = -(-values.numel() // BLOCK)
+    scales = torch.frombuffer(bytearray(wire[: 4 * nblocks]), dtype=torch.float32)
+    return wire, scales, torch.frombuffer(bytearray(wire[4 * nblocks :]), dtype=torch.uint8)
+
+
 @pytest.mark.parametrize("size", [4 * 1024 * 1024, 21_797_672], ids=["4M", "resnet34"])
 @pytest.mark.parametrize("q", [Quantization.INT8, Quantization.INT4])
 def test_bench_quantized_accumulate(benchmark: Any, q: Quantization, size: int) -> None:
     D = scaled(size)
     x = random_tensor(D, seed=1) * 0.01
-    wire, _ = quantize(x, q, BLOCK)
-    nblocks = -(-D // BLOCK)
-    scales = torch.frombuffer(bytearray(wire[: 4 * nblocks]), dtype=torch.float32)
-    body = torch.frombuffer(bytearray(wire[4 * nblocks :]), dtype=torch.uint8)
+    wire, scales, body = _section(x, q)
     codes = body.view(torch.int8) if q is Quantization.INT8 else body
     bits = 8 if q is Quantization.INT8 else 4
     out = random_tensor(D, seed=2)
@@ -82,10 +88,8 @@ def test_bench_quantized_step_into_a_new_version(benchmark: Any, size: int) -> N
     with ``base=x`` against ``torch.add(x, delta, alpha=a, out=new)`` on a float32 delta."""
     D = scaled(size)
     delta = random_tensor(D, seed=1) * 0.01
-    wire, _ = quantize(delta, Quantization.INT8, BLOCK)
-    nblocks = -(-D // BLOCK)
-    scales = torch.frombuffer(bytearray(wire[: 4 * nblocks]), dtype=torch.float32)
-    codes = torch.frombuffer(bytearray(wire[4 * nblocks :]), dtype=torch.int8)
+    wire, scales, body = _section(delta, Quantization.INT8)
+    codes = body.view(torch.int8)
     x = random_tensor(D, seed=2)
     new = torch.empty(D)
     staging = torch.empty(D)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from aggsrv import kernels
-from aggsrv.values import QuantizedValues
+from aggsrv.values import QuantizedValues, finite_scale_limit
 
 from .errors import BadChunk, WrongLength
 
@@ -49,8 +49,6 @@ __all__ = [
 # block little precision (docs/compression.md "Block size").
 DEFAULT_BLOCK = 128
 MAX_BLOCK = 1 << 16
-# The largest scale QuantizedValues takes: every code (even one the wire refuses) decodes finite.
-_FINITE_SCALE = {8: float(np.finfo(np.float32).max) / 128, 4: float(np.finfo(np.float32).max) / 8}
 
 
 class Quantization(enum.Enum):
@@ -214,7 +212,7 @@ def quantized_values(
     prove every value finite without decoding (above FLT_MAX / 128, or / 8 for INT4): decode
     those (:func:`decode_quantized`) and check the values."""
     body, scales, bits = _checked_section(raw, quantization, n, block, name)
-    if scales.size and float(scales.max()) > _FINITE_SCALE[bits]:
+    if scales.size and float(scales.max()) > finite_scale_limit(bits):
         return None
     return QuantizedValues(
         _tensor_view(body, torch.int8 if bits == 8 else torch.uint8),
