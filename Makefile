@@ -13,7 +13,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS := dev,sim,flower,dp
+EXTRAS := dev,sim,flower,dp,nvflare
 # Two workers (pytest-xdist): most tests wait on servers and subprocesses, so two share 2 cores
 # well. `make test PYTEST_ARGS="-q tests/server"` runs a part on one; benchmarks run on one
 # (pytest-benchmark turns itself off under xdist).

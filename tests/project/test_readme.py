@@ -63,14 +63,14 @@ def test_readme_commands_match_ci() -> None:
         assert ".venv/bin/python -m pip install --upgrade pip" in text
         assert "command -v nvidia-smi" in text
         assert re.search(r'pip install +"torch==2\.13\.0"', text)
-        assert '.venv/bin/python -m pip install -e ".[dev,sim,flower,dp]"' in text
+        assert '.venv/bin/python -m pip install -e ".[dev,sim,flower,dp,nvflare]"' in text
         assert ("apt-get install -y -q dataset-fashion-mnist" in text) == (target == "test")
     manual = _commands(by_hand)
     for command in (
         "python3 -m venv .venv && . .venv/bin/activate",
         "python -m pip install --upgrade pip",
         "pip install torch==2.13.0",
-        'pip install -e ".[dev,sim,flower,dp]"',
+        'pip install -e ".[dev,sim,flower,dp,nvflare]"',
         "apt-get install dataset-fashion-mnist",
         "python -m pytest",
     ):
@@ -94,7 +94,7 @@ def test_make_sets_up_once(tmp_path) -> None:
     assert steps[-1] == ".venv/bin/python -m pytest"
     os.utime(stamp, (999_999, 999_999))  # pyproject.toml is newer than the install
     steps = _make_dry_run("test", tmp_path)
-    assert any('pip install -e ".[dev,sim,flower,dp]"' in s for s in steps), steps
+    assert any('pip install -e ".[dev,sim,flower,dp,nvflare]"' in s for s in steps), steps
     assert not any("-m venv" in s for s in steps)
 
 
