@@ -1,4 +1,4 @@
-"""Flower's built-in Krum (flwr 1.41.0) against the same computation through aggsrv.kernels.
+"""Flower's built-in Krum (flwr 1.42.0) against the same computation through aggsrv.kernels.
 
 Run with ``pytest bench/test_bench_flower.py --benchmark-only -s`` (full scale: about 1 minute
 and under 5 GiB of RAM); ``AGGSRV_BENCH_SCALE=0.01`` shrinks D (K stays) for a smoke run in

@@ -1,4 +1,4 @@
-"""Flower 1.41's robust strategies against the same aggregation through aggsrv's Flower adapter.
+"""Flower 1.42's robust strategies against the same aggregation through aggsrv's Flower adapter.
 
 Run with ``pytest bench/test_bench_flower_robust.py --benchmark-only -s`` (full scale: K = 16
 and 64 replies of D = 4M float32; several minutes, under 8 GiB of RAM);

@@ -1,5 +1,5 @@
 """Run the example in Flower's simulation engine (Ray backend, one CPU per node) without a
-SuperLink: `python examples/flower_fedasync/run.py` from the repository root. Flower 1.41 marks
+SuperLink: `python examples/flower_fedasync/run.py` from the repository root. Flower 1.42 marks
 `run_simulation` as deprecated; `flwr run examples/flower_fedasync` runs the same app (README.md).
 
 Knobs (environment): AGGSRV_EXAMPLE_STRATEGY and AGGSRV_EXAMPLE_UPDATES over the defaults in

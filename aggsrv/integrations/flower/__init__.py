@@ -1,4 +1,4 @@
-"""aggsrv inside Flower (``pip install aggsrv[flower]``, flwr 1.41.0).
+"""aggsrv inside Flower (``pip install aggsrv[flower]``, flwr 1.42.0).
 
 - :class:`AggsrvStrategy`: any aggsrv strategy's server side as a Flower ServerApp strategy.
 - :func:`run_async`: a ServerApp main loop without rounds for the asynchronous strategies
