@@ -27,6 +27,7 @@ MODULES = (
     "aggsrv.strategies.base",
     "aggsrv.values",
     "aggsrv.integrations.flower",
+    "aggsrv.integrations.nvflare",
 )
 
 

@@ -29,3 +29,4 @@ def test_the_api_reference_builds_without_warnings(tmp_path: Path) -> None:
     )
     assert {"Update", "QuantizedValues"} <= ids("aggsrv/values.html")
     assert "AggsrvStrategy" in ids("aggsrv/integrations/flower.html")
+    assert {"AggsrvAggregator", "AsyncAggsrvController"} <= ids("aggsrv/integrations/nvflare.html")

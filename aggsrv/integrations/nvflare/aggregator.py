@@ -12,7 +12,9 @@ rule such as ``"median"``, ``"trimmed_mean:trim=0.1"``, ``"krum:f=1"``, ``"multi
 Weights follow FLARE's FedAvg: the reply's ``NUM_STEPS_CURRENT_ROUND`` (1 when missing, not
 finite or not positive) times ``aggregation_weights[client]`` (1 when not given). Rows and
 weights reach :func:`aggsrv.aggregators.combine` unchanged, so the rules weigh as they do in
-``aggsrv serve`` (the order statistics and Krum are unweighted).
+``aggsrv serve`` (the order statistics and Krum are unweighted). Centered clipping's centre is
+the previous round's aggregate; the first round, without one, starts from the coordinate-wise
+median of the replies.
 
 Memory: ``"mean"`` folds each reply into one float64 sum of D values as it arrives (FLARE's
 in-time aggregation, one pass over the reply); the other rules need every row at once and keep
@@ -40,6 +42,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
+from aggsrv import kernels
 from aggsrv.aggregators import AggregateInfo, Aggregator, warm_up
 from aggsrv.finite import sum_is_finite
 from aggsrv.integrations.nvflare.params import ParamsLayout, ParamsMismatchError
@@ -219,10 +222,13 @@ class AggsrvAggregator(ModelAggregator):
             else:
                 aggregate = torch.empty(self.layout.numel, dtype=torch.float32)
                 rows = self._rows[:K]
+                centred = self.spec.rule == "centered_clipping"
+                if centred and self._centre is None:
+                    self._centre = kernels.coordinate_median(rows)
                 _, self.last_info = self.spec.combine(
                     rows, weights, center=self._centre, out=aggregate
                 )
-                if self.spec.rule == "centered_clipping":
+                if centred:
                     self._centre = aggregate.clone()
             meta = {"aggsrv": self.last_info.as_dict(), "sites": list(self._sites)}
             if self.refused:
