@@ -30,12 +30,14 @@ global model as it was.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
-from nvflare.apis.fl_constant import FLMetaKey
+from nvflare.apis.fl_constant import FLMetaKey, ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
@@ -71,6 +73,14 @@ def reply_weight(model: FLModel, aggregation_weights: Mapping[str, float]) -> fl
     return w * float(aggregation_weights.get(client_name(model), 1.0))
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of ``t`` finite: the one-read sum for float32/float64; half precision is
+    summed in float32 (a float16 sum of finite values overflows at 65504)."""
+    if t.dtype not in (torch.float32, torch.float64):
+        return bool(torch.isfinite(t).all())
+    return sum_is_finite(t) or not bool((~torch.isfinite(t)).any())
+
+
 class AggsrvAggregator(ModelAggregator):
     """FLARE's ``ModelAggregator`` on aggsrv's flat rows and kernels (module docstring).
 
@@ -93,7 +103,9 @@ class AggsrvAggregator(ModelAggregator):
         self.spec = Aggregator.parse(aggregator)
         weights = dict(aggregation_weights or {})
         for site, w in weights.items():
-            if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
+            if isinstance(w, bool) or not (
+                isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0
+            ):
                 raise ValueError(f"aggregation_weights[{site!r}] must be a finite number >= 0")
         self.aggregation_weights = weights
         if not (isinstance(expected_clients, int) and expected_clients >= 1):
@@ -124,13 +136,26 @@ class AggsrvAggregator(ModelAggregator):
             self._kept: dict[str, Any] = {}
             self._metrics: list[tuple[float, Mapping[str, Any]]] = []
             self.refused = []
+            self._mismatched = 0  # replies refused for another model's names or shapes
             if self._sum is not None:
                 self._sum.zero_()
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         """ScatterAndGather's entry: the reply as an FLModel; False when it was refused."""
         self.fl_ctx = fl_ctx
-        return self.accept_model(FLModelUtils.from_shareable(shareable, fl_ctx))
+        # ScatterAndGather names the site in the reply's peer identity, not in its meta.
+        peer = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
+        try:
+            model = FLModelUtils.from_shareable(shareable, fl_ctx)
+        except (ValueError, TypeError, KeyError) as e:
+            site = peer if isinstance(peer, str) and peer else UNKNOWN_CLIENT
+            with self._lock:
+                self.refused.append((site, f"not a model: {e}"))
+            self.error(f"refused the reply of {site}: not a model: {e}")
+            return False
+        if client_name(model) == UNKNOWN_CLIENT and isinstance(peer, str) and peer:
+            model.meta = {**(model.meta or {}), "client_name": peer}
+        return self.accept_model(model)
 
     def accept_model(self, model: FLModel) -> bool:
         """Fold one reply into the round; False (and an error in the log) when refused."""
@@ -140,6 +165,8 @@ class AggsrvAggregator(ModelAggregator):
                 self._accept(model, site)
             except (ParamsMismatchError, ValueError) as e:
                 self.refused.append((site, str(e)))
+                if isinstance(e, ParamsMismatchError):
+                    self._mismatched += 1
                 self.error(f"refused the reply of {site}: {e}")
                 return False
         return True
@@ -176,7 +203,7 @@ class AggsrvAggregator(ModelAggregator):
         assert self.layout is not None and self._sum is not None
         checked = []
         for e, t in self.layout.tensors(params):
-            if not sum_is_finite(t):
+            if not _finite(t):
                 raise ValueError(f"parameter {e.name!r} holds NaN or Inf")
             checked.append((e, t))
         for e, t in checked:
@@ -187,7 +214,7 @@ class AggsrvAggregator(ModelAggregator):
         for e, t in self.layout.tensors(params):
             part = row[e.offset : e.offset + e.numel]
             part.copy_(t.reshape(-1))
-            if not sum_is_finite(part):
+            if not _finite(part):
                 raise ValueError(f"parameter {e.name!r} holds NaN or Inf")
 
     def _row_buffer(self, K: int, D: int) -> torch.Tensor:
@@ -206,6 +233,18 @@ class AggsrvAggregator(ModelAggregator):
         the replies' kind), with the replies' metrics averaged by the same weights."""
         with self._lock:
             K = len(self._weights)
+            if self._mismatched > K:
+                # The run's layout came from its first reply; when most replies disagree with
+                # it, that reply was the odd one (a Byzantine site can send first): drop the
+                # round rather than aggregate the minority, and learn the layout again.
+                self.error(
+                    f"{self._mismatched} replies this round did not match the model the first "
+                    f"reply of the run set, {K} did: the round is dropped and the next round's "
+                    "first reply sets the model"
+                )
+                self.layout, self._sum, self._rows = None, None, torch.empty(0, 0)
+                self._centre = None
+                return FLModel(params_type=ParamsType.DIFF, params={})
             if K == 0:
                 why = "; ".join(f"{s}: {r}" for s, r in self.refused) or "no replies"
                 self.error(f"no reply to aggregate this round ({why}): the model stays as it was")
@@ -248,7 +287,8 @@ class AggsrvAggregator(ModelAggregator):
         out: dict[str, float] = {}
         for key in sorted(keys):
             values = [(w, m[key]) for w, m in self._metrics]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in values):
+            if all(isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
+                   for _, v in values):  # fmt: skip
                 total = sum(w for w, _ in values)
                 out[key] = sum(w * float(v) for w, v in values) / total
         return out or None

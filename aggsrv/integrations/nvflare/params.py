@@ -84,8 +84,8 @@ class ParamsLayout:
         numpy = True
         for name, value in params.items():
             t = as_tensor(value, name)
-            numpy = numpy and isinstance(materialized(value), np.ndarray)
             if t.is_floating_point():
+                numpy = numpy and isinstance(materialized(value), np.ndarray)
                 entries.append(Entry(name, tuple(t.shape), offset, t.numel()))
                 offset += t.numel()
             else:
