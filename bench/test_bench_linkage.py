@@ -1,12 +1,25 @@
-"""average_linkage_cpu against scipy's linkage(method="average") on the same condensed distances.
+"""aggsrv's average linkage against scipy's ``linkage(method="average")`` on the same distances.
 
-Run with ``pytest bench/ --benchmark-only -s``. Ours and scipy's are timed interleaved (ours,
-scipy, ours, ...) so drift in machine load hits both alike; the ratio is the median of ours over
-the median of scipy's.
+Run with ``pytest bench/test_bench_linkage.py --benchmark-only -s``. Two settings:
+
+* **warm**, one process: ``kernels.average_linkage`` on condensed distances and on the square
+  matrix FedDGIC passes (``dynamic_groups``), each against scipy on the condensed distances
+  (what scipy takes), timed interleaved (ours, scipy, ours, ...) so drift in machine load hits
+  both alike; the ratio is the median of ours over the median of scipy's. Consecutive calls of
+  the same n reuse our working matrix, as FedDGIC's grouping rounds do.
+* **cold**, a fresh process per call, alternating ours and scipy's: each process makes the
+  distances, loads its library with a call on 3 points (numba's compiled cache, scipy's
+  extension), then times one call on the square matrix (ours) or the condensed distances
+  (scipy): what a program meets the first time it clusters.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -15,9 +28,10 @@ import pytest
 hierarchy = pytest.importorskip("scipy.cluster.hierarchy")
 distance = pytest.importorskip("scipy.spatial.distance")
 
-from aggsrv.kernels.linkage import average_linkage_cpu  # noqa: E402
+from aggsrv import kernels  # noqa: E402
 
 REPS = 7
+COLD_REPS = 5
 
 
 def _condensed(n: int) -> np.ndarray:
@@ -33,12 +47,14 @@ def _scipy(condensed: np.ndarray) -> np.ndarray:
     return hierarchy.linkage(condensed, method="average")
 
 
+@pytest.mark.parametrize("form", ["condensed", "square"])
 @pytest.mark.parametrize("n", [1024, 4096])
-def test_bench_average_linkage(benchmark, n: int) -> None:
+def test_bench_average_linkage(benchmark, n: int, form: str) -> None:
     """Interleaved timing of ours and scipy's; pytest-benchmark records ours."""
     condensed = _condensed(n)
+    dist = condensed if form == "condensed" else distance.squareform(condensed)
     # Compile (or load the numba cache) and check equality before timing anything.
-    np.testing.assert_array_equal(average_linkage_cpu(condensed), _scipy(condensed))
+    np.testing.assert_array_equal(kernels.average_linkage(dist), _scipy(condensed))
 
     ours: list[float] = []
     theirs: list[float] = []
@@ -52,7 +68,7 @@ def test_bench_average_linkage(benchmark, n: int) -> None:
 
     def ours_timed() -> np.ndarray:
         t0 = time.perf_counter()
-        z = average_linkage_cpu(condensed)
+        z = kernels.average_linkage(dist)
         ours.append(time.perf_counter() - t0)
         return z
 
@@ -62,12 +78,70 @@ def test_bench_average_linkage(benchmark, n: int) -> None:
     ratio = t_ours / t_scipy
     benchmark.extra_info.update(
         n=n,
+        form=form,
         ours_median_s=t_ours,
         scipy_median_s=t_scipy,
         ratio=ratio,
         merges_per_s=(n - 1) / t_ours,
     )
     print(
-        f"\naverage_linkage n={n}: ours {t_ours * 1e3:.1f} ms, scipy {t_scipy * 1e3:.1f} ms, "
-        f"ratio {ratio:.2f}, {(n - 1) / t_ours:,.0f} merges/s (medians of {REPS})"
+        f"\naverage_linkage n={n} {form} (warm): ours {t_ours * 1e3:.1f} ms, scipy "
+        f"{t_scipy * 1e3:.1f} ms, ratio {ratio:.2f}, {(n - 1) / t_ours:,.0f} merges/s "
+        f"(medians of {REPS}, load {os.getloadavg()[0]:.1f})"
+    )
+
+
+_COLD = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    which, n = sys.argv[1], int(sys.argv[2])
+    x = np.random.default_rng(n).standard_normal((n, 64))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    iu = np.triu_indices(n, k=1)
+    condensed = np.maximum(1.0 - np.clip(x @ x.T, -1.0, 1.0)[iu], 0.0)
+    if which == "ours":
+        from scipy.spatial.distance import squareform
+        from aggsrv import kernels
+        square = squareform(condensed)
+        kernels.average_linkage(np.array([[0.0, 1.0, 2.0], [1.0, 0.0, 1.5], [2.0, 1.5, 0.0]]))
+        t0 = time.perf_counter()
+        kernels.average_linkage(square)
+    else:
+        from scipy.cluster import hierarchy
+        hierarchy.linkage(np.array([1.0, 2.0, 1.5]), "average")
+        t0 = time.perf_counter()
+        hierarchy.linkage(condensed, "average")
+    print(json.dumps(time.perf_counter() - t0))
+    """
+)
+
+
+def _cold(which: str, n: int) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", _COLD, which, str(n)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_bench_average_linkage_cold(benchmark, n: int) -> None:
+    """One call in a fresh process, ours (square, FedDGIC's input) and scipy's alternating."""
+    ours: list[float] = []
+    theirs: list[float] = []
+
+    def rounds() -> None:
+        for k in range(COLD_REPS):
+            pair = (("ours", ours), ("scipy", theirs))
+            for which, times in pair if k % 2 == 0 else pair[::-1]:
+                times.append(_cold(which, n))
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    t_ours, t_scipy = float(np.median(ours)), float(np.median(theirs))
+    benchmark.extra_info.update(n=n, ours_median_s=t_ours, scipy_median_s=t_scipy)
+    print(
+        f"\naverage_linkage n={n} square (cold, a process per call): ours {t_ours * 1e3:.1f} ms "
+        f"(min {min(ours) * 1e3:.1f}), scipy {t_scipy * 1e3:.1f} ms (min {min(theirs) * 1e3:.1f}),"
+        f" ratio {t_ours / t_scipy:.2f} (medians of {COLD_REPS}, load {os.getloadavg()[0]:.1f})"
     )

@@ -831,13 +831,32 @@ def average_linkage(dist: Any, *, backend: str = "auto") -> Any:
         arr = np.asarray(dist, dtype=np.float64)
     else:
         raise TypeError(f"dist must be a numpy array or torch tensor, got {type(dist).__name__}")
-    condensed, n = _condensed(arr)
-    if n < 2:
-        Z = np.zeros((0, 4), dtype=np.float64)
-    else:
-        impl = importlib.import_module(".reference" if backend == "reference" else ".cpu", __name__)
-        Z = impl.average_linkage(condensed)
+    Z = None
+    if backend != "reference" and arr.ndim in (1, 2) and arr.size > 1:
+        # One pass checks the distances while it builds the working matrix; input that fails
+        # goes through _condensed below for the precise error.
+        from .linkage import linkage_from_condensed, linkage_from_square
+
+        if arr.ndim == 2 and arr.shape[0] == arr.shape[1]:
+            Z = linkage_from_square(arr)
+        elif arr.ndim == 1 and _is_condensed_length(arr.size):
+            Z = linkage_from_condensed(arr)
+    if Z is None:
+        condensed, n = _condensed(arr)
+        if n < 2:
+            Z = np.zeros((0, 4), dtype=np.float64)
+        else:
+            impl = importlib.import_module(
+                ".reference" if backend == "reference" else ".cpu", __name__
+            )
+            Z = impl.average_linkage(condensed)
     return torch.from_numpy(Z) if as_torch else Z
+
+
+def _is_condensed_length(m: int) -> bool:
+    """m = n(n-1)/2 for an integer n >= 2."""
+    n = int(round((1 + np.sqrt(1 + 8 * m)) / 2))
+    return n >= 2 and n * (n - 1) // 2 == m
 
 
 def _condensed(arr: np.ndarray) -> tuple[np.ndarray, int]:

@@ -192,3 +192,55 @@ def test_public_average_linkage(backend: str, square: bool, kind: str, n: int) -
         z = fn(dist.copy(), backend=backend)
         assert isinstance(z, np.ndarray)
     _assert_same(z, _scipy(condensed))
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["condensed", "square"])
+def test_public_linkage_equals_scipy_bitwise_on_calls_that_reuse_the_working_matrix(
+    square: bool,
+) -> None:
+    """Consecutive calls of the same n (FedDGIC every grouping round) share one working
+    matrix: each still equals scipy bit for bit, whatever the call before left in it."""
+    fn = _public()
+    rng = np.random.default_rng()
+    n = int(rng.integers(70, 140))
+    for make in (_cosine, _euclidean, _cosine):
+        condensed = make(n, rng)
+        dist = distance.squareform(condensed) if square else condensed
+        before = dist.copy()
+        np.testing.assert_array_equal(fn(dist), _scipy(condensed))
+        np.testing.assert_array_equal(dist, before)  # the input is never written
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["condensed", "square"])
+def test_public_linkage_clamps_rounding_negatives_and_refuses_real_ones(square: bool) -> None:
+    fn = _public()
+    rng = np.random.default_rng()
+    condensed = _cosine(int(rng.integers(9, 30)), rng)
+    condensed[3] = -1e-13  # a rounding of 1 - cos: read as 0
+    clamped = np.maximum(condensed, 0.0)
+    dist = distance.squareform(condensed, checks=False) if square else condensed
+    np.testing.assert_array_equal(fn(dist), _scipy(clamped))
+    condensed[3] = -1e-6
+    dist = distance.squareform(condensed, checks=False) if square else condensed
+    with pytest.raises(ValueError, match=">= 0"):
+        fn(dist)
+
+
+@pytest.mark.parametrize(
+    ("defect", "message"),
+    [("nan", "finite"), ("inf", "finite"), ("asymmetric", "symmetric"), ("diagonal", "diagonal")],
+)
+def test_public_linkage_names_what_is_wrong_with_a_square_matrix(defect: str, message: str) -> None:
+    fn = _public()
+    rng = np.random.default_rng()
+    n = int(rng.integers(5, 90))
+    dist = distance.squareform(_cosine(n, rng))
+    i, j = sorted(rng.choice(n, size=2, replace=False))
+    if defect in ("nan", "inf"):
+        dist[i, j] = dist[j, i] = float(defect)
+    elif defect == "asymmetric":
+        dist[i, j] = np.nextafter(dist[i, j], 2.0)
+    else:
+        dist[i, i] = 1e-300
+    with pytest.raises(ValueError, match=message):
+        fn(dist)
