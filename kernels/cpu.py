@@ -833,6 +833,28 @@ def _scatter_add(out, idx, vals, weight):  # pragma: no cover - compiled
         out[i] = np.float64(out[i]) + weight * np.float64(vals[j])
 
 
+@nb.njit(cache=True, nogil=True)  # no fastmath: a contracted FMA would round differently
+def _accumulate(acc, x, weight):  # pragma: no cover - compiled
+    # Serial, on the calling thread: one streaming pass is bandwidth-bound on one core already,
+    # and a busy server's thread pool only adds waits (aggsrv/finite.py says why).
+    for i in range(acc.shape[0]):
+        acc[i] = np.float64(acc[i]) + weight * np.float64(x[i])
+
+
+# Elements of a half-precision x widened to float32 at a time (a temporary that stays in cache).
+_WIDEN_CHUNK = 1 << 16
+
+
+def accumulate(acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
+    a = _np(acc)
+    if x.dtype in (torch.float32, torch.float64):
+        _accumulate(a, _np(x), float(weight))
+        return
+    for start in range(0, x.shape[0], _WIDEN_CHUNK):
+        end = min(start + _WIDEN_CHUNK, x.shape[0])
+        _accumulate(a[start:end], _np(x[start:end].to(torch.float32)), float(weight))
+
+
 def nnz_per_layer(
     X: torch.Tensor, offs: torch.Tensor, reduce: Reduce | None = None
 ) -> torch.Tensor:

@@ -267,6 +267,10 @@ def nnz_per_layer(
     return out
 
 
+def accumulate(acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
+    acc.copy_((acc.to(F64) + weight * x.to(F64)).to(acc.dtype))
+
+
 def sparse_accumulate(
     out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, weight: float
 ) -> None:

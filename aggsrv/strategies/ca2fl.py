@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from aggsrv import kernels
 from aggsrv.aggregators import RowBuffer
 from aggsrv.config_check import Count
 from aggsrv.strategies.base import Strategy
@@ -238,7 +239,8 @@ class CA2FL(Strategy[CA2FLConfig], name="ca2fl"):
         if h is None:
             row = self._row_of(update.client_id)  # may grow the cache: read it afterwards
             h = self._cached_row(row)  # a zero row
-        self._acc.add_(delta, alpha=f).sub_(h)
+        kernels.accumulate(self._acc, delta, f)  # float32 into float64: not torch's slow add_
+        kernels.accumulate(self._acc, h, -1.0)
         if self._cache.dtype == "float32":
             torch.mul(delta, f, out=h)
         else:  # h is a decoded copy, no longer needed; the sums use the row as stored

@@ -145,12 +145,12 @@ class FedBuff(Strategy[FedBuffConfig], name="fedbuff"):
             )
             # The staging slot goes straight into the sum (no copy of the delta is kept); a
             # WEIGHTS update adds w (u - base) as two in-place passes, without a [D] temporary.
+            # kernels.accumulate, not add_: float32 into float64 costs torch ~14x more.
             if not self._weights:
-                torch.mul(update.tensor, wf, out=self._sum)
-            else:
-                self._sum.add_(update.tensor, alpha=wf)
+                self._sum.zero_()
+            kernels.accumulate(self._sum, update.tensor, wf)
             if base is not None:
-                self._sum.sub_(base, alpha=wf)
+                kernels.accumulate(self._sum, base, -wf)
             self._weights.append(w)
             if privacy is not None:
                 privacy.contribute(update.client_id, w, wf / w)

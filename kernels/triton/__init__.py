@@ -15,9 +15,10 @@ from .quantized import code_squares, dequantize, quantized_accumulate
 from .quantized_rows import quantize_rows, quantized_gram, quantized_rows_combination
 from .rows import group_means, weighted_sum
 from .segmented import layer_dots, orthogonal_calibrate, project_out
-from .sparse import nnz_per_layer, sparse_accumulate
+from .sparse import accumulate, nnz_per_layer, sparse_accumulate
 
 __all__ = [
+    "accumulate",
     "average_linkage",
     "clip_rows",
     "coordinate_median",

@@ -1,6 +1,6 @@
-"""Sparse updates: nnz_per_layer (tile counts, summed per segment in tile order) and
+"""Updates folded into rows: nnz_per_layer (tile counts, summed per segment in tile order),
 sparse_accumulate (one program per block of strictly increasing indices: no two programs touch
-the same element, so no atomics are needed)."""
+the same element, so no atomics are needed) and accumulate (the dense case, a block each)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,29 @@ def _sparse_acc_kernel(
     o = tl.load(out_ptr + i, mask=m, other=0.0)
     r = o.to(acc_ty) + weight * v.to(acc_ty)
     tl.store(out_ptr + i, r.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dense_acc_kernel(acc_ptr, x_ptr, w_ptr, n, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """acc[i] += weight * x[i] for the i of this block, in float64, rounded once to acc's."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    weight = tl.load(w_ptr)  # float64 from memory: a Python float would be a float32 here
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    if HALF:  # the interpreter's bfloat16 arithmetic is wrong: widen right after the load
+        x = x.to(tl.float32)
+    a = tl.load(acc_ptr + i, mask=m, other=0.0).to(tl.float64)
+    tl.store(acc_ptr + i, (a + weight * x.to(tl.float64)).to(acc_ptr.dtype.element_ty), mask=m)
+
+
+def accumulate(acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
+    n = acc.numel()
+    cfg = config(acc)
+    w = torch.tensor([weight], dtype=torch.float64, device=acc.device)
+    half = x.dtype in (torch.float16, torch.bfloat16)
+    _dense_acc_kernel[(triton.cdiv(n, cfg.block),)](
+        acc, x, w, n, HALF=half, BLOCK=cfg.block, num_warps=cfg.num_warps,
+    )  # fmt: skip
 
 
 def nnz_per_layer(

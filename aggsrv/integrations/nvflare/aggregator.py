@@ -73,6 +73,23 @@ def reply_weight(model: FLModel, aggregation_weights: Mapping[str, float]) -> fl
     return w * float(aggregation_weights.get(client_name(model), 1.0))
 
 
+# Elements divided at a time: the float64 quotient stays in cache, no [D] float64 temporary.
+_CHUNK = 1 << 16
+
+
+def _divided(total: torch.Tensor, divisor: float) -> torch.Tensor:
+    """float32(total / divisor), element by element rounded once, on this thread (numpy)."""
+    out = np.empty(total.numel(), dtype=np.float32)
+    src = total.numpy()
+    quotient = np.empty(min(_CHUNK, src.size), dtype=np.float64)
+    for start in range(0, src.size, _CHUNK):
+        end = min(start + _CHUNK, src.size)
+        q = quotient[: end - start]
+        np.divide(src[start:end], divisor, out=q)
+        out[start:end] = q
+    return torch.from_numpy(out)
+
+
 def _finite(t: torch.Tensor) -> bool:
     """Every value of ``t`` finite: the one-read sum for float32/float64; half precision is
     summed in float32 (a float16 sum of finite values overflows at 65504)."""
@@ -207,7 +224,7 @@ class AggsrvAggregator(ModelAggregator):
                 raise ValueError(f"parameter {e.name!r} holds NaN or Inf")
             checked.append((e, t))
         for e, t in checked:
-            self._sum[e.offset : e.offset + e.numel].add_(t.reshape(-1), alpha=weight)
+            kernels.accumulate(self._sum[e.offset : e.offset + e.numel], t.reshape(-1), weight)
 
     def _copy_row(self, params: Mapping[str, Any], row: torch.Tensor) -> None:
         assert self.layout is not None
@@ -256,7 +273,7 @@ class AggsrvAggregator(ModelAggregator):
                 total = float(weights.sum())
                 if not total > 0:
                     raise ValueError("the replies' weights sum to 0 (aggregation_weights all 0?)")
-                aggregate = (self._sum / total).to(torch.float32)
+                aggregate = _divided(self._sum, total)
                 self.last_info = AggregateInfo("mean", K)
             else:
                 aggregate = torch.empty(self.layout.numel, dtype=torch.float32)
