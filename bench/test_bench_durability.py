@@ -7,6 +7,14 @@ to a temporary directory on the disk that holds /tmp). `AGGSRV_BENCH_SCALE=0.01`
 - `test_bench_durability_ingest`: one client pushes a D = 16M float32 delta (64 MB) to fedasync,
   interleaved between the two servers. The physical limit of the durable path's extra time is the
   disk: measured in the same run as appending 64 MB to a growing file and fdatasync-ing it.
+- `test_bench_durability_ingest_processes`: the same, cold and in separate processes: two
+  `aggsrv serve` processes (fedasync, `--durability on` with its state directory, and `off`), one
+  client process that pushes the 64 MB delta to each and appends it to a file beside the state
+  directory + fdatasync (the disk), in rotating order, `os.sync()` before every step, after 10
+  warm-up pushes per server. Target of the issue (shown, not asserted): on <= 1.15x max(off,
+  disk). The line also gives, from the durable server's /metrics and its log segments, how long
+  acks waited for the log's fsync, the checkpoints taken, and whether updates were logged in
+  parts as they arrived or whole once applied.
 - `test_bench_durability_small`: 32 client threads loop get_job + push of D = 100K deltas (400 kB)
   against each server: updates/s, push p50/p99, and fsyncs per update (below 1 when group commit
   shares an fsync between concurrent acks).
@@ -26,10 +34,12 @@ No target is asserted: the ingest issue's target (>= 0.7x a bare receiver) appli
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -47,6 +57,7 @@ from ingest_helpers import AggsrvServer, interleaved_prepared
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
+from aggsrv.server import durability
 from aggsrv.values import Status, UpdateKind
 
 MB = 1e6
@@ -154,6 +165,230 @@ def test_bench_durability_ingest(benchmark) -> None:
     emit(benchmark, line, info)
 
 
+# The client of `test_bench_durability_ingest_processes`, in a process of its own: registers on
+# each server, warms up, then times each round's steps in rotating order, `os.sync()` first.
+_COLD_CLIENT = r"""
+import gc, json, os, sys, time, urllib.request
+import numpy as np, torch
+from aggsrv.client.client import Client
+from aggsrv.layout import ModelLayout
+from aggsrv.values import UpdateKind
+args = json.loads(sys.argv[1])
+D, reps, warmup = args["D"], args["reps"], args["warmup"]
+layout = ModelLayout.from_named_shapes([("w", (D,))])
+delta = torch.randn(D) * 1e-3
+clients = {n: Client(a, f"cold-{n}") for n, a in args["servers"].items()}
+statuses = []
+def push(name):
+    c = clients[name]
+    job = c.get_job()
+    t0 = time.perf_counter()
+    statuses.append(c.push(job, delta, kind=UpdateKind.DELTA, num_samples=1).status.name)
+    return time.perf_counter() - t0
+data = np.random.default_rng().integers(0, 255, 4 * D, dtype=np.uint8).tobytes()
+fd = os.open(args["disk"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+def disk():
+    t0 = time.perf_counter()
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fdatasync(fd)
+    return time.perf_counter() - t0
+steps = {**{n: (lambda n=n: push(n)) for n in clients}, "disk": disk}
+for c in clients.values():
+    c.register(layout=layout, initial=torch.zeros(D) + 0.5)
+for name in clients:
+    for _ in range(warmup):
+        push(name)
+for _ in range(3):
+    disk()
+metrics = lambda: urllib.request.urlopen(args["metrics"], timeout=30).read().decode()
+before = metrics()
+times = {n: [] for n in steps}
+names = list(steps)
+gc.collect()
+gc.disable()
+for r in range(reps):
+    k = r % len(names)
+    for n in names[k:] + names[:k]:
+        os.sync()
+        times[n].append(steps[n]())
+gc.enable()
+after = metrics()
+os.close(fd)
+for c in clients.values():
+    c.close()
+print(json.dumps({"times": times, "statuses": statuses, "metrics": [before, after]}))
+"""
+
+_WAL_HEADER = struct.Struct("<4sQI")  # a record's magic, body length, CRC (durability's format)
+
+
+def _aggsrv_command() -> list[str]:
+    """The `aggsrv` console script of this interpreter's environment (`python -m aggsrv.cli`
+    where there is none)."""
+    script = shutil.which("aggsrv", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "aggsrv.cli"]
+
+
+def _wait_serving(proc: subprocess.Popen, port: int, log_path: str, limit: float = 300) -> None:
+    """Poll the gRPC health check of the server process `proc` on `port` until SERVING."""
+    t0 = time.monotonic()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            assert proc.poll() is None, Path(log_path).read_text()[-2000:]
+            assert time.monotonic() - t0 < limit, f"not SERVING after {limit:.0f} s"
+            try:
+                req = health_pb2.HealthCheckRequest(service="")
+                if health.Check(req, timeout=0.5).status == 1:  # SERVING
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.01)
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server stops cleanly), SIGKILL after 120 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _wal_records(state: str) -> dict[str, int]:
+    """The records of the log segments in `state` by kind, from their headers and meta: "part"
+    (an upload's bytes logged while it arrived), "update" naming its parts ("update_parts"),
+    "update" holding its tensors ("update_whole": logged once applied), and the rest."""
+    counts = {"part": 0, "update_parts": 0, "update_whole": 0, "other": 0}
+    for _, path in durability.list_segments(state):
+        with open(path, "rb") as f:
+            size, at = os.fstat(f.fileno()).st_size, 0
+            while at + _WAL_HEADER.size + 4 <= size:
+                magic, body, _ = _WAL_HEADER.unpack(f.read(_WAL_HEADER.size))
+                if magic != durability.WAL_MAGIC or at + _WAL_HEADER.size + body > size:
+                    break  # a torn tail
+                (meta_len,) = struct.unpack("<I", f.read(4))
+                doc = json.loads(f.read(meta_len))
+                if doc["kind"] == "update":
+                    counts["update_parts" if "parts" in doc["meta"] else "update_whole"] += 1
+                else:
+                    counts[doc["kind"] if doc["kind"] == "part" else "other"] += 1
+                at += _WAL_HEADER.size + body
+                f.seek(at)
+    return counts
+
+
+def _metric(text: str, name: str) -> float:
+    """A sample's value in Prometheus text (0 when absent)."""
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_bench_durability_ingest_processes(benchmark) -> None:
+    """`test_bench_durability_ingest` cold and in separate processes: two `aggsrv serve`
+    processes (durability on with its state directory, off without one), one client process
+    that pushes the same delta to each and appends it to a file beside the state directory
+    (+ fdatasync), in rotating order, with `os.sync()` before every step (no dirty page cache
+    left over from the step before). Target of the issue (shown, not asserted): on <= 1.15x
+    max(off, disk)."""
+    D = D_INGEST
+    nbytes = D * 4
+    tmp = tempfile.mkdtemp(prefix="aggsrv-bench-cold-")
+    state = os.path.join(tmp, "state")
+    metrics_port = _free_port()
+    flags = {
+        "off": ["--durability", "off", "--state-dir", ""],
+        "on": ["--durability", "on", "--state-dir", state, "--metrics-port", str(metrics_port)],
+    }
+    procs: dict[str, subprocess.Popen] = {}
+    ports: dict[str, int] = {}
+    try:
+        for name, extra in flags.items():
+            port = ports[name] = _free_port()
+            log_path = os.path.join(tmp, f"serve-{name}.log")
+            cmd = [*_aggsrv_command(), "serve", "--strategy", "fedasync", "--host", "127.0.0.1",
+                   "--port", str(port), "--auth", "none", "--rate-limit", "0", *extra]  # fmt: skip
+            with open(log_path, "w") as log_file:
+                procs[name] = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    cwd=tmp,
+                )  # fmt: skip
+        for name, proc in procs.items():
+            _wait_serving(proc, ports[name], os.path.join(tmp, f"serve-{name}.log"))
+        args = {
+            "D": D, "reps": REPS, "warmup": 10, "disk": os.path.join(tmp, "disk-append"),
+            "servers": {n: f"127.0.0.1:{p}" for n, p in ports.items()},
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        }  # fmt: skip
+
+        def client() -> dict:
+            proc = subprocess.run(
+                [sys.executable, "-c", _COLD_CLIENT, json.dumps(args)],
+                capture_output=True, text=True, cwd=REPO, timeout=1800,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            return json.loads(proc.stdout.splitlines()[-1])
+
+        result = benchmark.pedantic(client, rounds=1, iterations=1)
+        wal = _wal_records(state)  # before the final checkpoint on stop prunes segments
+    finally:
+        for proc in procs.values():
+            _stop_process(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert all(s == "APPLIED" for s in result["statuses"]), set(result["statuses"])
+    times = {n: np.asarray(v) for n, v in result["times"].items()}
+    med = {n: float(np.median(v)) for n, v in times.items()}
+    rate = {n: nbytes / MB / t for n, t in med.items()}
+    floor = np.maximum(times["off"], times["disk"])
+    ratio = median_ratio(times["on"], floor)  # per round: on / max(off, disk)
+    target = 1.15
+    before, after = result["metrics"]
+    delta = {
+        m: _metric(after, m) - _metric(before, m)
+        for m in ("aggsrv_wal_sync_seconds_sum", "aggsrv_wal_sync_seconds_count",
+                  "aggsrv_checkpoints_total", "aggsrv_checkpoint_seconds_sum")
+    }  # fmt: skip
+    info = {
+        "scale": SCALE,
+        "D": D,
+        "bytes": nbytes,
+        "rounds": REPS,
+        **{f"{n}_s": t for n, t in med.items()},
+        **{f"{n}_MBps": r for n, r in rate.items()},
+        **{f"{n}_rounds_s": v.tolist() for n, v in times.items()},
+        "on_vs_max_off_disk": ratio,
+        "on_vs_max_off_disk_of_medians": med["on"] / max(med["off"], med["disk"]),
+        "target_on_vs_max_off_disk": target,
+        "target_met": ratio <= target,
+        **{f"wal_{k}_records": v for k, v in wal.items()},
+        "ack_wal_sync_waits": delta["aggsrv_wal_sync_seconds_count"],
+        "ack_wal_sync_seconds": delta["aggsrv_wal_sync_seconds_sum"],
+        "checkpoints": delta["aggsrv_checkpoints_total"],
+        "checkpoint_seconds": delta["aggsrv_checkpoint_seconds_sum"],
+    }
+
+    def cell(n: str) -> str:
+        v = times[n] * 1e3
+        return f"{med[n] * 1e3:.0f} ms ({v.min():.0f}-{v.max():.0f}, {rate[n]:.0f} MB/s)"
+
+    line = (
+        f"durability ingest cold, processes, fedasync D={fmt_size(D)} ({nbytes / MB:.0f} MB), "
+        f"os.sync before each step, {REPS} rounds: off {cell('off')}, on {cell('on')}, disk "
+        f"append+fdatasync {cell('disk')} -> on = {ratio:.2f}x max(off, disk)  [<= {target}x "
+        f"{'ok' if ratio <= target else 'MISSED'}]; durable server in the rounds: ack waits on "
+        f"the log's fsync {delta['aggsrv_wal_sync_seconds_sum'] / REPS * 1e3:.0f} ms/round, "
+        f"{delta['aggsrv_checkpoints_total']:.0f} checkpoints "
+        f"({delta['aggsrv_checkpoint_seconds_sum']:.1f} s); log segments left: "
+        f"{wal['part']} parts, {wal['update_parts']} updates naming parts, "
+        f"{wal['update_whole']} logged whole"
+    )
+    emit(benchmark, line, info)
+
+
 def test_bench_durability_small(benchmark) -> None:
     D = D_SMALL
     layout = _layout(D)
@@ -254,18 +489,7 @@ def _resume_seconds(state: str, config: str) -> tuple[float, int, float]:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, cwd=REPO)
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                while True:
-                    assert proc.poll() is None, Path(log_path).read_text()[-2000:]
-                    assert time.monotonic() - t0 < 300, "not SERVING after 300 s"
-                    try:
-                        req = health_pb2.HealthCheckRequest(service="")
-                        if health.Check(req, timeout=0.5).status == 1:  # SERVING
-                            break
-                    except grpc.RpcError:
-                        pass
-                    time.sleep(0.01)
+            _wait_serving(proc, port, log_path)
             took = time.monotonic() - t0
         finally:
             proc.kill()
