@@ -273,7 +273,10 @@ class Update:
     (the server's decoder does, in its NaN/Inf pass), so a strategy that clips need not read
     the tensor again; None: the strategy computes it. ``non_finite``: set by a strategy under
     differential privacy on the zero delta it put in place of one holding NaN/Inf (its clip
-    factor ``min(1, C / inf)`` is 0); never set by the code that hands updates in.
+    factor ``min(1, C / inf)`` is 0); never set by the code that hands updates in. ``finite``:
+    the code that built the update has proven every value of ``tensor`` finite (the server's
+    decoder does, in the pass that reads it), so the strategy does not count NaN/Inf again. A
+    strategy trusts it: set it only where the values were checked.
 
     ``quantized``: the tensor's values as the wire's codes, not yet decoded (``tensor`` is then a
     buffer of the right shape whose contents are undefined): a strategy that folds codes in
@@ -293,6 +296,7 @@ class Update:
     norm: float | None = None
     non_finite: bool = False
     quantized: QuantizedValues | None = None
+    finite: bool = False
 
     def __post_init__(self) -> None:
         """Quantized values must be the tensor's: as many, on the CPU."""

@@ -531,7 +531,11 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 slot.fence(device)  # the copies may read the slot after they return
             # The decoder's float64 norm of a DELTA (what clipping under DP reads).
             norm = seen["norm"] if seen.get("norm_exact") else None
-            update = self._update_of(h, kind, job_id, tensor, moved, norm, seen.get("quantized"))
+            update = self._update_of(
+                h, kind, job_id, tensor, moved, norm, seen.get("quantized"),
+                # The decoder refused NaN/Inf in its pass (not under DP): proven finite.
+                finite=not private,
+            )  # fmt: skip
             fed.updates_waiting += 1
             waiting = True
             try:
@@ -749,7 +753,10 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             squared = squares(own.contiguous().numpy())
             norm = math.sqrt(squared) if math.isfinite(squared) else None
         moved = None if buffers is None else _on_device(buffers, device)
-        return self._update_of(h, kind, job_id, _on_device(own, device), moved, norm)
+        # The relay's decoder refused NaN/Inf in the whole upload (not under DP).
+        return self._update_of(
+            h, kind, job_id, _on_device(own, device), moved, norm, finite=not fed.private
+        )
 
     def _note_received(
         self, client_id: str, job_id: int, views: dict[str, Any], dtype: Any, seen: dict[str, Any]
@@ -771,6 +778,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         buffers: torch.Tensor | None,
         norm: float | None,
         quantized: QuantizedValues | None = None,
+        *,
+        finite: bool = False,
     ) -> Update:
         """The update an upload's header describes, with its tensors on the strategy's device
         (``quantized``: its values still as the wire's codes, for a strategy that folds them)."""
@@ -787,6 +796,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             buffers=buffers,
             norm=norm,
             quantized=quantized,
+            finite=finite,
         )
 
     async def _whole(

@@ -90,8 +90,9 @@ class UpdateChecks:
     def numbers(self, update: Update) -> None:
         """The update's values: finite (NaN/Inf refused, naming where; not under differential
         privacy), and its float buffers. Quantized values are finite by their scales
-        (QuantizedValues)."""
-        if not self.private and update.quantized is None:
+        (QuantizedValues), and an update the server's decoder read is proven finite
+        (``Update.finite``): neither is counted again."""
+        if not self.private and update.quantized is None and not update.finite:
             t = update.tensor
             bad = count_non_finite(t)
             if bad:

@@ -342,3 +342,24 @@ def test_grpc_route_refuses_overflow_and_keeps_duplicate_staleness(servers) -> N
         assert again.status is Status.DUPLICATE and again.original is Status.APPLIED
         assert (again.version, again.staleness) == (3, 2)
     assert state["version"] == 3
+
+
+def test_an_update_proven_finite_is_not_counted_again(monkeypatch) -> None:
+    """The server's decoder proves an upload finite in the pass that reads it (Update.finite):
+    the strategy does not read the values once more for NaN/Inf; without the proof it does."""
+    import aggsrv.strategies.validation as V
+
+    counted: list[int] = []
+    real = V.count_non_finite
+    monkeypatch.setattr(V, "count_non_finite", lambda t: counted.append(t.numel()) or real(t))
+    s = make_strategy("fedasync", layout=LAYOUT, initial=torch.zeros(D))
+    s.on_register("a", 0.0)
+    for i, finite in enumerate((True, False)):
+        job = s.job_for("a", float(i))
+        delta = torch.randn(D)
+        s.on_update(
+            Update("a", job.job_id, job.base_version, f"u{i}", 1, 1.0, UpdateKind.DELTA, delta,
+                   finite=finite),
+            float(i),
+        )  # fmt: skip
+    assert counted == [D] and s.version == 2
