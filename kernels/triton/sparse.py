@@ -68,8 +68,10 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor, weight: float) -> None:
     cfg = config(acc)
     w = torch.tensor([weight], dtype=torch.float64, device=acc.device)
     half = x.dtype in (torch.float16, torch.bfloat16)
+    # No fused multiply-add: the product and the sum are each rounded, as on the CPU.
     _dense_acc_kernel[(triton.cdiv(n, cfg.block),)](
         acc, x, w, n, HALF=half, BLOCK=cfg.block, num_warps=cfg.num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 

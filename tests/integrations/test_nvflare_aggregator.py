@@ -24,6 +24,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType  # noqa: E4
 from nvflare.app_common.aggregators.weighted_aggregation_helper import (  # noqa: E402
     WeightedAggregationHelper,
 )
+from nvflare.app_common.app_constant import AppConstants  # noqa: E402
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils  # noqa: E402
 from scipy import optimize, stats  # noqa: E402
 
@@ -337,9 +338,21 @@ def test_norm_bound_scales_rows_to_the_bound_before_the_mean() -> None:
     clipped = X * np.minimum(1.0, bound / norms)[:, None]
     w = np.array(steps, dtype=np.float64)
     ref = (w[:, None] * clipped).sum(axis=0) / w.sum()
-    _, out, _ = _run(f"norm_bound:max={bound} > mean", _replies(X, steps))
+    diffs = [
+        _reply(_params(x, counter=100 + k), f"site-{k + 1}", steps[k], ParamsType.DIFF)
+        for k, x in enumerate(X)
+    ]
+    _, out, _ = _run(f"norm_bound:max={bound} > mean", diffs)
     np.testing.assert_allclose(_flat(out.params), ref, rtol=1e-5, atol=1e-6)
     assert out.meta["aggsrv"]["clipped"] == int((norms > bound).sum())
+
+
+def test_norm_bound_refuses_full_weights_it_would_shrink() -> None:
+    """A norm bound bounds updates: on FULL weights it would clip the model itself."""
+    X = _rows(np.random.default_rng(), 3)
+    agg, out, accepted = _run("norm_bound:max=1 > mean", _replies(X))
+    assert accepted == [False] * 3 and all("DIFF" in reason for _, reason in agg.refused)
+    assert out.params_type == ParamsType.DIFF and out.params == {}  # the model stays
 
 
 # --------------------------------------------------------------------------------------------
@@ -812,3 +825,56 @@ def test_a_reply_that_is_not_a_model_is_refused_on_the_scatter_and_gather_route(
 def test_a_boolean_aggregation_weight_is_refused() -> None:
     with pytest.raises(ValueError, match="aggregation_weights"):
         AggsrvAggregator("mean", aggregation_weights={"site-1": True})
+
+
+def _shareable(row: np.ndarray, site: str, round_: int, meta_site: str | None = None) -> Shareable:
+    reply = _reply(_params(row), meta_site or site, 1)
+    shareable = FLModelUtils.to_shareable(reply)
+    shareable.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+    shareable.add_cookie(AppConstants.CONTRIBUTION_ROUND, round_)
+    return shareable
+
+
+def _context(round_: int) -> FLContext:
+    ctx = FLContext()
+    ctx.set_prop(AppConstants.CURRENT_ROUND, round_, private=True, sticky=False)
+    return ctx
+
+
+def test_scatter_and_gather_refuses_a_late_reply_and_a_second_one_from_a_site() -> None:
+    X = _rows(np.random.default_rng(), 4)
+    agg = AggsrvAggregator("median")
+    ctx = _context(5)
+    agg.reset(ctx)
+    assert agg.accept(_shareable(X[0], "site-1", 5), ctx)
+    assert not agg.accept(_shareable(X[1], "site-2", 4), ctx)  # round 4's task, late
+    assert not agg.accept(_shareable(X[2], "site-1", 5), ctx)  # site-1 again
+    assert agg.accept(_shareable(X[3], "site-3", 5), ctx)
+    reasons = dict(agg.refused)
+    assert "round 4" in reasons["site-2"] and "second reply" in reasons["site-1"]
+    result = FLModelUtils.from_shareable(agg.aggregate(ctx))
+    np.testing.assert_array_equal(
+        _flat(result.params), np.median(X[[0, 3]], axis=0).astype(np.float32)
+    )
+
+
+def test_scatter_and_gather_weighs_by_the_peer_identity_not_the_sites_own_word() -> None:
+    X = _rows(np.random.default_rng(), 2)
+    agg = AggsrvAggregator("mean", aggregation_weights={"site-1": 1.0, "site-2": 0.0})
+    ctx = _context(1)
+    agg.reset(ctx)
+    # site-2 (weight 0) claims to be site-1 in its meta: FLARE's peer identity decides.
+    assert agg.accept(_shareable(X[0], "site-1", 1), ctx)
+    assert agg.accept(_shareable(X[1], "site-2", 1, meta_site="site-1"), ctx)
+    result = FLModelUtils.from_shareable(agg.aggregate(ctx))
+    np.testing.assert_allclose(_flat(result.params), X[0].astype(np.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["mean", "median"])
+def test_a_round_whose_weights_are_all_zero_keeps_the_model(spec) -> None:
+    X = _rows(np.random.default_rng(), 3)
+    agg = AggsrvAggregator(spec, aggregation_weights={f"site-{k}": 0.0 for k in range(1, 4)})
+    agg.reset_stats()
+    assert all(agg.accept_model(r) for r in _replies(X))
+    out = agg.aggregate_model()
+    assert out.params_type == ParamsType.DIFF and out.params == {}

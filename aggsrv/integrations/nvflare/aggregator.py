@@ -42,6 +42,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from aggsrv import kernels
@@ -160,19 +161,29 @@ class AggsrvAggregator(ModelAggregator):
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         """ScatterAndGather's entry: the reply as an FLModel; False when it was refused."""
         self.fl_ctx = fl_ctx
-        # ScatterAndGather names the site in the reply's peer identity, not in its meta.
+        # ScatterAndGather names the site in the reply's peer identity (FLARE's, not the
+        # site's own word in its meta, which could borrow another site's weight).
         peer = shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, None)
+        site = peer if isinstance(peer, str) and peer else UNKNOWN_CLIENT
+        # A reply to an earlier round's task (ScatterAndGather passes late ones on) is not this
+        # round's, as FLARE's own aggregators hold.
+        contribution = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
+        current = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        if contribution is not None and current is not None and contribution != current:
+            return self._refuse(site, f"a reply to round {contribution} in round {current}")
         try:
             model = FLModelUtils.from_shareable(shareable, fl_ctx)
         except (ValueError, TypeError, KeyError) as e:
-            site = peer if isinstance(peer, str) and peer else UNKNOWN_CLIENT
-            with self._lock:
-                self.refused.append((site, f"not a model: {e}"))
-            self.error(f"refused the reply of {site}: not a model: {e}")
-            return False
-        if client_name(model) == UNKNOWN_CLIENT and isinstance(peer, str) and peer:
-            model.meta = {**(model.meta or {}), "client_name": peer}
+            return self._refuse(site, f"not a model: {e}")
+        if site != UNKNOWN_CLIENT:
+            model.meta = {**(model.meta or {}), "client_name": site}
         return self.accept_model(model)
+
+    def _refuse(self, site: str, reason: str) -> bool:
+        with self._lock:
+            self.refused.append((site, reason))
+        self.error(f"refused the reply of {site}: {reason}")
+        return False
 
     def accept_model(self, model: FLModel) -> bool:
         """Fold one reply into the round; False (and an error in the log) when refused."""
@@ -194,6 +205,13 @@ class AggsrvAggregator(ModelAggregator):
             raise ValueError(f"params_type {params_type} cannot be aggregated (FULL or DIFF)")
         if self._params_type is not None and params_type != self._params_type:
             raise ValueError(f"params_type {params_type} in a round of {self._params_type} replies")
+        if self.spec.norm_bound is not None and params_type != ParamsType.DIFF:
+            # The bound is on an update's norm: on FULL weights it would shrink the model.
+            raise ValueError(
+                "norm_bound bounds updates: send DIFF replies (params_transfer_type DIFF)"
+            )
+        if site != UNKNOWN_CLIENT and site in self._sites:
+            raise ValueError("a second reply from this site in the round")
         if self.layout is None:
             self.layout = ParamsLayout.of(model.params)
         layout = self.layout
@@ -268,11 +286,15 @@ class AggsrvAggregator(ModelAggregator):
                 return FLModel(params_type=ParamsType.DIFF, params={})
             assert self.layout is not None
             weights = torch.tensor(self._weights, dtype=torch.float64)
+            if not float(weights.sum()) > 0:
+                self.error(
+                    "the replies' weights sum to 0 (aggregation_weights all 0?): the model "
+                    "stays as it was"
+                )
+                return FLModel(params_type=ParamsType.DIFF, params={})
             if self.streams:
                 assert self._sum is not None
                 total = float(weights.sum())
-                if not total > 0:
-                    raise ValueError("the replies' weights sum to 0 (aggregation_weights all 0?)")
                 aggregate = _divided(self._sum, total)
                 self.last_info = AggregateInfo("mean", K)
             else:
@@ -307,5 +329,6 @@ class AggsrvAggregator(ModelAggregator):
             if all(isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
                    for _, v in values):  # fmt: skip
                 total = sum(w for w, _ in values)
-                out[key] = sum(w * float(v) for w, v in values) / total
+                if total > 0:
+                    out[key] = sum(w * float(v) for w, v in values) / total
         return out or None

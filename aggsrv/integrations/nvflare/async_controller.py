@@ -28,12 +28,14 @@ client runs unchanged. ``NUM_STEPS_CURRENT_ROUND`` in the reply's meta is its sa
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from nvflare.apis.client import Client
 from nvflare.apis.controller_spec import ClientTask
@@ -54,10 +56,12 @@ from aggsrv.strategies import (
     make_strategy,
     strategy_settings,
 )
+from aggsrv.strategies.privacy import PrivacyBudgetSpent
 
 __all__ = ["AsyncAggsrvController", "FoldedUpdate"]
 
 JOB_ID = "aggsrv_job_id"
+DISPATCH = "aggsrv_dispatch"  # which sending of a job a task is (a job can be sent again)
 BASE_VERSION = "aggsrv_base_version"
 RECIPE = "aggsrv_recipe"
 POLL_SECONDS = 0.2
@@ -105,16 +109,19 @@ class AsyncAggsrvController(ModelController):
         task_name: str = "train",
         persistor_id: str = "persistor",
     ) -> None:
-        super().__init__(persistor_id=persistor_id)
+        # A failed site task is this controller's to handle (a fresh job): FLARE's default
+        # would end the run, since every task here has one target and needs its one result.
+        super().__init__(persistor_id=persistor_id, ignore_result_error=True)
         # FLARE's job API writes a component's config from the attributes named as its
         # constructor's arguments: keep each one as given.
         self.strategy = strategy
         self.config = dict(config or {})
         self.settings = strategy_settings(strategy, self.config)  # a bad key fails now
-        for name, value in (("num_clients", num_clients), ("max_updates", max_updates),
-                            ("job_timeout", job_timeout)):  # fmt: skip
-            if not (isinstance(value, int) and value >= (1 if name == "max_updates" else 0)):
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        for name, value, least in (("num_clients", num_clients, 0),
+                                   ("max_updates", max_updates, 1),
+                                   ("job_timeout", job_timeout, 0)):  # fmt: skip
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.num_clients = num_clients
         self.max_updates = max_updates
         self.job_timeout = job_timeout
@@ -123,7 +130,8 @@ class AsyncAggsrvController(ModelController):
         self.aggregation: Strategy | None = None
         self.layout: ParamsLayout | None = None
         self._kept: dict[str, Any] = {}
-        self._results: queue.Queue[tuple[str, Job, FLModel | None]] = queue.Queue()
+        self._results: queue.Queue[tuple[str, int, Job, FLModel | None]] = queue.Queue()
+        self._stopping = False  # the strategy can hand out no more jobs (privacy budget spent)
         self._outstanding: dict[str, _Outstanding] = {}
         self._waiting: set[str] = set()
         self._dispatches = 0  # one update id per job sent: each is a fresh training run
@@ -150,7 +158,11 @@ class AsyncAggsrvController(ModelController):
                 self._dispatch(site)
         self.info(f"asynchronous {self.strategy} on {len(sites)} sites: {self.max_updates} updates")
         try:
-            while len(self.folded) < self.max_updates and not self.abort_signal.triggered:
+            while (
+                len(self.folded) < self.max_updates
+                and not self.abort_signal.triggered
+                and not (self._stopping and not self._outstanding)
+            ):
                 self._step()
             self._drain()
         finally:
@@ -204,17 +216,24 @@ class AsyncAggsrvController(ModelController):
         """Fold the next result in (or wait a little for one), then run what came due."""
         assert self.aggregation is not None
         try:
-            site, job, result = self._results.get(timeout=POLL_SECONDS)
+            site, dispatch, job, result = self._results.get(timeout=POLL_SECONDS)
         except queue.Empty:
             changed = False
         else:
-            self._fold(site, job, result)
+            out = self._outstanding.get(site)
+            if out is None or out.dispatch != dispatch:
+                return  # a task given up on (timed out) answered after all: not folded
+            del self._outstanding[site]
+            self._fold(site, dispatch, job, result)
             self._dispatch(site)
             changed = True
         now = time.time()
         deadline = self.aggregation.next_deadline()
         if deadline is not None and now >= deadline:
-            self.aggregation.on_timer(now)
+            try:
+                self.aggregation.on_timer(now)
+            except StrategyError as e:
+                self.error(f"the strategy's timer failed: {e}")
             changed = True
         if self.job_timeout:
             for site, out in list(self._outstanding.items()):
@@ -229,31 +248,41 @@ class AsyncAggsrvController(ModelController):
     def _dispatch(self, site: str) -> None:
         """Send ``site`` its next job, or remember to ask again after the next change."""
         assert self.aggregation is not None and self.layout is not None
-        if site in self._outstanding or len(self.folded) >= self.max_updates:
+        if site in self._outstanding or len(self.folded) >= self.max_updates or self._stopping:
             return
-        job = self.aggregation.job_for(site, time.time())
+        try:
+            job = self.aggregation.job_for(site, time.time())
+        except PrivacyBudgetSpent as e:
+            self.info(f"no more jobs: {e}")
+            self._stopping = True
+            return
+        except StrategyError as e:
+            self.warning(f"no job for site {site} now ({e}): asked again after the next change")
+            job = None
         if job is None:
             self._waiting.add(site)
             return
         self._waiting.discard(site)
         self._dispatches += 1
-        self._outstanding[site] = _Outstanding(job, time.time(), self._dispatches)
+        out = _Outstanding(job, time.time(), self._dispatches)
+        self._outstanding[site] = out
         data = FLModel(
             params_type=ParamsType.FULL,
-            params=self.layout.to_params(job.weights, self._kept),
+            # A copy: FLARE serializes the task when the site asks for it, by which time the
+            # version's buffer may have gone back to the strategy's pool.
+            params=self.layout.to_params(job.weights.clone(), self._kept),
             current_round=job.base_version,
             meta={
                 JOB_ID: job.job_id,
                 BASE_VERSION: job.base_version,
+                DISPATCH: out.dispatch,
                 RECIPE: _plain(job.recipe.to_dict()),
             },  # fmt: skip
         )
 
-        def arrived(result: FLModel, site: str = site, job: Job = job) -> bool:
-            out = self._outstanding.get(site)
-            if out is not None and out.job is job:
-                out.answered = True
-            self._results.put((site, job, result))
+        def arrived(result: FLModel, site: str = site, out: _Outstanding = out) -> bool:
+            out.answered = True
+            self._results.put((site, out.dispatch, out.job, result))
             return True
 
         self.send_model(
@@ -268,19 +297,14 @@ class AsyncAggsrvController(ModelController):
         client: Client = client_task.client
         meta = client_task.task.props.get(AppConstants.META_DATA) or {}
         out = self._outstanding.get(client.name)
-        # The callback may have run, and the site got its next job, before this line: only
-        # the job this task carried can be the one that failed.
-        if out is not None and out.job.job_id == meta.get(JOB_ID) and not out.answered:
+        # The callback may have run, and the site got its next task, before this line: only
+        # the sending this task carried can be the one that failed.
+        if out is not None and out.dispatch == meta.get(DISPATCH) and not out.answered:
             out.answered = True
-            self._results.put((client.name, out.job, None))
+            self._results.put((client.name, out.dispatch, out.job, None))
 
-    def _fold(self, site: str, job: Job, result: FLModel | None) -> None:
+    def _fold(self, site: str, dispatch: int, job: Job, result: FLModel | None) -> None:
         assert self.aggregation is not None and self.layout is not None
-        out = self._outstanding.get(site)
-        dispatch = 0
-        if out is not None and out.job is job:
-            dispatch = out.dispatch
-            del self._outstanding[site]
         version = self.aggregation.version
         staleness = version - job.base_version
         try:
@@ -305,7 +329,16 @@ class AsyncAggsrvController(ModelController):
         for e, t in self.layout.tensors(result.params or {}):
             flat[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
         steps = (result.meta or {}).get(FLMetaKey.NUM_STEPS_CURRENT_ROUND)
-        samples = steps if isinstance(steps, int) and not isinstance(steps, bool) else 1
+        samples = 1
+        whole = (
+            isinstance(steps, numbers.Real)
+            and not isinstance(steps, bool | np.bool_)
+            and math.isfinite(steps)
+            and steps >= 0
+            and float(steps).is_integer()
+        )
+        if whole:
+            samples = int(steps)
         return Update(
             client_id=site,
             job_id=job.job_id,
