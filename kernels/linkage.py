@@ -97,6 +97,20 @@ def average_linkage_reference(condensed: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
+def _mirror_upper(d: np.ndarray, n: int) -> None:
+    """Copy d's upper triangle onto its lower one, in tiles so the transposed reads stay in
+    cache."""
+    tile = 64
+    for i0 in range(0, n, tile):
+        i1 = min(i0 + tile, n)
+        for j0 in range(0, i1, tile):
+            j1 = min(j0 + tile, n)
+            for i in range(i0, i1):
+                for j in range(j0, min(j1, i)):
+                    d[i, j] = d[j, i]
+
+
+@njit(cache=True, nogil=True)
 def _square_from_condensed(condensed: np.ndarray, n: int) -> np.ndarray:
     """Expand condensed distances into a square matrix with +inf on the diagonal."""
     # Pad rows by one cache line: with a power-of-two n the column walks below would otherwise
@@ -108,15 +122,7 @@ def _square_from_condensed(condensed: np.ndarray, n: int) -> np.ndarray:
         for j in range(i + 1, n):
             d[i, j] = condensed[k]
             k += 1
-    # Mirror the upper triangle in tiles so the transposed reads stay in cache.
-    tile = 64
-    for i0 in range(0, n, tile):
-        i1 = min(i0 + tile, n)
-        for j0 in range(0, i1, tile):
-            j1 = min(j0 + tile, n)
-            for i in range(i0, i1):
-                for j in range(j0, min(j1, i)):
-                    d[i, j] = d[j, i]
+    _mirror_upper(d, n)
     return d
 
 
@@ -133,14 +139,7 @@ def _checked_from_condensed(condensed: np.ndarray, n: int, d: np.ndarray) -> boo
             if not (v >= -NEGATIVE_TOLERANCE) or v == np.inf:  # NaN fails the first test
                 return False
             d[i, j] = v if v > 0.0 else 0.0
-    tile = 64
-    for i0 in range(0, n, tile):
-        i1 = min(i0 + tile, n)
-        for j0 in range(0, i1, tile):
-            j1 = min(j0 + tile, n)
-            for i in range(i0, i1):
-                for j in range(j0, min(j1, i)):
-                    d[i, j] = d[j, i]
+    _mirror_upper(d, n)
     return True
 
 
