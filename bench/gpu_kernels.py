@@ -250,6 +250,14 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
         backend.quantized_accumulate(out, q_codes, q_scales, 128, 0.3, 8, out)
         return out
 
+    # A running float64 sum (FedBuff's buffer) and a row added into a fresh copy of it.
+    running = X[1].to(torch.float64)
+
+    def f64_acc(fn) -> torch.Tensor:
+        acc = running.clone()
+        fn(acc, X[0].contiguous(), 0.3)
+        return acc
+
     return [
         Case(
             "layer_dots",
@@ -367,6 +375,15 @@ def build_cases(K: int, D: int, L: int, dtype: torch.dtype, device: str) -> list
             ),
             lambda: q_acc(ref),
             nbytes=4 * D * esz + D + 4 * q_scales.numel(),
+        ),
+        # A row added into a float64 running sum: the copy of the sum (read + write), then
+        # the kernel reads the row and the sum and writes the sum.
+        Case(
+            "accumulate(float64 sum)",
+            lambda: f64_acc(tk.accumulate),
+            lambda: f64_acc(lambda a, x, w: a.add_(x, alpha=w)),
+            lambda: f64_acc(ref.accumulate),
+            nbytes=3 * 8 * D + D * esz,
         ),
         # The weighted sum of the INT8 cache: codes and scales read once, a float32 [D] written.
         Case(
