@@ -22,6 +22,10 @@ subprocess so its RSS is its own. Helpers: bench/ingest_helpers.py.
 - `test_bench_fedbuff_memory`: a fedbuff server (buffer_size = K = 64) in a subprocess; VmHWM
   (peak RSS) minus its VmRSS idle after start, after K clients of D = 4M register, fetch a job and
   push concurrently, against (K + S + 2) x D x 4 bytes + 300 MB (S = max_concurrent_uploads).
+- `test_bench_ingest_processes`: three processes (a client, `aggsrv serve --durability off`, and a
+  bare grpc.aio receiver that copies each chunk into a preallocated buffer and CRC-32Cs it); the
+  same D = 16M and D = 100K deltas pushed to each, alternating, after 10 warm-ups. Targets: ours
+  >= 0.9x (64 MiB) and >= 0.8x (400 kB) the bare's MB/s.
 
 Targets are shown, never asserted (shared 2-core machine); correctness is asserted (byte counts,
 outcomes).
@@ -30,9 +34,12 @@ outcomes).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import REPS, SCALE, emit, fmt_size, median_ratio, scaled
+from conftest import REPS, SCALE, emit, fmt_size, fmt_time, median_ratio, scaled
 from ingest_helpers import (
     AggsrvServer,
     BareReceiver,
@@ -52,6 +59,7 @@ from ingest_helpers import (
     reset_peak_rss,
     stop_server_process,
 )
+from test_bench_durability import _aggsrv_command, _free_port, _stop_process, _wait_serving
 
 from aggsrv.client.client import Client, ClientJob
 from aggsrv.layout import ModelLayout
@@ -64,6 +72,7 @@ D_MEM = scaled(4 * 2**20)
 N_CLIENTS_SMALL = 32
 UPDATES_PER_CLIENT = int(os.environ.get("AGGSRV_BENCH_SMALL_UPDATES", "20"))
 K_MEM = 64
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _fake_job() -> ClientJob:
@@ -439,3 +448,182 @@ def test_bench_fedbuff_memory(benchmark) -> None:
         f"[{'ok' if ok else 'MISSED'}; {used / budget:.2f}x budget]"
     )
     emit(benchmark, line, info)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Ingest in separate processes: aggsrv serve vs a bare receiver that copies and CRCs
+# --------------------------------------------------------------------------------------------
+
+# The bare receiver process: PushUpdate from the generated stubs, each chunk copied into a
+# preallocated buffer and its CRC-32C computed; the reply carries the byte count and the CRC.
+_BARE_SERVER = r"""
+import asyncio, json, sys
+import crc32c, grpc
+from aggsrv.v1 import aggregation_pb2 as pb, aggregation_pb2_grpc as pbg
+args = json.loads(sys.argv[1])
+buf = bytearray(args["nbytes"])
+view = memoryview(buf)
+class Bare(pbg.AggregationServicer):
+    async def PushUpdate(self, request_iterator, context):
+        off, crc, update_id = 0, 0, ""
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("kind")
+            if kind == "chunk":
+                data = msg.chunk.data
+                n = len(data)
+                if off + n > len(buf):
+                    off = 0
+                view[off : off + n] = data
+                crc = crc32c.crc32c(data, crc)
+                off += n
+            elif kind == "header":
+                update_id = msg.header.update_id
+        return pb.PushUpdateResponse(
+            outcome=pb.OUTCOME_APPLIED, update_id=update_id, message=f"{off} {crc:08x}"
+        )
+async def main():
+    limit = args["limit"]
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", limit)])
+    pbg.add_AggregationServicer_to_server(Bare(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"PORT {port}", flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+# The client process: one Client per server (ours registers; the bare one takes its layout and
+# chunk size), 10 warm-up pushes each, then rounds alternating ours/bare, `push` timed only.
+_PROC_CLIENT = r"""
+import gc, json, statistics, sys, time
+import torch
+from aggsrv.client.client import Client, ClientJob
+from aggsrv.layout import ModelLayout
+from aggsrv.values import Recipe, UpdateKind
+args = json.loads(sys.argv[1])
+D, reps, warmup, per = args["D"], args["reps"], args["warmup"], args["per_round"]
+layout = ModelLayout.from_named_shapes([("w", (D,))])
+delta = torch.randn(D) * 1e-3
+ours = Client(args["ours"], "proc-ours")
+ours.register(layout=layout, initial=torch.zeros(D) + 0.5)
+bare = Client(args["bare"], "proc-bare")
+bare.layout, bare.chunk_bytes = layout, ours.chunk_bytes
+fake = ClientJob(job_id="1", base_version=0, deadline=None, recipe=Recipe(), tensors={})
+statuses, bare_msgs = [], set()
+def push(name):
+    c, job = (ours, ours.get_job()) if name == "ours" else (bare, fake)
+    t0 = time.perf_counter()
+    res = c.push(job, delta, kind=UpdateKind.DELTA, num_samples=1)
+    t = time.perf_counter() - t0
+    if name == "ours":
+        statuses.append(res.status.name)
+    else:
+        bare_msgs.add(res.message.split()[0])
+    return t
+for name in ("ours", "bare"):
+    for _ in range(warmup):
+        push(name)
+times = {"ours": [], "bare": []}
+gc.collect()
+gc.disable()
+for r in range(reps):
+    for name in (["ours", "bare"] if r % 2 == 0 else ["bare", "ours"]):
+        times[name].append(statistics.median(push(name) for _ in range(per)))
+gc.enable()
+ours.close()
+bare.close()
+print(json.dumps({"times": times, "statuses": statuses, "bare_bytes": sorted(bare_msgs),
+                  "chunk_bytes": ours.chunk_bytes}))
+"""
+
+
+def test_bench_ingest_processes(benchmark) -> None:
+    """Three processes: `aggsrv serve --durability off` (fedasync), a bare grpc.aio receiver
+    that copies every chunk into a preallocated buffer and computes its CRC-32C, and a client
+    process pushing the same DELTA with the same chunk sizes to each, alternating, after 10
+    warm-up pushes each. For D = 16M (64 MiB) and D = 100K (400 kB); ratio = bare time / ours
+    time (our MB/s over the bare's). Targets (shown, not asserted): >= 0.9x and >= 0.8x."""
+    cases = [(scaled(16 * 2**20), 0.9), (scaled(100_000), 0.8)]
+    limit = 4 * 2**20  # aggsrv's default max_receive_message_bytes (both ways)
+    tmp = tempfile.mkdtemp(prefix="aggsrv-bench-proc-")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        bare_arg = json.dumps({"nbytes": max(D for D, _ in cases) * 4, "limit": limit})
+        procs["bare"] = subprocess.Popen(
+            [sys.executable, "-c", _BARE_SERVER, bare_arg],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        )  # fmt: skip
+        line = procs["bare"].stdout.readline()
+        assert line.startswith("PORT "), f"bare receiver said {line!r}"
+        bare_address = f"127.0.0.1:{int(line.split()[1])}"
+
+        def client(D: int) -> dict:
+            """A fresh `aggsrv serve` (its model is this D's), then the client process."""
+            port = _free_port()
+            log_path = os.path.join(tmp, f"serve-{D}.log")
+            cmd = [*_aggsrv_command(), "serve", "--strategy", "fedasync", "--host", "127.0.0.1",
+                   "--port", str(port), "--auth", "none", "--rate-limit", "0",
+                   "--durability", "off", "--state-dir", ""]  # fmt: skip
+            with open(log_path, "w") as log_file:
+                procs["ours"] = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    cwd=tmp,
+                )  # fmt: skip
+            try:
+                _wait_serving(procs["ours"], port, log_path)
+                args = {
+                    "D": D, "reps": REPS, "warmup": 10, "ours": f"127.0.0.1:{port}",
+                    "bare": bare_address, "per_round": max(1, min(20, (8 * 2**20) // (4 * D))),
+                }  # fmt: skip
+                proc = subprocess.run(
+                    [sys.executable, "-c", _PROC_CLIENT, json.dumps(args)],
+                    capture_output=True, text=True, cwd=REPO, timeout=1800,
+                )  # fmt: skip
+            finally:
+                _stop_process(procs.pop("ours"))
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            return {**json.loads(proc.stdout.splitlines()[-1]), "per_round": args["per_round"]}
+
+        results = {D: client(D) for D, _ in cases[1:]}
+        results[cases[0][0]] = benchmark.pedantic(
+            client, args=(cases[0][0],), rounds=1, iterations=1
+        )
+    finally:
+        for proc in procs.values():
+            _stop_process(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    for D, target in cases:
+        res = results[D]
+        nbytes = D * 4
+        assert all(s == "APPLIED" for s in res["statuses"]), set(res["statuses"])
+        assert res["bare_bytes"] == [str(nbytes)], res["bare_bytes"]
+        times = {n: np.asarray(v) for n, v in res["times"].items()}
+        med = {n: float(np.median(v)) for n, v in times.items()}
+        rate = {n: nbytes / MB / t for n, t in med.items()}
+        ratio = median_ratio(times["bare"], times["ours"])  # per round: ours MB/s / bare MB/s
+        ok = ratio >= target
+        info = {
+            "scale": SCALE,
+            "D": D,
+            "bytes": nbytes,
+            "rounds": REPS,
+            "pushes_per_round": res["per_round"],
+            "chunk_bytes": res["chunk_bytes"],
+            **{f"{n}_s": t for n, t in med.items()},
+            **{f"{n}_MBps": r for n, r in rate.items()},
+            **{f"{n}_rounds_s": v.tolist() for n, v in times.items()},
+            "ours_vs_bare": ratio,
+            "target_ours_vs_bare": target,
+            "target_met": ok,
+        }
+        key = f"proc_{D}"
+        line = (
+            f"ingest processes fedasync D={fmt_size(D)} ({fmt_size(nbytes)}B, "
+            f"{res['chunk_bytes'] // 1024} KiB chunks, {REPS} rounds x {res['per_round']} "
+            f"pushes, median per round): ours {fmt_time(med['ours'])} ({rate['ours']:.0f} MB/s) "
+            f"bare copy+CRC-32C {fmt_time(med['bare'])} ({rate['bare']:.0f} MB/s) -> "
+            f"{ratio:.2f}x bare  [>={target}x {'ok' if ok else 'MISSED'}]"
+        )
+        emit(benchmark, line, {f"{key}_{k}": v for k, v in info.items()})
