@@ -47,7 +47,7 @@ from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from aggsrv import kernels
 from aggsrv.aggregators import AggregateInfo, Aggregator, warm_up
-from aggsrv.finite import sum_is_finite
+from aggsrv.finite import count_non_finite
 from aggsrv.integrations.nvflare.params import ParamsLayout, ParamsMismatchError
 
 __all__ = ["AggsrvAggregator", "reply_weight"]
@@ -89,14 +89,6 @@ def _divided(total: torch.Tensor, divisor: float) -> torch.Tensor:
         np.divide(src[start:end], divisor, out=q)
         out[start:end] = q
     return torch.from_numpy(out)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Every value of ``t`` finite: the one-read sum for float32/float64; half precision is
-    summed in float32 (a float16 sum of finite values overflows at 65504)."""
-    if t.dtype not in (torch.float32, torch.float64):
-        return bool(torch.isfinite(t).all())
-    return sum_is_finite(t) or not bool((~torch.isfinite(t)).any())
 
 
 class AggsrvAggregator(ModelAggregator):
@@ -238,7 +230,7 @@ class AggsrvAggregator(ModelAggregator):
         assert self.layout is not None and self._sum is not None
         checked = []
         for e, t in self.layout.tensors(params):
-            if not _finite(t):
+            if count_non_finite(t):  # one-read sum, the exact count if it overflows
                 raise ValueError(f"parameter {e.name!r} holds NaN or Inf")
             checked.append((e, t))
         for e, t in checked:
@@ -249,7 +241,7 @@ class AggsrvAggregator(ModelAggregator):
         for e, t in self.layout.tensors(params):
             part = row[e.offset : e.offset + e.numel]
             part.copy_(t.reshape(-1))
-            if not _finite(part):
+            if count_non_finite(part):
                 raise ValueError(f"parameter {e.name!r} holds NaN or Inf")
 
     def _row_buffer(self, K: int, D: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from aggsrv.finite import count_non_finite
 from aggsrv.integrations.nvflare.params import ParamsLayout, ParamsMismatchError
 from aggsrv.layout import ModelLayout
 from aggsrv.strategies import (
@@ -194,7 +195,7 @@ class AsyncAggsrvController(ModelController):
         initial = torch.empty(self.layout.numel, dtype=torch.float32)
         for e, t in self.layout.tensors(params):
             initial[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
-        if not bool(torch.isfinite(initial).all()):
+        if count_non_finite(initial):
             raise ValueError("the initial model holds NaN or Inf")
         return make_strategy(
             self.strategy, layout=layout, initial=initial, config=self.settings,
