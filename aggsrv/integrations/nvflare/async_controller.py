@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from nvflare.apis.client import Client
 from nvflare.apis.controller_spec import ClientTask
 from nvflare.apis.fl_constant import FLMetaKey
@@ -192,9 +191,7 @@ class AsyncAggsrvController(ModelController):
     def _make_strategy(self, params: Mapping[str, Any]) -> Strategy:
         assert self.layout is not None
         layout = ModelLayout.from_named_shapes([(e.name, e.shape) for e in self.layout.entries])
-        initial = torch.empty(self.layout.numel, dtype=torch.float32)
-        for e, t in self.layout.tensors(params):
-            initial[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
+        initial = self.layout.to_flat(params)
         if count_non_finite(initial):
             raise ValueError("the initial model holds NaN or Inf")
         return make_strategy(
@@ -326,9 +323,7 @@ class AsyncAggsrvController(ModelController):
         )
         if kind is None:
             raise ValueError(f"params_type {result.params_type} is neither FULL nor DIFF")
-        flat = torch.empty(self.layout.numel, dtype=torch.float32)
-        for e, t in self.layout.tensors(result.params or {}):
-            flat[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
+        flat = self.layout.to_flat(result.params or {})
         steps = (result.meta or {}).get(FLMetaKey.NUM_STEPS_CURRENT_ROUND)
         samples = 1
         whole = (

@@ -128,6 +128,13 @@ class ParamsLayout:
                 )
             yield e, t
 
+    def to_flat(self, params: Mapping[str, Any]) -> torch.Tensor:
+        """The dict's float entries as one flat float32 [D] tensor, checked as :meth:`tensors`."""
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for e, t in self.tensors(params):
+            flat[e.offset : e.offset + e.numel].copy_(t.reshape(-1))
+        return flat
+
     def to_params(self, flat: torch.Tensor, kept: Mapping[str, Any]) -> dict[str, Any]:
         """The flat [D] vector as a parameter dict in the layout's order (float32 views of
         ``flat``: no copy), with the kept entries from ``kept``."""
