@@ -149,8 +149,13 @@ class Publication:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait_for_change(self, timeout: float) -> None:
-        """Return after the next state change or `timeout` seconds."""
-        event = self._changed
+    def watch(self) -> asyncio.Event:
+        """What :meth:`wait_for_change` waits on: take it *before* looking at the state, so a
+        change made between the look and the wait is not slept through."""
+        return self._changed
+
+    async def wait_for_change(self, since: asyncio.Event, timeout: float) -> None:
+        """Return once the state changed after :meth:`watch` gave ``since`` (at once if it
+        already did), or after ``timeout`` seconds."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            await asyncio.wait_for(since.wait(), timeout)

@@ -263,6 +263,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
             job, lease = await self._issued_job(request, context)
         while job is None:
             fed.touch(request.client_id)
+            change = fed.publication.watch()  # before the look: a change after it wakes us
             try:
                 job, why, lease = await fed.next_job(request.client_id)
             except StrategyError as exc:
@@ -279,7 +280,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     reason=why.text, model_version=fed.published_version, code=int(why)
                 )
             )
-            await fed.publication.wait_for_change(fed.config.pending_interval_seconds)
+            await fed.publication.wait_for_change(change, fed.config.pending_interval_seconds)
         if not fed.follower:
             fed.activity.job_issued(job.client_id, job.job_id, job.base_version, fed.clock())
         if fed.trace is not None and not fed.follower:
@@ -355,6 +356,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         loop = asyncio.get_running_loop()
         give_up = loop.time() + shards.order_wait
         while True:
+            change = fed.publication.watch()
             handoff = LeaseHandoff()
             try:
                 job, issued, state, lease = await fed.read(
@@ -385,7 +387,7 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                     f"rank 0 has not issued job {job_id} to this shard within "
                     f"{shards.order_wait:g} s (shard_order_wait_seconds)",
                 )
-            await fed.publication.wait_for_change(min(left, 1.0))
+            await fed.publication.wait_for_change(change, min(left, 1.0))
 
     # ------------------------------------------------------------------ PushUpdate
 
@@ -903,8 +905,14 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         fed = self.fed
         loop = asyncio.get_running_loop()
         give_up = loop.time() + fed.shards.order_wait
-        while fed.published_version < version and fed.failure is None and loop.time() < give_up:
-            await fed.publication.wait_for_change(min(1.0, give_up - loop.time()))
+        while True:
+            change = fed.publication.watch()
+            if fed.published_version >= version or fed.failure is not None:
+                return
+            left = give_up - loop.time()
+            if left <= 0:
+                return
+            await fed.publication.wait_for_change(change, min(1.0, left))
 
     # ------------------------------------------------------------------ Heartbeat, GetStatus
 

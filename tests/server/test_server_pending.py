@@ -7,6 +7,7 @@ model_version is the server's.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
@@ -131,5 +132,36 @@ def test_update_buffered(strategy: str) -> None:
         assert first_message(srv.address, "b").WhichOneof("kind") == "header"
         a.close()
         b.close()
+    finally:
+        srv.stop()
+
+
+def test_a_change_made_while_a_stream_decides_to_wait_wakes_it_at_once() -> None:
+    """The lost wake-up: the round opens (b registers) after a's stream found no job but before
+    it waits. The stream must not sleep through that change for pending_interval_seconds."""
+    cfg = {"mode": "sync", "participation": 2, "min_clients": 2, "min_available": 2}
+    srv = RunningServer(
+        strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0,
+        pending_interval_seconds=60.0,
+    )  # fmt: skip
+    try:
+        a = register(srv.address, "a", first=True)
+        fed = srv.federation
+        real_next_job = fed.next_job
+        others: list[Client] = []
+
+        async def next_job_then_b_registers(client_id: str):
+            found = await real_next_job(client_id)
+            if client_id == "a" and not others:
+                assert found[0] is None  # one client registered: no round yet
+                loop = asyncio.get_running_loop()
+                others.append(await loop.run_in_executor(None, register, srv.address, "b"))
+            return found
+
+        fed.next_job = next_job_then_b_registers
+        job = a.get_job(timeout=10)  # far below the 60 s a missed wake-up would sleep
+        assert job.base_version == 0 and others
+        a.close()
+        others[0].close()
     finally:
         srv.stop()
