@@ -73,7 +73,7 @@ from aggsrv.strategies.buffers import NO_LEASE, Lease
 from aggsrv.strategies.cached_rows import RowCacheInfo
 from aggsrv.strategies.privacy import PrivacyBudgetSpent
 from aggsrv.strategies.saved_state import load_state
-from aggsrv.transport import StagingSlot
+from aggsrv.transport import DeviceCrossing, StagingSlot
 
 log = logging.getLogger(__name__)
 # Importable from here as before the split (the service, tests, bench).
@@ -158,6 +158,11 @@ class Federation:
         self.direction = RecentChange()
         self.strategy_events = StrategyEvents()
         self._slots: asyncio.Queue[StagingSlot] | None = None
+        # Each slot's way to a device cache (by the slot's id), made on first use.
+        self._crossings: dict[int, DeviceCrossing] = {}
+        # Uploads cross to the strategy's device as they arrive when it is not the CPU; True
+        # makes them cross on the CPU too (the same path, tested without a GPU).
+        self.cross_uploads_on_cpu = False
         self.closing = False
         self.last_eval: tuple[int, dict[str, float]] | None = None
         # Whole models offered to a sharded rank 0 (its staging slots hold its slice only).
@@ -800,6 +805,7 @@ class Federation:
         for _ in range(cfg.max_concurrent_uploads):
             slots.put_nowait(staging_slot(layout, pin_memory=self.device.type == "cuda"))
         self._slots = slots
+        self._crossings = {}
         versions = self.versions
         versions.drop_all()
         direction = RecentChange()  # from this model on
@@ -876,6 +882,18 @@ class Federation:
         """Wait for a free staging slot: the backpressure that bounds concurrent uploads."""
         assert self._slots is not None
         return await self._slots.get()
+
+    def crossing_for(self, slot: StagingSlot) -> DeviceCrossing | None:
+        """How an upload into ``slot`` reaches the strategy's device while it arrives (None: the
+        strategy reads the slot itself, on the CPU)."""
+        strategy = self.strategy
+        if strategy is None or (strategy.device.type == "cpu" and not self.cross_uploads_on_cpu):
+            return None
+        crossing = self._crossings.get(id(slot))
+        if crossing is None or crossing.slot is not slot or crossing.device != strategy.device:
+            crossing = DeviceCrossing(slot, strategy.device)
+            self._crossings[id(slot)] = crossing
+        return crossing
 
     def release_slot(self, slot: StagingSlot) -> None:
         """Give a slot back once no device copy still reads it: a copy from pinned memory runs

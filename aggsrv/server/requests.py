@@ -33,7 +33,7 @@ from aggsrv.server.auth import (
 from aggsrv.server.disclosure import class_reason
 from aggsrv.server.federation import payload_sizes
 from aggsrv.strategies import StrategyError
-from aggsrv.transport import CodecError, Decoder, StagingSlot, WireDtype
+from aggsrv.transport import CodecError, Decoder, DeviceCrossing, StagingSlot, WireDtype
 from aggsrv.v1 import aggregation_pb2 as pb
 from aggsrv.v1 import tensor_pb2 as tpb
 
@@ -377,6 +377,7 @@ class RequestChecks:
         upload_log: Any = None,
         quantizable: tuple[str, ...] = (),
         keep_quantized: bool = False,
+        crossing: DeviceCrossing | None = None,
     ) -> dict[str, torch.Tensor]:
         """Read chunks then the trailer of a stream into `slot`; abort with the table's code.
         ``upload_log`` (aggsrv.server.upload_log.UploadLog): where the decoded bytes are logged
@@ -387,7 +388,9 @@ class RequestChecks:
         ``stats`` receives the main tensor's ``norm`` (from the NaN/Inf check's pass) and, given
         a ``reference`` (a RecentChange), the ``cosine`` to its direction from the same pass.
         ``refuse_non_finite`` False: NaN/Inf in the main tensor are left for the strategy
-        (differential privacy takes such an update as clipped to zero)."""
+        (differential privacy takes such an update as clipped to zero). ``crossing``: the
+        landed bytes are copied to the device as they arrive, and ``stats["on_device"]`` gets
+        the device tensors of the returned views."""
         declared = {i.name: int(i.numel) for i in infos}
         if declared != expected:
             await self._abort(
@@ -419,13 +422,19 @@ class RequestChecks:
                 reference=reference, exact_norm=exact_norm, refuse_non_finite=refuse_non_finite,
                 quantized=quantized, keep_quantized=keep_quantized,
             )  # fmt: skip
+            if crossing is not None:
+                crossing.begin()
             while (msg := await self._next_message(stream, context)) is not None:
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     chunk = msg.chunk
                     decoder.feed(chunk.tensor, chunk.offset, chunk.data)
-                    if upload_log is not None:
-                        upload_log.progress(decoder.decoded())
+                    if upload_log is not None or crossing is not None:
+                        decoded = decoder.decoded()
+                        if upload_log is not None:
+                            upload_log.progress(decoded)
+                        if crossing is not None:
+                            crossing.progress(decoded)
                 elif kind == "trailer":
                     if await self._next_message(stream, context) is not None:
                         await self._abort(
@@ -445,17 +454,30 @@ class RequestChecks:
                         stats["cosine"] = decoder.cosine
                     if stats is not None and "update" in decoder.quantized:
                         stats["quantized"] = decoder.quantized["update"]
+                    if crossing is not None and decoder.quantized:
+                        # Codes kept as codes are folded where they are (on the CPU): the
+                        # view the crossing would copy was never written.
+                        crossing.abandon()
+                        crossing = None
+                    if crossing is not None:
+                        on_device = crossing.finish(views, decoder.decoded())
+                        crossing = None
+                        if stats is not None:
+                            stats["on_device"] = on_device
                     return views
                 else:
                     await self._abort(
                         context, SC.INVALID_ARGUMENT, f"unexpected {kind!r} message in the stream"
                     )
+            await self._abort(
+                context, SC.DATA_LOSS, "stream ended before its trailer: the upload was cut off",
+                reason="cut_off",
+            )  # fmt: skip
         except CodecError as exc:
             await self._abort(context, SC[exc.grpc_code_name], str(exc), reason=reason_of(exc))
-        await self._abort(
-            context, SC.DATA_LOSS, "stream ended before its trailer: the upload was cut off",
-            reason="cut_off",
-        )  # fmt: skip
+        finally:
+            if crossing is not None:  # refused or cut off: the copies queued are not used
+                crossing.abandon()
         raise AssertionError("unreachable")  # abort raises
 
     async def _check_labels(self, labels, context: grpc.aio.ServicerContext) -> None:

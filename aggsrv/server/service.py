@@ -523,14 +523,20 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
                 # Codes the strategy folds in stay codes, where the log records them as such.
                 keep_quantized=fed.folds_quantized(kind)
                 and (upload_log is not None or fed.call_log.wal is None),
+                # The update crosses to a device cache while the rest of it arrives.
+                crossing=fed.crossing_for(slot),
             )  # fmt: skip
             self._note_received(h.client_id, job_id, views, dtype, seen)
             buffers = views.get("buffers")
             device = fed.strategy.device
-            tensor = _on_device(views["update"], device)
-            moved = None if buffers is None else _on_device(buffers, device)
-            if tensor is not views["update"] or moved is not buffers:
-                slot.fence(device)  # the copies may read the slot after they return
+            on_device = seen.pop("on_device", None)
+            if on_device is not None:  # crossed already; the crossing fenced the slot
+                tensor, moved = on_device["update"], on_device.get("buffers")
+            else:
+                tensor = _on_device(views["update"], device)
+                moved = None if buffers is None else _on_device(buffers, device)
+                if tensor is not views["update"] or moved is not buffers:
+                    slot.fence(device)  # the copies may read the slot after they return
             # The decoder's float64 norm of a DELTA (what clipping under DP reads).
             norm = seen["norm"] if seen.get("norm_exact") else None
             update = self._update_of(

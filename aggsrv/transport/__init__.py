@@ -6,8 +6,9 @@ elements at most the negotiated size, CRC-32C over all payload bytes in order in
 """
 
 # The package's names are its modules' public ones (each module's __all__), listed once there.
-from . import crc, decoder, dtypes, encoder, errors, quantized, sparse
+from . import crc, crossing, decoder, dtypes, encoder, errors, quantized, sparse
 from .crc import *  # noqa: F403
+from .crossing import *  # noqa: F403
 from .decoder import *  # noqa: F403
 from .dtypes import *  # noqa: F403
 from .encoder import *  # noqa: F403
@@ -17,6 +18,7 @@ from .sparse import *  # noqa: F403
 
 __all__ = [
     *crc.__all__,
+    *crossing.__all__,
     *decoder.__all__,
     *dtypes.__all__,
     *encoder.__all__,

@@ -73,6 +73,11 @@ class StagingSlot:
         reads its source after it returns, so the next upload must not land here before."""
         self._fence = device_event(device)
 
+    def fence_with(self, event: Any) -> None:
+        """Mark the slot busy until ``event`` (recorded after copies out of it on a stream of
+        their own, aggsrv.transport.crossing) has passed."""
+        self._fence = event
+
     def idle(self) -> bool:
         """Whether no device copy still reads the slot (the next upload may overwrite it)."""
         if self._fence is not None and not self._fence.query():
