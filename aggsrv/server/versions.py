@@ -52,8 +52,12 @@ def needs_host_copy(t: torch.Tensor) -> bool:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a device tensor (blocking: run it off the event loop)."""
-    return t.detach().to("cpu")
+    """A host copy of a device tensor (blocking: run it off the event loop), in pinned memory:
+    a GPU copies into it at full bus speed, where pageable memory is staged through a bounce
+    buffer, and torch's caching host allocator reuses it once the version is dropped."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    out.copy_(t.detach())
+    return out
 
 
 def _all_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
