@@ -39,7 +39,7 @@ time per update (1 / updates/s) of each and cuda/cpu; the target is cuda/cpu <= 
 large model (shown for every pair, never asserted). Every run is checked (every push answered
 APPLIED or BUFFERED, the server counted them all as accepted, its version advanced, the figures
 finite and positive); a failed check makes the exit status 1. Without CUDA, anything but a
-dry run or `--devices cpu` stops at once (exit 2).
+`--devices cpu` run (dry or not) stops at once (exit 2).
 """
 
 from __future__ import annotations
@@ -247,6 +247,22 @@ class Clients:
 # --------------------------------------------------------------------------------------------
 
 
+def _server_gpu_id() -> str:
+    """nvidia-smi's id of the server's cuda device (the first visible one), by its UUID: CUDA
+    numbers devices fastest first unless CUDA_DEVICE_ORDER says otherwise, nvidia-smi by PCI
+    bus, and a CUDA_VISIBLE_DEVICES entry may itself be a UUID or a MIG id."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            uuid = str(torch.cuda.get_device_properties(0).uuid)
+            return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    except Exception:  # noqa: BLE001 - fall back to the environment's first entry
+        pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
 class GpuSampler:
     """`nvidia-smi --query-gpu=timestamp,utilization.gpu -lms 100` in a subprocess while it is
     open; `busy(t0, t1)` is the mean utilization (0..1) of the samples stamped within the wall
@@ -259,10 +275,8 @@ class GpuSampler:
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return
-        # The server's cuda is the first visible device: sample that one.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
         cmd = [exe, "--query-gpu=timestamp,utilization.gpu", "--format=csv,noheader,nounits"]
-        cmd += ["-lms", "100", f"--id={visible or '0'}"]
+        cmd += ["-lms", "100", f"--id={_server_gpu_id()}"]
         # The samples carry nvidia-smi's own stamps; line buffering only makes them arrive early.
         stdbuf = shutil.which("stdbuf")
         if stdbuf:

@@ -436,11 +436,11 @@ class Server:
         """Refuse new calls, let in-flight ones finish within `grace` seconds, write a final
         checkpoint, then stop."""
         fed = self.federation
-        fed.publication.notify()
         await self._health.enter_graceful_shutdown()
         if self._grpc is not None:
             # In-flight uploads still finish (and are logged) while new calls are refused.
             fed.closing = True
+            fed.publication.notify()  # waiting job streams see closing and end at once
             await self._grpc.stop(grace)
         if (close_service := getattr(self, "_close_service", None)) is not None:
             await close_service()

@@ -66,6 +66,7 @@ PUBLIC_REASONS = frozenset(
         "layout_mismatch",
         "tensor_sizes",  # the header's tensor sizes
         "cut_off",  # the stream ended before its trailer
+        "device_memory",  # no device memory for an upload in flight (its size is the model's)
         # the decoder (aggsrv.transport.errors): framing, lengths and the CRC of the bytes
         "codec_error",
         "bad_chunk",

@@ -359,6 +359,8 @@ class Federation:
             self.shards.staged.fail_all(AggregationFailed(failure))
             self.shard_follower.fail_parked(AggregationFailed(failure))
         self.closing = True
+        # Waiting job streams look again now (they end), not at their next pending notice.
+        self.fail_stop.on_loop(self.publication.notify)
 
     def _runs_no_timers(self) -> bool:
         return self.closing or self.follower  # rank 0 orders the timers

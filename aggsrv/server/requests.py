@@ -475,6 +475,13 @@ class RequestChecks:
             )  # fmt: skip
         except CodecError as exc:
             await self._abort(context, SC[exc.grpc_code_name], str(exc), reason=reason_of(exc))
+        except torch.OutOfMemoryError:
+            await self._abort(
+                context, SC.RESOURCE_EXHAUSTED,
+                "no device memory for the upload now: retry later (each upload in flight "
+                "holds one model's size on the device)",
+                reason="device_memory",
+            )  # fmt: skip
         finally:
             if crossing is not None:  # refused or cut off: the copies queued are not used
                 crossing.abandon()

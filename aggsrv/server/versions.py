@@ -51,17 +51,29 @@ def needs_host_copy(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a device tensor (blocking: run it off the event loop), in pinned memory:
-    a GPU copies into it at full bus speed, where pageable memory is staged through a bounce
-    buffer, and torch's caching host allocator reuses it once the version is dropped."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-    out.copy_(t.detach())
-    return out
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """A host copy of a device tensor (blocking: run it off the event loop). ``pinned``: in
+    page-locked memory, which a GPU fills at full bus speed (pageable memory is staged through
+    a bounce buffer); torch's caching host allocator keeps such blocks (rounded up to a power
+    of two) for reuse, so only the copies that exist once per version are pinned, and a
+    failure to pin falls back to pageable memory."""
+    if pinned and t.device.type == "cuda":
+        try:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError:  # no page-locked memory to be had: pageable will do
+            return t.detach().to("cpu")
+        out.copy_(t.detach())
+        return out
+    return t.detach().to("cpu")
 
 
-def _all_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: to_host(t) if needs_host_copy(t) else t for name, t in tensors.items()}
+def _all_to_host(tensors: dict[str, torch.Tensor], pinned: bool = False) -> dict[str, torch.Tensor]:
+    return {name: to_host(t, pinned) if needs_host_copy(t) else t for name, t in tensors.items()}
+
+
+def _version_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A version's one host copy, shared by its readers: pinned."""
+    return _all_to_host(tensors, pinned=True)
 
 
 class LeaseHandoff:
@@ -190,7 +202,7 @@ class RetainedVersions:
                 tensors["buffers"] = snap.buffers
             # Held until the copy is done: the readers waiting for it may all go away.
             lease = self._strategy().lease(snap.weights)
-            future = asyncio.get_running_loop().run_in_executor(None, _all_to_host, tensors)
+            future = asyncio.get_running_loop().run_in_executor(None, _version_to_host, tensors)
             future.add_done_callback(lambda _: lease.release())
             snap.host["copy"] = future
 

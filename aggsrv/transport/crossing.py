@@ -8,8 +8,16 @@ copies are stream-ordered: `finish` makes the device's current stream wait for t
 last event (no host synchronisation), and the slot stays fenced until that event has passed, so
 the next upload does not overwrite bytes a copy still reads.
 
-Each upload crosses into tensors allocated for it (the strategy may keep what it is given), which
-the caching allocator hands out without a device synchronisation.
+Each upload crosses into tensors allocated for it (the strategy may keep what it is given),
+allocated on the copy stream when its first stretch crosses: a block torch's caching allocator
+hands out there is free on the copy stream (one freed on the strategy's stream while its kernels
+still read it is not handed out here), and the tensors handed out are recorded on the current
+stream, so that once the strategy drops them their memory is reused only after its kernels ran.
+
+The current stream the copies are made to wait on is the event loop thread's; the aggregation
+thread reads the tensors on its own current stream. Neither thread sets a stream, so both are
+the device's default stream: a strategy that runs its kernels on another stream must first make
+that stream wait for the default one.
 
 On the CPU the same object copies synchronously into separate host tensors: the server does not
 use it there (the staging slot is already where the strategy reads), but its bookkeeping is
@@ -61,18 +69,25 @@ class DeviceCrossing:
         return self._copies
 
     def begin(self) -> None:
-        """A new upload: fresh device tensors the size of the slot's buffers."""
-        self._dst = {
-            name: torch.empty(base.numel(), dtype=base.dtype, device=self.device)
-            for name, base in self._bases.items()
-        }
-        if self._stream is not None:
-            for t in self._dst.values():
-                # Freed early (a refused upload), a tensor must not be handed out again before
-                # the copies into it on the copy stream are done.
-                t.record_stream(self._stream)
+        """A new upload (its device tensors are allocated when its first stretch crosses:
+        a stalled upload holds no device memory)."""
+        self._dst = {}
         self._crossed = {}
         self._open = True
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The device tensor of the slot buffer ``name`` for this upload, allocated on first
+        use (torch.OutOfMemoryError when the device has no room)."""
+        dst = self._dst.get(name)
+        if dst is None:
+            base = self._bases[name]
+            if self._stream is None:
+                dst = torch.empty(base.numel(), dtype=base.dtype, device=self.device)
+            else:
+                with torch.cuda.stream(self._stream):
+                    dst = torch.empty(base.numel(), dtype=base.dtype, device=self.device)
+            self._dst[name] = dst
+        return dst
 
     def progress(self, decoded: Iterable[tuple[str, torch.Tensor, int]]) -> None:
         """Queue the copy of every tensor's landed elements past what crossed, once at least
@@ -96,6 +111,10 @@ class DeviceCrossing:
             if done < view.numel():
                 self._copy(name, view, done, view.numel())
         out = {name: self._counterpart(view) for name, view in views.items()}
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            for t in self._dst.values():
+                t.record_stream(current)  # the strategy's kernels read them there
         self._settle()
         return out
 
@@ -126,7 +145,7 @@ class DeviceCrossing:
                 continue
             offset = view.storage_offset() - base.storage_offset()
             if offset >= 0 and offset + view.numel() <= base.numel():
-                return self._dst[name][offset : offset + view.numel()]
+                return self._target(name)[offset : offset + view.numel()]
         raise ValueError("DeviceCrossing: a view that is not in the slot's buffers")
 
     def _copy(self, name: str, view: torch.Tensor, start: int, end: int) -> None:

@@ -14,13 +14,14 @@ import torch
 from server_helpers import RunningServer, raw_push, tiny_model, update_messages
 
 from aggsrv.client import Client
+from aggsrv.client.compression import Compression
 from aggsrv.transport import crossing as crossing_module
 from aggsrv.values import Status, UpdateKind
 
 
 def _run(crosses: bool, durability: str, tmp_path, seed: int) -> tuple[torch.Tensor, int]:
-    """Pushes of two clients (float32 and bfloat16, a refused one between them): (the model,
-    the copies the crossings queued)."""
+    """Pushes of four clients (float32, bfloat16, INT8 codes, top-k INT8; a refused one
+    between them): (the model, the copies the crossings queued)."""
     config = {"strategy": "fedasync", "rate_limit_per_second": 0.0, "max_concurrent_uploads": 1}
     if durability == "on":
         config |= {"durability": "on", "state_dir": str(tmp_path / f"state-{crosses}")}
@@ -32,13 +33,18 @@ def _run(crosses: bool, durability: str, tmp_path, seed: int) -> tuple[torch.Ten
         with (
             Client(srv.address, "a") as a,
             Client(srv.address, "b", upload_dtype="bfloat16") as b,
+            # INT8 codes FedAsync folds as codes (they do not cross), and a top-k section of
+            # INT8 values decoded whole at the trailer (it crosses then).
+            Client(srv.address, "c", compression=Compression(quantization="int8")) as c8,
+            Client(srv.address, "d", compression=Compression("int8", top_k=0.3)) as ck,
         ):
             a.register(model)
-            b.register(layout=a.layout)
-            for c in (a, b):
+            for c in (b, c8, ck):
+                c.register(layout=a.layout)
+            for c in (a, b, c8, ck):
                 c.chunk_bytes = 40  # many chunks per upload
             for r in range(3):
-                for c in (a, b):
+                for c in (a, b, c8, ck):
                     job = c.get_job()
                     delta = 0.1 * torch.randn(c.layout.numel, generator=gen)
                     got = c.push(job, delta, kind=UpdateKind.DELTA, num_samples=3 + r, steps=1)
@@ -71,3 +77,39 @@ def test_an_upload_that_crossed_while_arriving_gives_the_same_model(
     # Stretches of each upload crossed before its trailer (58 values in chunks of 10).
     assert copies >= 6 * 4, copies
     assert torch.equal(crossed, plain), seed
+
+
+def test_no_device_memory_for_an_upload_is_refused_and_changes_nothing(monkeypatch) -> None:
+    """The device has no room for an upload's copy: RESOURCE_EXHAUSTED, nothing applied, the
+    slot free for the next upload."""
+    srv = RunningServer(
+        strategy="fedasync", strategy_config={"alpha": 1.0, "staleness": "constant"},
+        rate_limit_per_second=0.0, max_concurrent_uploads=1,
+    )  # fmt: skip
+    srv.federation.cross_uploads_on_cpu = True
+    real = crossing_module.DeviceCrossing._target
+    full = [True]
+
+    def target(self, name):
+        if full[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, name)
+
+    monkeypatch.setattr(crossing_module.DeviceCrossing, "_target", target)
+    try:
+        with Client(srv.address, "a") as a:
+            a.register(tiny_model(3))
+            job = a.get_job()
+            before = srv.model()
+            delta = torch.full((a.layout.numel,), 0.25)
+            with pytest.raises(grpc.RpcError) as refused:
+                a.push(job, delta, kind=UpdateKind.DELTA, num_samples=1, steps=1)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "device memory" in refused.value.details()
+            assert torch.equal(srv.model(), before)
+            full[0] = False
+            got = a.push(job, delta, kind=UpdateKind.DELTA, num_samples=1, steps=1)
+            assert got.status is Status.APPLIED
+            assert torch.equal(srv.model(), before + delta)
+    finally:
+        srv.stop()

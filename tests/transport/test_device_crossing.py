@@ -135,9 +135,39 @@ def test_on_a_gpu_the_copies_are_stream_ordered_and_fence_the_slot() -> None:
         dec.feed(name, offset, piece)
         crossing.progress(dec.decoded())
     views = dec.finish(crc.value, crc.nbytes)
+    with torch.cuda.stream(crossing._stream):  # hold the copy stream up: the last copy waits
+        torch.cuda._sleep(200_000_000)
     crossed = crossing.finish(views, dec.decoded())
+    assert not slot.idle()  # fenced while a copy out of it is still to run
     # The current stream waits for the copies: work queued on it now reads every byte.
     assert torch.equal(crossed["u"].cpu(), data)
     assert crossing.copies >= 3
     torch.cuda.synchronize()
     assert slot.idle()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_crossing_never_writes_memory_queued_kernels_still_read() -> None:
+    """The strategy drops an update while its kernels are still queued on the default stream;
+    the next upload, of the same size, crosses meanwhile: the queued kernels read the old
+    values, not the new upload's (the copy stream's memory is its own)."""
+    numel = (1 << 20) + 3
+    slot = StagingSlot(numel, pin_memory=True)
+    crossing = DeviceCrossing(slot, "cuda", step_bytes=1 << 18)
+    old = torch.full((numel,), 1.0, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the default stream stays busy
+    read = old * 2.0  # queued behind the sleep
+    del old  # freed while the kernel that reads it is still queued
+    new = torch.full((numel,), 5.0)
+    dec = Decoder(slot, {"u": numel}, WireDtype.FLOAT32, 1 << 20)
+    crossing.begin()
+    crc = Crc32c()
+    for name, offset, piece in iter_chunks({"u": new}, WireDtype.FLOAT32, 1 << 18):
+        crc.update(piece)
+        dec.feed(name, offset, piece)
+        crossing.progress(dec.decoded())
+    crossed = crossing.finish(dec.finish(crc.value, crc.nbytes), dec.decoded())
+    torch.cuda.synchronize()
+    assert torch.equal(read, torch.full_like(read, 2.0))
+    assert torch.equal(crossed["u"].cpu(), new)
