@@ -363,10 +363,12 @@ def test_a_version_reaches_readers_only_once_its_record_is_durable(tmp_path, mon
 def test_device_models_are_copied_to_the_host_once_per_version_off_the_loop(monkeypatch) -> None:
     # No GPU needed: every tensor counts as a device tensor and the copy is slow and counted.
     copies: list[tuple[int, int]] = []  # (storage, numel) of each copy
+    pinned: list[bool] = []  # whether each copy was asked for in pinned memory
     copying = threading.Event()
 
-    def slow_copy(t: torch.Tensor) -> torch.Tensor:
+    def slow_copy(t: torch.Tensor, pin: bool = False) -> torch.Tensor:
         copies.append((t.untyped_storage().data_ptr(), t.numel()))
+        pinned.append(pin)
         copying.set()
         time.sleep(0.4)
         return t.detach().clone()
@@ -404,6 +406,7 @@ def test_device_models_are_copied_to_the_host_once_per_version_off_the_loop(monk
             job = a.get_job()
             assert torch.equal(job.weights, srv.model())
             assert len(copies) == 2, copies  # one for version 1, shared by readers and jobs
+            assert all(pinned), pinned  # a copy every reader of a version shares: pinned
     finally:
         srv.stop()
 
