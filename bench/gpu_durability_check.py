@@ -37,9 +37,9 @@ copies: list[tuple[str, int, float]] = []
 real = V.to_host
 
 
-def counting(t: torch.Tensor) -> torch.Tensor:
+def counting(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
     t0 = time.perf_counter()
-    host = real(t)
+    host = real(t, pinned)
     copies.append((t.device.type, t.numel(), time.perf_counter() - t0))
     return host
 
