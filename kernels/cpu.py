@@ -208,10 +208,10 @@ def _store(acc, o, i, v, last, alpha, beta):  # pragma: no cover - compiled
     """A pass's result: to the tile accumulator, or, on a group's last pass, to the output."""
     if not last:
         acc[i] = v
-    elif beta == 0.0:
-        o[i] = alpha * v
-    else:
-        o[i] = beta * np.float64(o[i]) + alpha * v
+        return
+    # One store of a selected value: LLVM vectorises it (a store in each branch of an if/else
+    # measured 1.2x the floor for group_means at K = 16, D = 11.2M, against 1.0x this way).
+    o[i] = alpha * v if beta == 0.0 else beta * np.float64(o[i]) + alpha * v
 
 
 @_pjit
