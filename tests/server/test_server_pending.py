@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -137,14 +138,39 @@ def test_update_buffered(strategy: str) -> None:
         srv.stop()
 
 
-def test_a_change_made_while_a_stream_decides_to_wait_wakes_it_at_once() -> None:
-    """The lost wake-up: the round opens (b registers) after a's stream found no job but before
-    it waits. The stream must not sleep through that change for pending_interval_seconds."""
+def _round_of_two_server() -> RunningServer:
+    """A server whose rounds wait for two registered clients, with pending notices a minute
+    apart: a stream that sleeps through a change waits far longer than these tests allow."""
     cfg = {"mode": "sync", "participation": 2, "min_clients": 2, "min_available": 2}
-    srv = RunningServer(
+    return RunningServer(
         strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0,
         pending_interval_seconds=60.0,
     )  # fmt: skip
+
+
+def _ended_after(srv: RunningServer, stop: Callable[[], None]) -> tuple[grpc.RpcError, float]:
+    """Open a GetJob stream for a registered client that waits (no round yet), call ``stop``,
+    and return how the stream ended and how long after ``stop`` it did."""
+    a = register(srv.address, "a", first=True)
+    with grpc.insecure_channel(srv.address) as channel:
+        stream = pb_grpc.AggregationStub(channel).GetJob(
+            pb.GetJobRequest(client_id="a", layout_hash=LAYOUT.hash), timeout=60
+        )
+        messages = iter(stream)
+        assert next(messages).WhichOneof("kind") == "pending"  # open and waiting
+        asked = time.monotonic()
+        stop()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(messages)
+        took = time.monotonic() - asked
+    a.close()
+    return ended.value, took
+
+
+def test_a_change_made_while_a_stream_decides_to_wait_wakes_it_at_once() -> None:
+    """The lost wake-up: the round opens (b registers) after a's stream found no job but before
+    it waits. The stream must not sleep through that change for pending_interval_seconds."""
+    srv = _round_of_two_server()
     try:
         a = register(srv.address, "a", first=True)
         fed = srv.federation
@@ -172,55 +198,25 @@ def test_a_stream_waiting_for_a_job_ends_at_once_when_the_server_stops() -> None
     """Shutdown wakes a waiting GetJob after it marks the server closing: the stream ends with
     UNAVAILABLE (a client retries later) at once, not when the grace period runs out or at the
     next pending notice."""
-    cfg = {"mode": "sync", "participation": 2, "min_clients": 2, "min_available": 2}
-    srv = RunningServer(
-        strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0,
-        pending_interval_seconds=60.0,
-    )  # fmt: skip
-    a = register(srv.address, "a", first=True)
-    with grpc.insecure_channel(srv.address) as channel:
-        stream = pb_grpc.AggregationStub(channel).GetJob(
-            pb.GetJobRequest(client_id="a", layout_hash=LAYOUT.hash), timeout=60
-        )
-        messages = iter(stream)
-        assert next(messages).WhichOneof("kind") == "pending"  # open and waiting
-        asked = time.monotonic()
-        stopping = threading.Thread(target=lambda: srv.run(srv.server.stop(grace=20.0)))
-        stopping.start()
-        with pytest.raises(grpc.RpcError) as ended:
-            next(messages)
-        took = time.monotonic() - asked
-        stopping.join(timeout=60)
+    srv = _round_of_two_server()
+    stopping = threading.Thread(target=lambda: srv.run(srv.server.stop(grace=20.0)))
+    ended, took = _ended_after(srv, stopping.start)
+    stopping.join(timeout=60)
     srv.loop.call_soon_threadsafe(srv.loop.stop)
-    a.close()
-    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
     assert took < 5.0, took
 
 
 def test_a_stream_waiting_for_a_job_ends_at_once_when_the_server_stops_taking_writes() -> None:
     """A fail-stop (here: the log could not be written) wakes waiting GetJob streams, which end
     with UNAVAILABLE and the reason, instead of sleeping until their next pending notice."""
-    cfg = {"mode": "sync", "participation": 2, "min_clients": 2, "min_available": 2}
-    srv = RunningServer(
-        strategy="fedavg", strategy_config=cfg, rate_limit_per_second=0.0,
-        pending_interval_seconds=60.0,
-    )  # fmt: skip
+    srv = _round_of_two_server()
     try:
-        a = register(srv.address, "a", first=True)
-        with grpc.insecure_channel(srv.address) as channel:
-            stream = pb_grpc.AggregationStub(channel).GetJob(
-                pb.GetJobRequest(client_id="a", layout_hash=LAYOUT.hash), timeout=60
-            )
-            messages = iter(stream)
-            assert next(messages).WhichOneof("kind") == "pending"
-            asked = time.monotonic()
-            srv.federation.fail_stop.fail("the write-ahead log could not be written")
-            with pytest.raises(grpc.RpcError) as ended:
-                next(messages)
-            took = time.monotonic() - asked
-        a.close()
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
-        assert "write-ahead log" in ended.value.details()
+        ended, took = _ended_after(
+            srv, lambda: srv.federation.fail_stop.fail("the write-ahead log could not be written")
+        )
+        assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+        assert "write-ahead log" in ended.details()
         assert took < 5.0, took
     finally:
         srv.stop()

@@ -121,20 +121,26 @@ def test_a_view_outside_the_slot_is_refused() -> None:
         crossing.finish({"u": torch.zeros(8)}, [])
 
 
+def _arrive(slot: StagingSlot, crossing: DeviceCrossing, data: torch.Tensor, chunk: int):
+    """An upload of ``data`` as tensor "u" in chunks of ``chunk`` bytes, each followed by the
+    crossing's progress: (the decoder, its finished views)."""
+    dec = Decoder(slot, {"u": data.numel()}, WireDtype.FLOAT32, 1 << 20)
+    crossing.begin()
+    crc = Crc32c()
+    for name, offset, piece in iter_chunks({"u": data}, WireDtype.FLOAT32, chunk):
+        crc.update(piece)
+        dec.feed(name, offset, piece)
+        crossing.progress(dec.decoded())
+    return dec, dec.finish(crc.value, crc.nbytes)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_copies_are_stream_ordered_and_fence_the_slot() -> None:
     numel = (3 << 20) + 5
     slot = StagingSlot(numel, pin_memory=True)
     data = torch.randn(numel)
-    dec = Decoder(slot, {"u": numel}, WireDtype.FLOAT32, 1 << 20)
     crossing = DeviceCrossing(slot, "cuda", step_bytes=1 << 20)
-    crossing.begin()
-    crc = Crc32c()
-    for name, offset, piece in iter_chunks({"u": data}, WireDtype.FLOAT32, 1 << 20):
-        crc.update(piece)
-        dec.feed(name, offset, piece)
-        crossing.progress(dec.decoded())
-    views = dec.finish(crc.value, crc.nbytes)
+    dec, views = _arrive(slot, crossing, data, 1 << 20)
     with torch.cuda.stream(crossing._stream):  # hold the copy stream up: the last copy waits
         torch.cuda._sleep(200_000_000)
     crossed = crossing.finish(views, dec.decoded())
@@ -160,14 +166,8 @@ def test_on_a_gpu_a_crossing_never_writes_memory_queued_kernels_still_read() -> 
     read = old * 2.0  # queued behind the sleep
     del old  # freed while the kernel that reads it is still queued
     new = torch.full((numel,), 5.0)
-    dec = Decoder(slot, {"u": numel}, WireDtype.FLOAT32, 1 << 20)
-    crossing.begin()
-    crc = Crc32c()
-    for name, offset, piece in iter_chunks({"u": new}, WireDtype.FLOAT32, 1 << 18):
-        crc.update(piece)
-        dec.feed(name, offset, piece)
-        crossing.progress(dec.decoded())
-    crossed = crossing.finish(dec.finish(crc.value, crc.nbytes), dec.decoded())
+    dec, views = _arrive(slot, crossing, new, 1 << 18)
+    crossed = crossing.finish(views, dec.decoded())
     torch.cuda.synchronize()
     assert torch.equal(read, torch.full_like(read, 2.0))
     assert torch.equal(crossed["u"].cpu(), new)
