@@ -60,6 +60,9 @@ UNPARSEABLE_LOG_SECONDS = 60.0
 # refusing exception's class), never the caller's text, so a metric label stays bounded. Each
 # gRPC call runs in its own task, with its own copy of this variable.
 REFUSAL_REASON: contextvars.ContextVar[str] = contextvars.ContextVar("refusal", default="request")
+# PushUpdate's count of a refusal, (code, reason) -> None: called by _abort before the status
+# goes out, so a client that reads the status after its refusal finds it counted.
+COUNT_REFUSAL: contextvars.ContextVar[Any] = contextvars.ContextVar("count_refusal", default=None)
 
 
 def reason_of(exc: BaseException) -> str:
@@ -245,6 +248,9 @@ class RequestChecks:
         # Refusals of updates are counted by PushUpdate (StatusResponse counts updates only),
         # by code and REFUSAL_REASON.
         REFUSAL_REASON.set(reason)
+        count = COUNT_REFUSAL.get()
+        if count is not None:
+            count(code, reason)
         await context.abort(code, message)
 
     async def _check_open(self, context: grpc.aio.ServicerContext) -> None:

@@ -34,6 +34,7 @@ from aggsrv.server.federation import DurabilityError, Federation, payload_sizes,
 from aggsrv.server.limits import RateLimiter
 from aggsrv.server.relay import RelayFailed, ShardLinks, caller_metadata
 from aggsrv.server.requests import (
+    COUNT_REFUSAL,
     JOB_BUCKET,
     REFUSAL_REASON,
     SC,
@@ -394,17 +395,24 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     async def PushUpdate(self, request_iterator, context):  # noqa: N802
         # The header once read (for the refusal's log), when the upload started and ended.
         seen: dict[str, Any] = {"started": self.fed.clock()}
+        counted: list[bool] = []
+
+        def count(code: SC, reason: str) -> None:
+            # UNAVAILABLE (shutting down) says nothing about the update: the client retries it.
+            if code != SC.UNAVAILABLE and not counted:
+                counted.append(True)
+                self.fed.reject(code.name, reason)
+                self.fed.metrics.record_refusal(code.name, reason)
+
+        COUNT_REFUSAL.set(count)  # this call's task only
         try:
             return await self._push_update(request_iterator, context, seen)
         except DurabilityError as exc:
             await context.abort(SC.UNAVAILABLE, f"the server stopped taking writes: {exc}")
         except grpc.aio.AbortError:
             code = context.code()
-            # UNAVAILABLE (shutting down) says nothing about the update: the client retries it.
             if code is not None and code != SC.UNAVAILABLE:
-                reason = REFUSAL_REASON.get()
-                self.fed.reject(code.name, reason)
-                self.fed.metrics.record_refusal(code.name, reason)
+                count(code, REFUSAL_REASON.get())  # aborted without _abort: counted here
                 self._log_refusal(seen.get("header"), code, context)
                 self._trace_refusal(seen, code)
             raise

@@ -407,6 +407,13 @@ def test_corruption_in_a_middle_record(tmp_path, seed):
         bad = bytearray(data)
         bad[byte] ^= 1 << rng.randrange(8)
         path.write_bytes(bad)
+        magic = bytes(bad[off : off + 4])
+        if magic != D.WAL_MAGIC and magic[:3] == D.WAL_MAGIC[:3] and magic[3:].isdigit():
+            # The flip made another format's magic: what a newer aggsrv appends reads the same,
+            # so the log is refused (nothing dropped), not cut at this record.
+            with pytest.raises(D.WalDamaged, match="newer aggsrv"):
+                scan_segment(path)
+            continue
         scan = scan_segment(path)
         msg = (seed, m, what, scan.reason)
         _check_prefix(scan, recs, m, msg)
