@@ -891,10 +891,9 @@ class Federation:
         strategy = self.strategy
         if strategy is None or (strategy.device.type == "cpu" and not self.cross_uploads_on_cpu):
             return None
-        crossing = self._crossings.get(id(slot))
-        if crossing is None or crossing.slot is not slot or crossing.device != strategy.device:
-            crossing = DeviceCrossing(slot, strategy.device)
-            self._crossings[id(slot)] = crossing
+        crossing = self._crossings.get(id(slot))  # the slots live as long as this table
+        if crossing is None:
+            crossing = self._crossings[id(slot)] = DeviceCrossing(slot, strategy.device)
         return crossing
 
     def release_slot(self, slot: StagingSlot) -> None:

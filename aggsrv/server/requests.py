@@ -460,16 +460,16 @@ class RequestChecks:
                         stats["cosine"] = decoder.cosine
                     if stats is not None and "update" in decoder.quantized:
                         stats["quantized"] = decoder.quantized["update"]
-                    if crossing is not None and decoder.quantized:
-                        # Codes kept as codes are folded where they are (on the CPU): the
-                        # view the crossing would copy was never written.
-                        crossing.abandon()
-                        crossing = None
                     if crossing is not None:
-                        on_device = crossing.finish(views, decoder.decoded())
+                        if decoder.quantized:
+                            # Codes kept as codes are folded where they are (on the CPU): the
+                            # view the crossing would copy was never written.
+                            crossing.abandon()
+                        else:
+                            on_device = crossing.finish(views, decoder.decoded())
+                            if stats is not None:
+                                stats["on_device"] = on_device
                         crossing = None
-                        if stats is not None:
-                            stats["on_device"] = on_device
                     return views
                 else:
                     await self._abort(

@@ -921,10 +921,8 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
         give_up = loop.time() + fed.shards.order_wait
         while True:
             change = fed.publication.watch()
-            if fed.published_version >= version or fed.failure is not None:
-                return
             left = give_up - loop.time()
-            if left <= 0:
+            if fed.published_version >= version or fed.failure is not None or left <= 0:
                 return
             await fed.publication.wait_for_change(change, min(1.0, left))
 

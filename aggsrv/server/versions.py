@@ -71,11 +71,6 @@ def _all_to_host(tensors: dict[str, torch.Tensor], pinned: bool = False) -> dict
     return {name: to_host(t, pinned) if needs_host_copy(t) else t for name, t in tensors.items()}
 
 
-def _version_to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A version's one host copy, shared by its readers: pinned."""
-    return _all_to_host(tensors, pinned=True)
-
-
 class LeaseHandoff:
     """A lease a call on the aggregation thread takes for a reader on the event loop that may
     go away before the call's result reaches it (a cancelled GetJob): either the call finds the
@@ -202,7 +197,8 @@ class RetainedVersions:
                 tensors["buffers"] = snap.buffers
             # Held until the copy is done: the readers waiting for it may all go away.
             lease = self._strategy().lease(snap.weights)
-            future = asyncio.get_running_loop().run_in_executor(None, _version_to_host, tensors)
+            # A version's one host copy, shared by its readers: pinned.
+            future = asyncio.get_running_loop().run_in_executor(None, _all_to_host, tensors, True)
             future.add_done_callback(lambda _: lease.release())
             snap.host["copy"] = future
 
