@@ -1,6 +1,6 @@
 """aggsrv's average linkage against scipy's ``linkage(method="average")`` on the same distances.
 
-Run with ``pytest bench/test_bench_linkage.py --benchmark-only -s``. Two settings:
+Run with ``pytest bench/test_bench_linkage.py --benchmark-only -s``. Three settings:
 
 * **warm**, one process: ``kernels.average_linkage`` on condensed distances and on the square
   matrix FedDGIC passes (``dynamic_groups``), each against scipy on the condensed distances
@@ -11,6 +11,9 @@ Run with ``pytest bench/test_bench_linkage.py --benchmark-only -s``. Two setting
   distances, loads its library with a call on 3 points (numba's compiled cache, scipy's
   extension), then times one call on the square matrix (ours) or the condensed distances
   (scipy): what a program meets the first time it clusters.
+* **similarities**, one process: ``kernels.similarity_linkage`` on FedDGIC's input, averaged
+  cosine similarities, against making the distances ``max(1 - (S + S^T) / 2, 0)`` with numpy and
+  clustering them with scipy (and with our ``average_linkage``), interleaved.
 """
 
 from __future__ import annotations
@@ -88,6 +91,55 @@ def test_bench_average_linkage(benchmark, n: int, form: str) -> None:
         f"\naverage_linkage n={n} {form} (warm): ours {t_ours * 1e3:.1f} ms, scipy "
         f"{t_scipy * 1e3:.1f} ms, ratio {ratio:.2f}, {(n - 1) / t_ours:,.0f} merges/s "
         f"(medians of {REPS}, load {os.getloadavg()[0]:.1f})"
+    )
+
+
+def _similarities(n: int) -> np.ndarray:
+    """Averaged cosine similarities as FedDGIC passes them: not exactly symmetric."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, 64))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x @ x.T + rng.normal(0.0, 1e-6, (n, n))
+
+
+def _numpy_distances(s: np.ndarray) -> np.ndarray:
+    """FedDGIC's distances made the numpy way (four [n, n] temporaries)."""
+    d = 1.0 - (s + s.T) / 2.0
+    np.fill_diagonal(d, 0.0)
+    return np.maximum(d, 0.0)
+
+
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_bench_similarity_linkage(benchmark, n: int) -> None:
+    """FedDGIC's grouping input, similarities: ``kernels.similarity_linkage`` (the distances
+    made in the linkage's own pass) against the same distances made with numpy and then
+    clustered by scipy, and by our ``average_linkage``; interleaved, medians of REPS."""
+    s = _similarities(n)
+    scipy_way = lambda: _scipy(distance.squareform(_numpy_distances(s), checks=False))  # noqa: E731
+    numpy_ours = lambda: kernels.average_linkage(_numpy_distances(s))  # noqa: E731
+    np.testing.assert_array_equal(kernels.similarity_linkage(s), scipy_way())
+    np.testing.assert_array_equal(numpy_ours(), scipy_way())
+    times: dict[str, list[float]] = {"ours": [], "numpy+scipy": [], "numpy+ours": []}
+    fns = {"ours": lambda: kernels.similarity_linkage(s), "numpy+scipy": scipy_way,
+           "numpy+ours": numpy_ours}  # fmt: skip
+
+    def rounds() -> None:
+        for k in range(REPS):
+            names = list(fns)
+            for name in names[k % 3 :] + names[: k % 3]:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append(time.perf_counter() - t0)
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    med = {name: float(np.median(v)) for name, v in times.items()}
+    benchmark.extra_info.update(n=n, **{f"{k}_median_s": v for k, v in med.items()})
+    print(
+        f"\nsimilarity_linkage n={n} (FedDGIC's similarities in, warm): ours "
+        f"{med['ours'] * 1e3:.1f} ms, numpy distances + scipy {med['numpy+scipy'] * 1e3:.1f} ms "
+        f"({med['ours'] / med['numpy+scipy']:.2f}x), numpy distances + our average_linkage "
+        f"{med['numpy+ours'] * 1e3:.1f} ms ({med['ours'] / med['numpy+ours']:.2f}x) (medians "
+        f"of {REPS}, load {os.getloadavg()[0]:.1f})"
     )
 
 

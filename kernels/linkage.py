@@ -10,10 +10,13 @@ Two backends receive validated float64 condensed distances (length n(n-1)/2, n >
 
 ``linkage_from_square`` and ``linkage_from_condensed`` are the public API's fast path: they check
 the distances (finite, >= -1e-12, and for a square matrix symmetric with a zero diagonal) in the
-same pass that builds the working matrix, and answer None for input that fails, so the caller
-raises its precise error from its own (slower) checks. The working matrix is kept per thread for
-the next call of the same n (FedDGIC groups the same clients every round): on this project's
-2-core VM the page faults of a fresh 134 MB matrix (n = 4096) cost most of a run.
+same pass that builds the working matrix; ``linkage_from_similarity`` makes FedDGIC's distances
+``1 - (S + S^T) / 2`` from similarities in that pass (numpy's four [n, n] temporaries and its
+transposed read cost 1.5-7x the linkage itself at n = 4096). All three answer None for input
+that fails, so the caller raises its precise error from its own (slower) checks. The working
+matrix is kept per thread for the next call of the same n (FedDGIC groups the same clients every
+round): on this project's 2-core VM the page faults of a fresh 134 MB matrix (n = 4096) cost
+most of a run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "average_linkage_cpu",
     "average_linkage_reference",
     "linkage_from_condensed",
+    "linkage_from_similarity",
     "linkage_from_square",
 ]
 
@@ -155,6 +159,33 @@ def _checked_from_square(a: np.ndarray, n: int, d: np.ndarray) -> bool:
     return True
 
 
+@njit(cache=True, nogil=True)
+def _checked_from_similarity(s: np.ndarray, n: int, d: np.ndarray) -> bool:
+    """The distances ``max(1 - (s[i, j] + s[j, i]) / 2, 0)`` of similarities ``s`` into ``d``
+    with +inf on the diagonal, in 64 x 64 tiles as :func:`_checked_from_square`; False when
+    a distance is not finite (a similarity that is not, or a sum that overflows) or a diagonal
+    similarity is not finite. The same operations, in the same order, as numpy's
+    ``1.0 - (s + s.T) / 2.0`` then ``np.maximum(d, 0.0)``: the distances are equal bit for bit."""
+    tile = 64
+    for i0 in range(0, n, tile):
+        i1 = min(i0 + tile, n)
+        for j0 in range(0, i1, tile):
+            j1 = min(j0 + tile, n)
+            for i in range(i0, i1):
+                for j in range(j0, min(j1, i)):
+                    v = 1.0 - (s[i, j] + s[j, i]) / 2.0
+                    if not np.isfinite(v):
+                        return False
+                    v = v if v > 0.0 else 0.0
+                    d[i, j] = v
+                    d[j, i] = v
+    for i in range(n):
+        if not np.isfinite(s[i, i]):
+            return False
+        d[i, i] = np.inf
+    return True
+
+
 def _new_work(n: int) -> np.ndarray:
     """A working matrix for n points. Its rows are padded by one cache line: with a
     power-of-two n the column walks would otherwise map every row to the same cache set and
@@ -195,6 +226,16 @@ def linkage_from_condensed(condensed: np.ndarray) -> np.ndarray | None:
     n = _num_obs(condensed)
     d = _work(n)
     return _linkage_of_work(d, n) if _checked_from_condensed(condensed, n, d) else None
+
+
+def linkage_from_similarity(s: np.ndarray) -> np.ndarray | None:
+    """UPGMA of the distances ``max(1 - (S + S^T) / 2, 0)`` (zero diagonal) of square float64
+    similarities [n, n] (n >= 2), built straight into the working matrix; None when one of them
+    is not finite (the caller says why, or takes the numpy path when a finite sum overflowed)."""
+    s = np.ascontiguousarray(s, dtype=np.float64)
+    n = s.shape[0]
+    d = _work(n)
+    return _linkage_of_work(d, n) if _checked_from_similarity(s, n, d) else None
 
 
 @njit(cache=True, nogil=True)

@@ -106,19 +106,9 @@ def dynamic_groups(
     the similarity a distance; merging the *smallest* distance needs ``1 - S``). ``k`` fixes
     the number of groups instead of Eq. 5 (FedFG; capped at n); the ratios are still computed.
     """
-    s = (
-        similarity.detach().to("cpu", torch.float64).numpy()
-        if isinstance(similarity, torch.Tensor)
-        else np.asarray(similarity, dtype=np.float64)
-    )
-    if s.ndim != 2 or s.shape[0] != s.shape[1] or s.shape[0] == 0:
-        raise ValueError(f"similarity must be a square [n, n] matrix, got shape {s.shape}")
-    if not np.all(np.isfinite(s)):
-        raise ValueError("similarity must be finite")
-    d = 1.0 - (s + s.T) / 2.0
-    np.fill_diagonal(d, 0.0)
-    d = np.maximum(d, 0.0)  # cosine similarities a rounding above 1
-    Z = kernels.average_linkage(d)
+    Z = kernels.similarity_linkage(similarity)  # raises for a matrix not square or not finite
+    Z = Z.numpy() if isinstance(Z, torch.Tensor) else Z
+    n = Z.shape[0] + 1
     # UPGMA never inverts, but the Lance-Williams update can put a near-tie a rounding below
     # the merge before it; Eq. 5 wants the sorted sequence.
     heights = np.maximum.accumulate(Z[:, 2])
@@ -127,5 +117,5 @@ def dynamic_groups(
         k = k_rule
     elif k < 1:
         raise ValueError(f"a fixed number of groups must be >= 1, got {k}")
-    k = min(k, s.shape[0])
+    k = min(k, n)
     return Grouping(cut_tree(Z, k), k, tuple(map(float, heights)), tuple(ratios), Z)

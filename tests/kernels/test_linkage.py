@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 from aggsrv.kernels.linkage import average_linkage_cpu, average_linkage_reference  # noqa: E402
 from scipy.cluster import hierarchy
 from scipy.spatial import distance
@@ -244,3 +245,107 @@ def test_public_linkage_names_what_is_wrong_with_a_square_matrix(defect: str, me
         dist[i, i] = 1e-300
     with pytest.raises(ValueError, match=message):
         fn(dist)
+
+
+# --------------------------------------------------------------------------------------------
+# similarity_linkage: FedDGIC's distances 1 - (S + S^T) / 2 made in the linkage's own pass
+# --------------------------------------------------------------------------------------------
+
+
+def _similarities(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Averaged cosine similarities as FedDGIC keeps them: not exactly symmetric (each entry
+    averaged over its own rounds), some a rounding above 1, any diagonal."""
+    x = rng.standard_normal((n, 16))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    s = x @ x.T + rng.normal(0.0, 1e-3, (n, n))
+    s[rng.random((n, n)) < 0.05] = 1.0 + 1e-15  # distance 0 after the clamp
+    s[0, 1] = s[1, 0] = 1.0 + 2e-16
+    np.fill_diagonal(s, rng.uniform(-2.0, 2.0, n))  # never read
+    return s
+
+
+def _distances_of(s: np.ndarray) -> np.ndarray:
+    """The oracle's distances, in numpy, condensed for scipy."""
+    d = 1.0 - (s + s.T) / 2.0
+    np.fill_diagonal(d, 0.0)
+    return distance.squareform(np.maximum(d, 0.0), checks=False)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "auto"])
+@pytest.mark.parametrize("kind", ["numpy64", "numpy32", "torch32"])
+@pytest.mark.parametrize("n", [2, 3, 17, 65, 130])
+def test_similarity_linkage_equals_scipy_on_the_distances_numpy_would_make(
+    backend: str, kind: str, n: int
+) -> None:
+    """Same merges and heights bit for bit as scipy's linkage of ``max(1 - (S + S^T)/2, 0)``
+    made by numpy (the reference backend: as the reference's linkage of them), for asymmetric
+    S with entries a rounding above 1, in every input kind; the input is not written. n = 65
+    and 130 cross the fast path's 64-wide tiles."""
+    from aggsrv import kernels
+
+    rng = np.random.default_rng()
+    s = _similarities(n, rng)
+    if kind == "numpy32":
+        s = s.astype(np.float32)
+    given = torch.from_numpy(s.astype(np.float32)) if kind == "torch32" else s.copy()
+    before = given.clone() if kind == "torch32" else given.copy()
+    z = kernels.similarity_linkage(given, backend=backend)
+    if kind == "torch32":
+        assert isinstance(z, torch.Tensor) and z.dtype == torch.float64
+        assert torch.equal(given, before)
+        z = z.numpy()
+    else:
+        np.testing.assert_array_equal(given, before)
+    condensed = _distances_of(np.asarray(before, dtype=np.float64))
+    # Ties (the distances clamped to 0) break the reference's own way, documented above.
+    oracle = average_linkage_reference(condensed) if backend == "reference" else _scipy(condensed)
+    np.testing.assert_array_equal(z, oracle)
+
+
+def test_similarity_linkage_reuses_its_working_matrix_across_sizes_bit_for_bit() -> None:
+    """Calls of alternating n, the same n twice: each equals scipy's (nothing left over)."""
+    from aggsrv import kernels
+
+    rng = np.random.default_rng()
+    for n in (40, 40, 7, 129, 40):
+        s = _similarities(n, rng)
+        np.testing.assert_array_equal(kernels.similarity_linkage(s), _scipy(_distances_of(s)))
+
+
+def test_similarity_linkage_of_one_point_and_of_sums_that_overflow() -> None:
+    """n = 1 has no merges; similarities whose finite sum overflows (distance -inf, clamped
+    to 0 by numpy) take the numpy path and give its result, not an error."""
+    from aggsrv import kernels
+
+    assert kernels.similarity_linkage(np.array([[0.3]])).shape == (0, 4)
+    rng = np.random.default_rng()
+    s = _similarities(9, rng)
+    s[2, 5] = s[5, 2] = 1.5e308  # the sum is inf; each value is finite
+    with np.errstate(over="ignore"):
+        oracle = _scipy(_distances_of(s))
+    np.testing.assert_array_equal(kernels.similarity_linkage(s), oracle)
+
+
+@pytest.mark.parametrize("where", ["off", "diagonal"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_similarity_linkage_refuses_a_similarity_that_is_not_finite(where: str, value) -> None:
+    from aggsrv import kernels
+
+    rng = np.random.default_rng()
+    n = int(rng.integers(3, 80))
+    s = _similarities(n, rng)
+    i, j = sorted(rng.choice(n, size=2, replace=False))
+    if where == "off":
+        s[j, i] = value  # one side only: its mirror is finite
+    else:
+        s[i, i] = value
+    with pytest.raises(ValueError, match="similarity must be finite"):
+        kernels.similarity_linkage(s)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (0, 0), (5,), (2, 2, 2)])
+def test_similarity_linkage_refuses_a_matrix_that_is_not_square(shape) -> None:
+    from aggsrv import kernels
+
+    with pytest.raises(ValueError, match="square"):
+        kernels.similarity_linkage(np.zeros(shape))
