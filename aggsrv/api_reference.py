@@ -3,7 +3,9 @@
 `python -m aggsrv.api_reference OUT` (or `make api`) writes HTML pages under OUT for the modules
 a program uses: the kernels, the client, the simulator, the `Strategy` plug-in protocol and the
 Flower integration. A warning pdoc gives while rendering (a reference it cannot resolve, a
-docstring it cannot read) is an error: the build fails, and so does its test.
+docstring it cannot read) is an error: the build fails, and so does its test. A ResourceWarning
+is not counted: it comes from garbage the process left before the build (an event loop never
+closed) that the collector happens to find during it.
 
 Why pdoc: it documents a package from its docstrings and annotations with no configuration and
 no pages to keep beside the code; MkDocs with mkdocstrings would bring a site of Markdown pages

@@ -885,10 +885,11 @@ def similarity_linkage(similarity: Any, *, backend: str = "auto") -> Any:
     """UPGMA linkage (as `average_linkage`) of n points from their [n, n] similarities.
 
     The distances are ``max(1 - (S + S^T) / 2, 0)`` with a zero diagonal: the similarities are
-    symmetrised, the diagonal is not read but must be finite, and a similarity a rounding above
-    1 gives distance 0. The result equals `average_linkage` of those distances bit for bit; the
-    CPU backends make them in one pass into the linkage's working matrix, where numpy would
-    make four [n, n] temporaries (1.5-7x the linkage's own time at n = 4096).
+    symmetrised, the diagonal's values do not matter but must be finite, and a similarity a
+    rounding above 1 gives distance 0. The result equals `average_linkage` of those distances
+    bit for bit. The `cpu` backend makes them in its pass that fills the linkage's working
+    matrix, where numpy makes four [n, n] temporaries (bench/test_bench_linkage.py, n = 4096:
+    88 ms, against 243-258 ms for numpy's distances and `average_linkage`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -904,9 +905,15 @@ def similarity_linkage(similarity: Any, *, backend: str = "auto") -> Any:
     if Z is None:  # not finite (said here), a finite sum that overflowed, or n = 1
         if not np.all(np.isfinite(s)):
             raise ValueError("similarity must be finite")
-        with np.errstate(over="ignore"):  # a sum past float64's range: distance 0
+        with np.errstate(over="ignore"):
             d = 1.0 - (s + s.T) / 2.0
         np.fill_diagonal(d, 0.0)
+        # A sum past float64's range upwards is a distance of 0 (clamped below); downwards, an
+        # infinite distance, which no linkage takes.
+        if np.any(d == np.inf):
+            raise ValueError(
+                "similarity: S[i, j] + S[j, i] overflows float64 towards -inf for some pair"
+            )
         Z = average_linkage(np.maximum(d, 0.0), backend=backend)
     return torch.from_numpy(Z) if as_torch else Z
 
@@ -915,7 +922,7 @@ def _host_float64(name: str, x: Any) -> np.ndarray:
     """A numpy float64 array of a numpy array, a sequence or a tensor on any device."""
     if isinstance(x, torch.Tensor):
         return x.detach().to("cpu", torch.float64).numpy()
-    if isinstance(x, np.ndarray | Sequence):
+    if isinstance(x, np.ndarray | Sequence) or hasattr(x, "__array__"):
         return np.asarray(x, dtype=np.float64)
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
 

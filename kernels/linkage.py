@@ -12,7 +12,7 @@ Two backends receive validated float64 condensed distances (length n(n-1)/2, n >
 the distances (finite, >= -1e-12, and for a square matrix symmetric with a zero diagonal) in the
 same pass that builds the working matrix; ``linkage_from_similarity`` makes FedDGIC's distances
 ``1 - (S + S^T) / 2`` from similarities in that pass (numpy's four [n, n] temporaries and its
-transposed read cost 1.5-7x the linkage itself at n = 4096). All three answer None for input
+transposed read take longer than the linkage itself at n = 4096). All three answer None for input
 that fails, so the caller raises its precise error from its own (slower) checks. The working
 matrix is kept per thread for the next call of the same n (FedDGIC groups the same clients every
 round): on this project's 2-core VM the page faults of a fresh 134 MB matrix (n = 4096) cost

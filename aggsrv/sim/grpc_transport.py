@@ -60,6 +60,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class TurnedDownRow:
+    """The updates turned down (refused, filtered) since the last accepted one, in the server's
+    order, from answers noted in the order the client threads get to them: a thread that got
+    an accepted answer may note it after another thread noted a later answer.
+
+    An answer carries the model version it was given at; an accepted one names the version it
+    made (applied) or found (buffered). So an accepted answer ends the row of the answers with
+    an older version only, and an answer older than an accepted one already noted never joins
+    the row. Answers at a buffered update's own version may have come before or after it and
+    stay in the row. A refusal by error names no version: it joins the row, and any accepted
+    answer ends it (the caller holds a lock)."""
+
+    def __init__(self) -> None:
+        self._versions: list[int | None] = []  # of the answers in the row
+        self._accepted = -1  # the newest version an accepted answer was given at
+
+    def note(self, accepted: bool, version: int | None) -> int:
+        """Note one answer; the length of the row after it."""
+        if accepted:
+            if version is None:
+                raise ValueError("an accepted answer names its version")
+            self._accepted = max(self._accepted, version)
+            self._versions = [v for v in self._versions if v is not None and v >= self._accepted]
+        elif version is None or version >= self._accepted:
+            self._versions.append(version)
+        return len(self._versions)
+
+
 class GrpcRun:
     """One simulation over gRPC; :meth:`run` returns the metric rows."""
 
@@ -84,8 +112,8 @@ class GrpcRun:
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
         self.stalled = False
-        self._refused_in_a_row = 0  # arrivals since the last accepted update, all clients
         self._stall_after = max(STALL_ARRIVALS, STALL_ROUNDS * self.n)
+        self._row = TurnedDownRow()  # all clients' answers
         settings = cfg.strategy_settings
         self.round_based = is_round_based(settings)
         self._private = getattr(settings, "private", False)  # the dp_ keys
@@ -233,6 +261,7 @@ class GrpcRun:
                         buffers=result.buffers,
                     )
                     ok = res.status in (Status.APPLIED, Status.BUFFERED)
+                    version: int | None = res.version
                     with self._lock:
                         self.counters.applied += ok
                         self.counters.filtered += res.status is Status.FILTERED
@@ -245,6 +274,7 @@ class GrpcRun:
                             return
                         raise
                     ok = False
+                    version = None
                     with self._lock:
                         self.counters.rejected += 1
                         name = exc.code().name
@@ -253,7 +283,7 @@ class GrpcRun:
                     with self._lock:
                         self.counters.count_crafted(client_id(c), ok)
                 sent += 1
-                self._note_arrival(ok)
+                self._note_arrival(ok, version)
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             if not self._stop.is_set():
                 self._errors.append(exc)
@@ -272,14 +302,16 @@ class GrpcRun:
         log.info("the privacy budget is spent at virtual time %.3f: the run ends", self.vnow())
         self._stop.set()
 
-    def _note_arrival(self, accepted: bool) -> None:
-        """Count an update the server answered; stop the run as stalled once
-        ``max(STALL_ARRIVALS, STALL_ROUNDS * clients)`` in a row were not accepted (refused,
-        filtered): a budget in rounds or versions counts accepted updates, so it is never
-        reached then (a diverged model whose updates overflow, a bound no update meets)."""
+    def _note_arrival(self, accepted: bool, version: int | None) -> None:
+        """Count an update the server answered with model ``version`` (None: refused with an
+        error); stop the run as stalled once ``max(STALL_ARRIVALS, STALL_ROUNDS * clients)`` in
+        a row were not accepted (refused, filtered): a budget in rounds or versions counts
+        accepted updates, so it is never reached then (a diverged model whose updates overflow,
+        a bound no update meets).
+
+        "In a row" is the server's order (:class:`TurnedDownRow`)."""
         with self._lock:
-            self._refused_in_a_row = 0 if accepted else self._refused_in_a_row + 1
-            if self.stalled or self._refused_in_a_row < self._stall_after:
+            if self._row.note(accepted, version) < self._stall_after or self.stalled:
                 return
             self.stalled = True
         log.warning(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
 import numpy as np
@@ -283,8 +284,8 @@ def test_similarity_linkage_equals_scipy_on_the_distances_numpy_would_make(
     and 130 cross the fast path's 64-wide tiles."""
     from aggsrv import kernels
 
-    rng = np.random.default_rng()
-    s = _similarities(n, rng)
+    seed = secrets.randbits(32)
+    s = _similarities(n, np.random.default_rng(seed))
     if kind == "numpy32":
         s = s.astype(np.float32)
     given = torch.from_numpy(s.astype(np.float32)) if kind == "torch32" else s.copy()
@@ -299,17 +300,38 @@ def test_similarity_linkage_equals_scipy_on_the_distances_numpy_would_make(
     condensed = _distances_of(np.asarray(before, dtype=np.float64))
     # Ties (the distances clamped to 0) break the reference's own way, documented above.
     oracle = average_linkage_reference(condensed) if backend == "reference" else _scipy(condensed)
-    np.testing.assert_array_equal(z, oracle)
+    np.testing.assert_array_equal(z, oracle, err_msg=f"seed {seed}")
+
+
+def test_similarity_linkage_makes_the_distances_in_its_own_pass() -> None:
+    """The fast path is taken for finite similarities (not the numpy fallback), and the
+    distances it makes are numpy's bit for bit (+inf on the diagonal, as the square path's)."""
+    from aggsrv.kernels import linkage
+
+    seed = secrets.randbits(32)
+    for n in (2, 64, 65, 131):
+        s = _similarities(n, np.random.default_rng([seed, n]))
+        square = distance.squareform(_distances_of(s))
+        z = linkage.linkage_from_similarity(s)
+        assert z is not None, f"n {n} seed {seed}"
+        np.testing.assert_array_equal(z, linkage.linkage_from_square(square), f"seed {seed}")
+        ours, numpys = np.empty((n, n + 8)), np.empty((n, n + 8))
+        assert linkage._checked_from_similarity(s, n, ours)
+        assert linkage._checked_from_square(square, n, numpys)
+        np.testing.assert_array_equal(ours[:, :n], numpys[:, :n], f"seed {seed}")
 
 
 def test_similarity_linkage_reuses_its_working_matrix_across_sizes_bit_for_bit() -> None:
     """Calls of alternating n, the same n twice: each equals scipy's (nothing left over)."""
     from aggsrv import kernels
 
-    rng = np.random.default_rng()
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
     for n in (40, 40, 7, 129, 40):
         s = _similarities(n, rng)
-        np.testing.assert_array_equal(kernels.similarity_linkage(s), _scipy(_distances_of(s)))
+        np.testing.assert_array_equal(
+            kernels.similarity_linkage(s), _scipy(_distances_of(s)), f"seed {seed}"
+        )
 
 
 def test_similarity_linkage_of_one_point_and_of_sums_that_overflow() -> None:
@@ -318,12 +340,14 @@ def test_similarity_linkage_of_one_point_and_of_sums_that_overflow() -> None:
     from aggsrv import kernels
 
     assert kernels.similarity_linkage(np.array([[0.3]])).shape == (0, 4)
-    rng = np.random.default_rng()
-    s = _similarities(9, rng)
+    s = _similarities(9, np.random.default_rng(9))
     s[2, 5] = s[5, 2] = 1.5e308  # the sum is inf; each value is finite
     with np.errstate(over="ignore"):
         oracle = _scipy(_distances_of(s))
     np.testing.assert_array_equal(kernels.similarity_linkage(s), oracle)
+    s[2, 5] = s[5, 2] = -1.5e308  # the sum is -inf: an infinite distance, named as such
+    with pytest.raises(ValueError, match="overflows float64"):
+        kernels.similarity_linkage(s)
 
 
 @pytest.mark.parametrize("where", ["off", "diagonal"])
@@ -331,7 +355,8 @@ def test_similarity_linkage_of_one_point_and_of_sums_that_overflow() -> None:
 def test_similarity_linkage_refuses_a_similarity_that_is_not_finite(where: str, value) -> None:
     from aggsrv import kernels
 
-    rng = np.random.default_rng()
+    seed = secrets.randbits(32)
+    rng = np.random.default_rng(seed)
     n = int(rng.integers(3, 80))
     s = _similarities(n, rng)
     i, j = sorted(rng.choice(n, size=2, replace=False))

@@ -335,6 +335,27 @@ def test_batchnorm_model_runs_with_its_statistics_on_both_transports(tmp_path) -
     assert curves["inproc"][3] < curves["inproc"][0]
 
 
+def test_the_row_of_turned_down_updates_is_in_the_servers_order() -> None:
+    """The gRPC run notes answers in the order its client threads get to them; the row of
+    updates turned down since the last accepted one must follow the server's order, told by
+    the version each answer carries."""
+    from aggsrv.sim.grpc_transport import TurnedDownRow
+
+    row = TurnedDownRow()
+    assert [row.note(False, 0), row.note(False, 0)] == [1, 2]
+    # The server: applied (made v1), then filtered twice at v1; the accepted one noted last.
+    assert [row.note(False, 1), row.note(False, 1)] == [3, 4]
+    assert row.note(True, 1) == 2  # the two at v1 came after it
+    assert row.note(False, 0) == 2  # given before v1 existed: before the accepted one
+    assert row.note(False, None) == 3  # a refusal by error joins the row
+    # Buffered (no new version) at v1: an answer at v1 may be either side of it and stays.
+    assert row.note(True, 1) == 2
+    assert row.note(True, 2) == 0  # applied at v2: every answer so far came before it
+    assert [row.note(False, 2), row.note(False, 3)] == [1, 2]
+    with pytest.raises(ValueError, match="version"):
+        row.note(True, None)
+
+
 # The two ways the strategy turns an update down: a refusal (a gRPC error; the norm bound no
 # delta meets, in practice a diverged model whose updates overflow) and the update filter's
 # FILTERED answer (after the first accepted update, a bound of 1e-30 times its norm).
@@ -350,10 +371,8 @@ def test_a_run_whose_every_update_is_refused_ends_as_stalled(tmp_path, transport
     """A budget in rounds counts accepted updates: with every update turned down it is never
     reached, and the run must end, marked stalled, instead of training forever: after
     max(STALL_ARRIVALS, STALL_ROUNDS * clients) = max(200, 20 * 3) = 200 arrivals in a row
-    with none accepted, on either transport. Over gRPC the count is of answers in the order the
-    client threads see them, so up to one more per other client: a filtered answer seen before
-    the accepted one it followed (the accepted one then restarts the count), and a push already
-    under way when the run stops."""
+    with none accepted, in the server's order, on either transport (grpc: the other clients'
+    pushes already under way when the run stops may still arrive, at most one each)."""
     setting, accepted = STALL_SCENARIOS[refusal]
     out = tmp_path / "run"
     # One local step of logistic regression per job: 200 arrivals in a few seconds. Its own
@@ -378,8 +397,8 @@ def test_a_run_whose_every_update_is_refused_ends_as_stalled(tmp_path, transport
     assert summary["stalled"] is True and summary["transport"] == transport
     assert summary["updates_applied"] == accepted
     turned_down = summary["updates_rejected"] + summary["updates_filtered"]
-    others = 0 if transport == "inproc" else 2  # the other clients, one push each way
-    assert 200 <= turned_down <= 200 + 2 * others, summary
+    in_flight = 0 if transport == "inproc" else 2  # the other clients' pushes
+    assert 200 <= turned_down <= 200 + in_flight, summary
     if refusal == "refused":
         code = "UpdateNormTooLarge" if transport == "inproc" else "INVALID_ARGUMENT"
         assert summary["rejected_by"] == {code: summary["updates_rejected"]}, summary
