@@ -133,10 +133,16 @@ def _checked_from_condensed(condensed: np.ndarray, n: int, d: np.ndarray) -> boo
 
 
 @njit(cache=True, nogil=True)
-def _checked_from_square(a: np.ndarray, n: int, d: np.ndarray) -> bool:
-    """Square distances ``a`` into ``d`` with +inf on the diagonal, in 64 x 64 tiles so the
-    transposed reads stay in cache; False when ``a`` is not finite, not symmetric (bit for
-    bit), has a non-zero diagonal or a value below -tolerance."""
+def _checked_into_work(a: np.ndarray, n: int, d: np.ndarray, similarities: bool) -> bool:
+    """Square ``a`` into the working matrix ``d`` with +inf on the diagonal, in 64 x 64 tiles
+    so the transposed reads stay in cache; False at the first value that fails.
+
+    ``a`` holds distances (``similarities`` False): they must be finite, symmetric bit for bit,
+    >= -tolerance (tiny negatives clamped to 0), with a zero diagonal. Or ``a`` holds
+    similarities: the distance of a pair is ``max(1 - (a[i, j] + a[j, i]) / 2, 0)``, the same
+    operations in the same order as numpy's ``1.0 - (s + s.T) / 2.0`` then
+    ``np.maximum(d, 0.0)`` (equal bit for bit), and must be finite (a similarity that is not,
+    or a sum that overflows, fails); the diagonal must be finite."""
     tile = 64
     for i0 in range(0, n, tile):
         i1 = min(i0 + tile, n)
@@ -145,42 +151,22 @@ def _checked_from_square(a: np.ndarray, n: int, d: np.ndarray) -> bool:
             for i in range(i0, i1):
                 for j in range(j0, min(j1, i)):
                     lower = a[i, j]
-                    if lower != a[j, i]:  # NaN is unequal to itself: fails here
-                        return False
-                    if not (lower >= -NEGATIVE_TOLERANCE) or lower == np.inf:
-                        return False
-                    v = lower if lower > 0.0 else 0.0
-                    d[i, j] = v
-                    d[j, i] = v
-    for i in range(n):
-        if a[i, i] != 0.0:
-            return False
-        d[i, i] = np.inf
-    return True
-
-
-@njit(cache=True, nogil=True)
-def _checked_from_similarity(s: np.ndarray, n: int, d: np.ndarray) -> bool:
-    """The distances ``max(1 - (s[i, j] + s[j, i]) / 2, 0)`` of similarities ``s`` into ``d``
-    with +inf on the diagonal, in 64 x 64 tiles as :func:`_checked_from_square`; False when
-    a distance is not finite (a similarity that is not, or a sum that overflows) or a diagonal
-    similarity is not finite. The same operations, in the same order, as numpy's
-    ``1.0 - (s + s.T) / 2.0`` then ``np.maximum(d, 0.0)``: the distances are equal bit for bit."""
-    tile = 64
-    for i0 in range(0, n, tile):
-        i1 = min(i0 + tile, n)
-        for j0 in range(0, i1, tile):
-            j1 = min(j0 + tile, n)
-            for i in range(i0, i1):
-                for j in range(j0, min(j1, i)):
-                    v = 1.0 - (s[i, j] + s[j, i]) / 2.0
-                    if not np.isfinite(v):
-                        return False
+                    if similarities:
+                        v = 1.0 - (lower + a[j, i]) / 2.0
+                        if not np.isfinite(v):
+                            return False
+                    else:
+                        v = lower
+                        if v != a[j, i]:  # NaN is unequal to itself: fails here
+                            return False
+                        if not (v >= -NEGATIVE_TOLERANCE) or v == np.inf:
+                            return False
                     v = v if v > 0.0 else 0.0
                     d[i, j] = v
                     d[j, i] = v
     for i in range(n):
-        if not np.isfinite(s[i, i]):
+        ok = np.isfinite(a[i, i]) if similarities else a[i, i] == 0.0
+        if not ok:
             return False
         d[i, i] = np.inf
     return True
@@ -216,7 +202,7 @@ def linkage_from_square(a: np.ndarray) -> np.ndarray | None:
     a = np.ascontiguousarray(a, dtype=np.float64)
     n = a.shape[0]
     d = _work(n)
-    return _linkage_of_work(d, n) if _checked_from_square(a, n, d) else None
+    return _linkage_of_work(d, n) if _checked_into_work(a, n, d, False) else None
 
 
 def linkage_from_condensed(condensed: np.ndarray) -> np.ndarray | None:
@@ -235,7 +221,7 @@ def linkage_from_similarity(s: np.ndarray) -> np.ndarray | None:
     s = np.ascontiguousarray(s, dtype=np.float64)
     n = s.shape[0]
     d = _work(n)
-    return _linkage_of_work(d, n) if _checked_from_similarity(s, n, d) else None
+    return _linkage_of_work(d, n) if _checked_into_work(s, n, d, True) else None
 
 
 @njit(cache=True, nogil=True)

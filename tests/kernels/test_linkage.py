@@ -316,8 +316,8 @@ def test_similarity_linkage_makes_the_distances_in_its_own_pass() -> None:
         assert z is not None, f"n {n} seed {seed}"
         np.testing.assert_array_equal(z, linkage.linkage_from_square(square), f"seed {seed}")
         ours, numpys = np.empty((n, n + 8)), np.empty((n, n + 8))
-        assert linkage._checked_from_similarity(s, n, ours)
-        assert linkage._checked_from_square(square, n, numpys)
+        assert linkage._checked_into_work(s, n, ours, True)
+        assert linkage._checked_into_work(square, n, numpys, False)
         np.testing.assert_array_equal(ours[:, :n], numpys[:, :n], f"seed {seed}")
 
 
