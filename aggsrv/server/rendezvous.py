@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import gc
 import ipaddress
 import logging
 import os
@@ -113,7 +114,7 @@ class Rendezvous:
                     raise
                 log.warning("shard %d: the group did not form (%s); trying again", self.rank,
                             str(exc)[:200])  # fmt: skip
-                self.leave()
+            self.leave()  # out of the handler: the error's frames may hold the group
 
     def _bind_gloo(self) -> None:
         """Gloo listens on the interface this machine reaches rank 0's store through, unless
@@ -140,9 +141,10 @@ class Rendezvous:
             time.sleep(RETRY_SECONDS)
 
     def leave(self) -> None:
-        """Leave the current group; the store stays. The group is aborted first: its
-        connections close now, so a shard waiting in a collective on this one fails at once
-        rather than at the group's timeout (an error's traceback may keep the group alive)."""
+        """Leave the current group; the store stays. Its connections must close now, so that a
+        shard waiting in a collective on this one fails at once rather than at the group's
+        timeout: the group is aborted, and freed (gloo closes them only then), which needs every
+        reference to it gone, the frames of an error included (shards.ShardLost keeps none)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -152,6 +154,9 @@ class Rendezvous:
         except (RuntimeError, AttributeError) as exc:  # a torch without abort for gloo
             log.debug("could not abort the group: %s", exc)
         dist.destroy_process_group()
+        # Gloo closes the connections when the group is freed: garbage that still holds it (a
+        # failed collective's frames, in a reference cycle) is collected now, not later.
+        gc.collect()
 
 
 def interface_towards(host: str, port: int) -> str | None:

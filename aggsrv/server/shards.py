@@ -52,6 +52,14 @@ class ShardLost(RuntimeError):
     """A collective failed or timed out: another shard died, hangs, or cannot be reached."""
 
 
+def _without_frames(exc: BaseException) -> BaseException:
+    """torch's error of a failed collective, without its traceback. Its frames hold the process
+    group, and the server keeps a ShardLost a while (a future, a handler's abort): the group
+    would outlive leaving it, its connections open, and a shard waiting on this one in a
+    collective would wait out the timeout instead of failing at once."""
+    return exc.with_traceback(None)
+
+
 class SliceMissing(StrategyError):
     """A shard never received its slice of an update rank 0 ordered; no shard applied it."""
 
@@ -77,7 +85,7 @@ class GroupReducer:
             raise ShardLost(
                 f"shard {self.rank} of {self.world_size} lost the federation during a sum over "
                 f"the shards: {str(exc)[:300]}"
-            ) from exc
+            ) from _without_frames(exc)
 
 
 @dataclass
@@ -250,7 +258,7 @@ class ShardGroup:
             raise ShardLost(
                 f"shard {self.rank} of {self.world_size} lost the federation during {what}: "
                 f"{str(exc)[:300]}"
-            ) from exc
+            ) from _without_frames(exc)
 
     # ------------------------------------------------------------------ setup
 

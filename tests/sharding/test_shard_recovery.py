@@ -107,7 +107,7 @@ def test_a_shard_restarted_alone_rejoins_while_the_others_stay_up(
         fed.kill([victim])
         survivor = fed.procs[survivors[0]].address
         # The survivors notice at once, within a heartbeat when idle; one waiting in a sum on
-        # another survivor, at worst when that collective times out (20 s here).
+        # another survivor when that one leaves the group (the bound covers its timeout, 20 s).
         deadline = time.monotonic() + 45
         while True:
             with Client(survivor, "reader", timeout=5, retries=0) as op:
