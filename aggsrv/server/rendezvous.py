@@ -141,22 +141,27 @@ class Rendezvous:
             time.sleep(RETRY_SECONDS)
 
     def leave(self) -> None:
-        """Leave the current group; the store stays. Its connections must close now, so that a
-        shard waiting in a collective on this one fails at once rather than at the group's
-        timeout: the group is aborted, and freed (gloo closes them only then), which needs every
-        reference to it gone, the frames of an error included (shards.ShardLost keeps none)."""
-        import torch.distributed as dist
+        """Leave the current group (:func:`leave_group`); the store stays."""
+        leave_group()
 
-        if not dist.is_initialized():
-            return
-        try:
-            dist.distributed_c10d._get_default_group().abort()
-        except (RuntimeError, AttributeError) as exc:  # a torch without abort for gloo
-            log.debug("could not abort the group: %s", exc)
-        dist.destroy_process_group()
-        # Gloo closes the connections when the group is freed: garbage that still holds it (a
-        # failed collective's frames, in a reference cycle) is collected now, not later.
-        gc.collect()
+
+def leave_group() -> None:
+    """Leave the default process group. Its connections must close now, so that a shard
+    waiting in a collective on this one fails at once rather than at the group's timeout: the
+    group is aborted, and freed (gloo closes them only then), which needs every reference to it
+    gone, the frames of an error included (shards.ShardLost keeps none)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._get_default_group().abort()
+    except (RuntimeError, AttributeError) as exc:  # a torch without abort for gloo
+        log.debug("could not abort the group: %s", exc)
+    dist.destroy_process_group()
+    # Garbage that still holds the group (a failed collective's frames, in a reference cycle)
+    # is collected now, not whenever the collector next runs.
+    gc.collect()
 
 
 def interface_towards(host: str, port: int) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from aggsrv.server.rendezvous import Rendezvous
+from aggsrv.server.rendezvous import Rendezvous, leave_group
 from aggsrv.sharding import ShardMap, TorchReducer
 from aggsrv.strategies import InvalidUpdate, StrategyError
 
@@ -338,8 +338,8 @@ class ShardGroup:
 
     def close(self) -> None:
         """Leave the group; the other shards' pending collectives then fail at once."""
-        if self.owned and self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        if self.owned:
+            leave_group()
 
 
 def slice_verdict(strategy: Any, update: Any) -> tuple[int, StrategyError | None]:

@@ -5,6 +5,8 @@ lost in a vote or an announcement: the federation heals when it is back (docs/sh
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 import torch
@@ -47,3 +49,48 @@ def test_a_call_that_loses_a_shard_in_a_reduction_fails_as_a_lost_shard() -> Non
     assert fail_stop.lost_shard and fail_stop.failure is not None
     assert "not whole" in fail_stop.failure and "retry" in fail_stop.failure
     assert stopped
+
+
+class _Held:
+    """Stands for the process group: what torch's collective holds in its frames."""
+
+
+def _failing_collective(refs: list) -> None:
+    group = _Held()  # a local of the raising frame, as torch's all_reduce holds the group
+    refs.append(weakref.ref(group))
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+
+@pytest.mark.parametrize("where", ["reduction", "collective"])
+def test_a_kept_shard_lost_does_not_hold_what_the_failed_collective_held(where: str) -> None:
+    """The server keeps a ShardLost a while (a future, a handler's abort) and leaves the group
+    meanwhile: the error must not keep torch's frames, which hold the process group (its
+    connections would stay open, and a shard waiting on this one would wait out the timeout).
+    Automatic collection is off: the frames must go with the error's own references."""
+    refs: list = []
+    if where == "reduction":
+
+        class _Inner:
+            rank, world_size = 1, 3
+
+            def sum_(self, t: torch.Tensor) -> torch.Tensor:
+                _failing_collective(refs)
+                return t
+
+        call = lambda: S.GroupReducer(_Inner()).sum_(torch.ones(2))  # noqa: E731
+    else:
+        shards = object.__new__(S.ShardGroup)  # no process group: the collective is faked
+        shards.rank, shards.world_size, shards.group = 1, 3, None
+        call = lambda: shards._collective("a vote", lambda group: _failing_collective(refs))  # noqa: E731
+    kept = []
+    gc.disable()
+    try:
+        try:
+            call()
+        except S.ShardLost as exc:
+            kept.append(exc)
+        assert kept and "lost the federation" in str(kept[0])
+        assert "Connection closed by peer" in str(kept[0].__cause__)  # the message stays
+        assert refs[0]() is None, "the kept error still holds the failed collective's frames"
+    finally:
+        gc.enable()
