@@ -114,7 +114,7 @@ class Rendezvous:
                     raise
                 log.warning("shard %d: the group did not form (%s); trying again", self.rank,
                             str(exc)[:200])  # fmt: skip
-            self.leave()  # out of the handler: the error's frames may hold the group
+            leave_group()  # out of the handler: the error's frames may hold the group
 
     def _bind_gloo(self) -> None:
         """Gloo listens on the interface this machine reaches rank 0's store through, unless
@@ -140,16 +140,13 @@ class Rendezvous:
                 raise RuntimeError("the server is stopping")
             time.sleep(RETRY_SECONDS)
 
-    def leave(self) -> None:
-        """Leave the current group (:func:`leave_group`); the store stays."""
-        leave_group()
-
 
 def leave_group() -> None:
-    """Leave the default process group. Its connections must close now, so that a shard
-    waiting in a collective on this one fails at once rather than at the group's timeout: the
-    group is aborted, and freed (gloo closes them only then), which needs every reference to it
-    gone, the frames of an error included (shards.ShardLost keeps none)."""
+    """Leave the default process group (a shard's :class:`Rendezvous` store stays). Its
+    connections must close now, so that a shard waiting in a collective on this one fails at
+    once rather than at the group's timeout: the group is aborted, and freed (gloo closes them
+    only then), which needs every reference to it gone, the frames of an error included
+    (shards.ShardLost keeps none)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():

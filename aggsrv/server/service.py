@@ -395,12 +395,13 @@ class AggregationService(RequestChecks, pb_grpc.AggregationServicer):
     async def PushUpdate(self, request_iterator, context):  # noqa: N802
         # The header once read (for the refusal's log), when the upload started and ended.
         seen: dict[str, Any] = {"started": self.fed.clock()}
-        counted: list[bool] = []
+        counted = False
 
         def count(code: SC, reason: str) -> None:
+            nonlocal counted
             # UNAVAILABLE (shutting down) says nothing about the update: the client retries it.
             if code != SC.UNAVAILABLE and not counted:
-                counted.append(True)
+                counted = True
                 self.fed.reject(code.name, reason)
                 self.fed.metrics.record_refusal(code.name, reason)
 

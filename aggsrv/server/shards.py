@@ -227,7 +227,7 @@ class ShardGroup:
         until every shard is back, retrying; ``stop()`` gives up); its epoch."""
         rendezvous = self.rendezvous
         assert rendezvous is not None
-        rendezvous.leave()
+        leave_group()
         epoch = rendezvous.join(stop)
         self.last_announce = time.monotonic()
         return epoch

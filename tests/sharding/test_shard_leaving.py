@@ -30,6 +30,7 @@ SHARD = textwrap.dedent(
     import json, sys, time, types
     import torch
     import torch.distributed as dist
+    from aggsrv.server.rendezvous import leave_group
     from aggsrv.server.shards import ShardGroup, ShardLost
 
     rank, url, timeout = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
@@ -51,7 +52,7 @@ SHARD = textwrap.dedent(
         lost = time.time()
         kept.append(exc)
     if rank != 0:
-        shards.rendezvous.leave()  # what healing does first
+        leave_group()  # what healing does first
         print(json.dumps({"lost": lost, "message": str(kept[0])[:200]}), flush=True)
         time.sleep(120)  # alive: the other's connection to us closes by leave(), not by exit
     """
