@@ -29,6 +29,7 @@ import asyncio
 import gc
 import io
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -350,6 +351,13 @@ def proc_status_kb(pid: int) -> dict[str, int]:
             if key.startswith("Vm") or key.startswith("Rss"):
                 out[key] = int(rest.split()[0])
     return out
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a whole process (ended threads included), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as fh:
+        rest = fh.read().rpartition(")")[2].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def reset_peak_rss(pid: int) -> bool:

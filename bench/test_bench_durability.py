@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from conftest import REPS, SCALE, emit, fmt_size, median_ratio, scaled
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from ingest_helpers import AggsrvServer, interleaved_prepared
+from ingest_helpers import AggsrvServer, interleaved_prepared, process_cpu_seconds
 
 from aggsrv.client.client import Client
 from aggsrv.layout import ModelLayout
@@ -187,12 +187,15 @@ def push(name):
     return time.perf_counter() - t0
 data = np.random.default_rng().integers(0, 255, 4 * D, dtype=np.uint8).tobytes()
 fd = os.open(args["disk"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+disk_sync = []
 def disk():
     t0 = time.perf_counter()
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+    t1 = time.perf_counter()
     os.fdatasync(fd)
+    disk_sync.append(time.perf_counter() - t1)
     return time.perf_counter() - t0
 steps = {**{n: (lambda n=n: push(n)) for n in clients}, "disk": disk}
 for c in clients.values():
@@ -202,6 +205,7 @@ for name in clients:
         push(name)
 for _ in range(3):
     disk()
+disk_sync.clear()
 metrics = lambda: urllib.request.urlopen(args["metrics"], timeout=30).read().decode()
 before = metrics()
 times = {n: [] for n in steps}
@@ -218,7 +222,8 @@ after = metrics()
 os.close(fd)
 for c in clients.values():
     c.close()
-print(json.dumps({"times": times, "statuses": statuses, "metrics": [before, after]}))
+print(json.dumps({"times": times, "disk_sync": disk_sync, "statuses": statuses,
+                  "metrics": [before, after]}))
 """
 
 _WAL_HEADER = struct.Struct("<4sQI")  # a record's magic, body length, CRC (durability's format)
@@ -333,7 +338,9 @@ def test_bench_durability_ingest_processes(benchmark) -> None:
             assert proc.returncode == 0, proc.stderr[-4000:]
             return json.loads(proc.stdout.splitlines()[-1])
 
+        cpu_before = {n: process_cpu_seconds(p.pid) for n, p in procs.items()}
         result = benchmark.pedantic(client, rounds=1, iterations=1)
+        cpu = {n: process_cpu_seconds(p.pid) - cpu_before[n] for n, p in procs.items()}
         wal = _wal_records(state)  # before the final checkpoint on stop prunes segments
     finally:
         for proc in procs.values():
@@ -343,6 +350,9 @@ def test_bench_durability_ingest_processes(benchmark) -> None:
     times = {n: np.asarray(v) for n, v in result["times"].items()}
     med = {n: float(np.median(v)) for n, v in times.items()}
     rate = {n: nbytes / MB / t for n, t in med.items()}
+    disk_sync = float(np.median(result["disk_sync"]))
+    # Every push a server took in the client's run (warm-up included): its CPU per push.
+    cpu_per_push = {n: c / (REPS + args["warmup"]) for n, c in cpu.items()}
     floor = np.maximum(times["off"], times["disk"])
     ratio = median_ratio(times["on"], floor)  # per round: on / max(off, disk)
     target = 1.15
@@ -364,6 +374,8 @@ def test_bench_durability_ingest_processes(benchmark) -> None:
         "on_vs_max_off_disk_of_medians": med["on"] / max(med["off"], med["disk"]),
         "target_on_vs_max_off_disk": target,
         "target_met": ratio <= target,
+        "disk_fdatasync_s": disk_sync,
+        **{f"server_cpu_per_push_{n}_s": c for n, c in cpu_per_push.items()},
         **{f"wal_{k}_records": v for k, v in wal.items()},
         "ack_wal_sync_waits": delta["aggsrv_wal_sync_seconds_count"],
         "ack_wal_sync_seconds": delta["aggsrv_wal_sync_seconds_sum"],
@@ -378,8 +390,10 @@ def test_bench_durability_ingest_processes(benchmark) -> None:
     line = (
         f"durability ingest cold, processes, fedasync D={fmt_size(D)} ({nbytes / MB:.0f} MB), "
         f"os.sync before each step, {REPS} rounds: off {cell('off')}, on {cell('on')}, disk "
-        f"append+fdatasync {cell('disk')} -> on = {ratio:.2f}x max(off, disk)  [<= {target}x "
-        f"{'ok' if ratio <= target else 'MISSED'}]; durable server in the rounds: ack waits on "
+        f"append+fdatasync {cell('disk')} (of which fdatasync {disk_sync * 1e3:.0f} ms) -> on = "
+        f"{ratio:.2f}x max(off, disk)  [<= {target}x {'ok' if ratio <= target else 'MISSED'}]; "
+        f"server CPU per push: off {cpu_per_push['off'] * 1e3:.0f} ms, on "
+        f"{cpu_per_push['on'] * 1e3:.0f} ms; durable server in the rounds: ack waits on "
         f"the log's fsync {delta['aggsrv_wal_sync_seconds_sum'] / REPS * 1e3:.0f} ms/round, "
         f"{delta['aggsrv_checkpoints_total']:.0f} checkpoints "
         f"({delta['aggsrv_checkpoint_seconds_sum']:.1f} s); log segments left: "

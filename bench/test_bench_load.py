@@ -97,7 +97,13 @@ import grpc
 import numpy as np
 import torch
 from conftest import SCALE, emit, fmt_size, scaled
-from ingest_helpers import layered_layout, proc_status_kb, reset_peak_rss, stop_server_process
+from ingest_helpers import (
+    layered_layout,
+    proc_status_kb,
+    process_cpu_seconds,
+    reset_peak_rss,
+    stop_server_process,
+)
 
 from aggsrv import protocol as P
 from aggsrv.client.client import Client, register_header
@@ -370,13 +376,6 @@ def _thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds of a whole process (ended threads included)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        rest = fh.read().rpartition(")")[2].split()
-    return (int(rest[11]) + int(rest[12])) / TICKS
-
-
 def _machine_busy() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
     with open("/proc/stat") as fh:
@@ -388,9 +387,9 @@ def _machine_busy() -> tuple[float, float]:
 
 def _cpu_sample(server: int, clients: list[int]) -> dict[str, Any]:
     return {
-        "server": _proc_cpu(server),
+        "server": process_cpu_seconds(server),
         "threads": _thread_cpu(server),
-        "clients": [_proc_cpu(p) for p in clients],
+        "clients": [process_cpu_seconds(p) for p in clients],
         "machine": _machine_busy(),
         "t": time.monotonic(),
     }
