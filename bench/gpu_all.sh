@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project in one command, for a CUDA host you hold for a few
+# minutes only: the tests that need CUDA, then the kernel benchmark in float32 and bfloat16, then
+# the server end to end with a CUDA cache against a CPU one. Each step has a time limit and the
+# run goes on past a failed step; every step's output lands in OUTDIR/<step>.log and one line
+# per step in OUTDIR/summary.txt.
+#
+#   bash bench/gpu_all.sh OUTDIR              # on the CUDA host, from the repository root
+#   bash bench/gpu_all.sh --dry-run OUTDIR    # the same steps on a CPU machine: the tests are
+#                                             # only collected, the benchmarks run their --dry-run
+#
+# Environment: PYTHON (default python3), WORKERS (pytest-xdist workers for the tests, default
+# 8; 0 runs them in one process). The limits below add up to 9 minutes; the 400 MB server runs
+# come before the 67 MB ones, since the server's target is about large uploads.
+set -uo pipefail
+
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then
+    dry=1
+    shift
+fi
+if [ $# -ne 1 ]; then
+    echo "usage: bash bench/gpu_all.sh [--dry-run] OUTDIR" >&2
+    exit 2
+fi
+out=$1
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+workers=${WORKERS:-8}
+export PYTHONUNBUFFERED=1
+# The repository's packages (aggsrv, kernels) without installing it.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+: >"$out/summary.txt"
+failed=0
+
+# step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output to NAME.log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local verdict=ok
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        verdict="stopped at its limit"
+    elif [ "$rc" -ne 0 ]; then
+        verdict="failed (exit $rc)"
+    fi
+    [ "$verdict" = ok ] || failed=1
+    echo "$name: $verdict, $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+}
+
+# The tests that skip without CUDA, and every Triton kernel's oracle tests run compiled.
+cuda_tests=(tests/kernels tests/transport/test_device_crossing.py
+    tests/transport/test_transport.py tests/server/test_server_failstop.py
+    tests/client/test_client_train.py tests/strategies/test_strategy_guards.py)
+parallel=()
+[ "$workers" -gt 0 ] && parallel=(-n "$workers")
+
+if [ "$dry" -eq 1 ]; then
+    step tests 120 "$py" -m pytest -q -p no:cacheprovider --collect-only "${cuda_tests[@]}"
+    step kernels-float32 300 "$py" bench/gpu_kernels.py --dry-run
+    step server 300 "$py" bench/gpu_server.py --dry-run
+else
+    "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+        echo "no CUDA device here: use --dry-run on a CPU machine" >&2
+        exit 2
+    }
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+    step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs "${parallel[@]}" "${cuda_tests[@]}"
+    step kernels-float32 75 "$py" bench/gpu_kernels.py
+    step kernels-bfloat16 75 "$py" bench/gpu_kernels.py --dtype bfloat16
+    step server-400mb 180 "$py" bench/gpu_server.py --model-mb 400
+    step server-67mb 60 "$py" bench/gpu_server.py --model-mb 67
+fi
+echo "== summary"
+cat "$out/summary.txt"
+exit "$failed"
