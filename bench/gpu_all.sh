@@ -5,13 +5,16 @@
 # run goes on past a failed step; every step's output lands in OUTDIR/<step>.log and one line
 # per step in OUTDIR/summary.txt.
 #
-#   bash bench/gpu_all.sh OUTDIR              # on the CUDA host, from the repository root
+#   bash bench/gpu_all.sh OUTDIR              # on the CUDA host
 #   bash bench/gpu_all.sh --dry-run OUTDIR    # the same steps on a CPU machine: the tests are
 #                                             # only collected, the benchmarks run their --dry-run
 #
-# Environment: PYTHON (default python3), WORKERS (pytest-xdist workers for the tests, default
-# 8; 0 runs them in one process). The limits below add up to 9 minutes; the 400 MB server runs
-# come before the 67 MB ones, since the server's target is about large uploads.
+# The project and its dev extra must be importable by PYTHON (pip install -e '.[dev]'): the
+# package aggsrv.kernels is the folder kernels/ only once installed. Environment: PYTHON (default
+# python3), WORKERS (pytest-xdist workers for the tests, default 8; 0 runs them in one process).
+# The limits add up to 9 minutes (each step is killed 5 s after its limit if it ignores the
+# interrupt); the 400 MB server runs come first, since the server's target is about large
+# uploads.
 set -uo pipefail
 
 dry=0
@@ -23,14 +26,22 @@ if [ $# -ne 1 ]; then
     echo "usage: bash bench/gpu_all.sh [--dry-run] OUTDIR" >&2
     exit 2
 fi
-out=$1
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
+mkdir -p "$1" || exit 2
+out=$(cd "$1" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
 py=${PYTHON:-python3}
 workers=${WORKERS:-8}
+if ! [[ $workers =~ ^[0-9]+$ ]]; then
+    echo "WORKERS must be a number of pytest-xdist workers (0: none), not '$workers'" >&2
+    exit 2
+fi
+if ! "$py" -c "import aggsrv.kernels, pytest, xdist" 2>"$out/import-error.txt"; then
+    cat "$out/import-error.txt" >&2
+    echo "$py cannot import the project and its test tools: pip install -e '.[dev]' first" >&2
+    exit 2
+fi
+rm -f "$out/import-error.txt"
 export PYTHONUNBUFFERED=1
-# The repository's packages (aggsrv, kernels) without installing it.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 : >"$out/summary.txt"
 failed=0
 
@@ -40,40 +51,43 @@ step() {
     shift 2
     echo "== $name (limit ${limit} s): $*"
     local t0=$SECONDS
-    timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    timeout --signal=INT --kill-after=5 "$limit" "$@" 2>&1 | tee "$out/$name.log"
     local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - t0))
     local verdict=ok
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    if [ "$rc" -ne 0 ] && [ "$took" -ge "$limit" ]; then
         verdict="stopped at its limit"
     elif [ "$rc" -ne 0 ]; then
         verdict="failed (exit $rc)"
     fi
     [ "$verdict" = ok ] || failed=1
-    echo "$name: $verdict, $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+    echo "$name: $verdict, $took s" | tee -a "$out/summary.txt"
 }
 
-# The tests that skip without CUDA, and every Triton kernel's oracle tests run compiled.
+# The tests that skip without CUDA, every Triton kernel's oracle tests run compiled, and the
+# bit-for-bit check of uploads crossing to the device.
 cuda_tests=(tests/kernels tests/transport/test_device_crossing.py
-    tests/transport/test_transport.py tests/server/test_server_failstop.py
+    tests/server/test_upload_crossing.py tests/server/test_server_failstop.py
     tests/client/test_client_train.py tests/strategies/test_strategy_guards.py)
 parallel=()
 [ "$workers" -gt 0 ] && parallel=(-n "$workers")
 
 if [ "$dry" -eq 1 ]; then
-    step tests 120 "$py" -m pytest -q -p no:cacheprovider --collect-only "${cuda_tests[@]}"
-    step kernels-float32 300 "$py" bench/gpu_kernels.py --dry-run
-    step server 300 "$py" bench/gpu_server.py --dry-run
+    step tests 60 "$py" -m pytest -q -p no:cacheprovider --collect-only "${parallel[@]}" \
+        "${cuda_tests[@]}"
+    step kernels 120 "$py" bench/gpu_kernels.py --dry-run
+    step server 240 "$py" bench/gpu_server.py --dry-run
 else
     "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
         echo "no CUDA device here: use --dry-run on a CPU machine" >&2
         exit 2
     }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
-    step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs "${parallel[@]}" "${cuda_tests[@]}"
-    step kernels-float32 75 "$py" bench/gpu_kernels.py
-    step kernels-bfloat16 75 "$py" bench/gpu_kernels.py --dtype bfloat16
-    step server-400mb 180 "$py" bench/gpu_server.py --model-mb 400
-    step server-67mb 60 "$py" bench/gpu_server.py --model-mb 67
+    step tests 120 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" "${cuda_tests[@]}"
+    step kernels-float32 60 "$py" bench/gpu_kernels.py
+    step kernels-bfloat16 60 "$py" bench/gpu_kernels.py --dtype bfloat16
+    step server-400mb 220 "$py" bench/gpu_server.py --model-mb 400 --seconds 8
+    step server-67mb 80 "$py" bench/gpu_server.py --model-mb 67 --seconds 4
 fi
 echo "== summary"
 cat "$out/summary.txt"

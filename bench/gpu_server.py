@@ -557,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     tmp = Path(tempfile.mkdtemp(prefix="aggsrv-gpu-server-"))
     clients = Clients(args.clients)
+    interrupted = False
     try:
         for mb, strategy, durability in cases:
             D = max(1, round(mb * MB / 4))
@@ -569,11 +570,17 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Stopped from outside (Ctrl-C, a time limit): the pairs already run still compare.
+        interrupted = True
     finally:
         clients.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     for line in comparison(runs):
         print(line)
+    if interrupted:
+        print(f"interrupted after {len(runs)} of {len(cases) * len(devices)} runs", file=sys.stderr)
+        return 130
     failed = [r for r in runs if r.failures]
     if failed:
         print(f"{len(failed)} of {len(runs)} runs failed their checks", file=sys.stderr)

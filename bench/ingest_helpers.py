@@ -11,7 +11,8 @@
   decoded on arrival with `np.load` per tensor (Flower's `bytes_to_ndarray`);
 - `interleaved_prepared`: round-robin timing where each candidate has an untimed `prepare`
   step (a `get_job`) and a timed `run` step (the push);
-- `proc_status_kb` / `reset_peak_rss`: VmRSS / VmHWM of a process from /proc.
+- `proc_status_kb` / `reset_peak_rss` / `process_cpu_seconds`: VmRSS / VmHWM / CPU seconds of a
+  process from /proc.
 
 Run as a script, it starts an aggsrv server in this process and prints `PORT <n>` once it
 serves; it stops when its stdin closes (the memory benchmark runs it in a subprocess):

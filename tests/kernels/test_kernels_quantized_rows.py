@@ -678,8 +678,8 @@ def test_similarities_of_chosen_rows_against_float64(backend, chunk_bytes, monke
     Q.codes[1, :400] = 0  # a row empty on the first segments: its cosines there are 0
     rows = [int(r) for r in rng.permutation(K)[: max(2, K - 2)]]
     if backend == "triton" and INTERPRETED and chunk_bytes == 64:
-        # The interpreter runs each chunk's launches in Python: 8 chunks of 140 columns there
-        # (segments still span chunk boundaries), one block per chunk elsewhere.
+        # The interpreter runs each chunk's launches in Python: 140 columns a chunk there (8
+        # chunks, the last of 23; segments still span chunk boundaries), one block elsewhere.
         chunk_bytes = 4 * len(rows) * block * 20
     monkeypatch.setattr(quantized_rows, "_SIMILARITY_CHUNK_BYTES", chunk_bytes)
     _spoil(Q, np.setdiff1d(np.arange(K), rows), rng)  # rows not chosen are never read
