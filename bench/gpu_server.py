@@ -51,6 +51,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,9 @@ def _client_main(conn: Connection, index: int) -> None:
     """A client process: answers the bench's commands (setup, push, close) one at a time, with
     a dict, or {"error": ...} when the command raised."""
     torch.set_num_threads(1)  # the client barely computes; leave the cores to the server
+    # An interrupt of the whole group (Ctrl-C, a time limit) is the bench's to handle: it stops
+    # its clients (and they end with it, as daemons).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     state: dict[str, Any] = {"banks": {}}
     handlers = {"setup": _setup, "push": _push, "close": _close}
     while True:
