@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -441,7 +442,10 @@ class Server:
             # In-flight uploads still finish (and are logged) while new calls are refused.
             fed.closing = True
             fed.publication.notify()  # waiting job streams see closing and end at once
+            t0 = time.perf_counter()
             await self._grpc.stop(grace)
+            # A stop that took its whole grace had a call that did not end by itself.
+            log.info("calls ended in %.2f s (grace %g s)", time.perf_counter() - t0, grace)
         if (close_service := getattr(self, "_close_service", None)) is not None:
             await close_service()
         if self._ticker is not None:

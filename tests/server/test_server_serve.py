@@ -97,13 +97,17 @@ def test_serve_becomes_ready_serves_and_stops_cleanly(serve, tmp_path, sig: int)
         assert list(state) == list(params)
         for name, param in params.items():
             assert torch.equal(state[name], param.detach()), name
-    rc, took = srv.stop(sig, timeout=10)
+    rc, took = srv.stop(sig, timeout=20)
     print(f"{signal.Signals(sig).name}: exit code {rc} after {took:.2f} s")
-    assert rc == 0, srv.log()
-    assert took < 5.0
     log = srv.log()
+    assert rc == 0, log
     assert "signal received" in log and "aggsrv stopped" in log, log
     assert "Traceback" not in log, log
+    # No call was left open, so none held the stop for its grace (5 s): the calls end at once.
+    # (The whole exit also waits for the final checkpoint's fsyncs, which a busy disk slows.)
+    ended = re.search(r"calls ended in ([\d.]+) s \(grace 5 s\)", log)
+    assert ended is not None, log
+    assert float(ended[1]) < 2.5, log
 
 
 def test_sigterm_with_uploads_in_flight_finishes_or_refuses_never_half_applies(serve) -> None:
