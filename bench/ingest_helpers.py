@@ -11,8 +11,8 @@
   decoded on arrival with `np.load` per tensor (Flower's `bytes_to_ndarray`);
 - `interleaved_prepared`: round-robin timing where each candidate has an untimed `prepare`
   step (a `get_job`) and a timed `run` step (the push);
-- `proc_status_kb` / `reset_peak_rss` / `process_cpu_seconds`: VmRSS / VmHWM / CPU seconds of a
-  process from /proc.
+- `proc_status_kb` / `reset_peak_rss` / `process_cpu_seconds` (`stat_cpu_seconds` for a thread):
+  VmRSS / VmHWM / CPU seconds of a process from /proc.
 
 Run as a script, it starts an aggsrv server in this process and prints `PORT <n>` once it
 serves; it stops when its stdin closes (the memory benchmark runs it in a subprocess):
@@ -354,11 +354,17 @@ def proc_status_kb(pid: int) -> dict[str, int]:
     return out
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a whole process (ended threads included), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as fh:
+def stat_cpu_seconds(path: str) -> float:
+    """CPU seconds (utime + stime) in a /proc stat file: /proc/PID/stat for a process,
+    /proc/PID/task/TID/stat for a thread."""
+    with open(path) as fh:
         rest = fh.read().rpartition(")")[2].split()
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a whole process (ended threads included)."""
+    return stat_cpu_seconds(f"/proc/{pid}/stat")
 
 
 def reset_peak_rss(pid: int) -> bool:

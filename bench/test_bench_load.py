@@ -102,6 +102,7 @@ from ingest_helpers import (
     proc_status_kb,
     process_cpu_seconds,
     reset_peak_rss,
+    stat_cpu_seconds,
     stop_server_process,
 )
 
@@ -368,11 +369,9 @@ def _thread_cpu(pid: int) -> dict[int, float]:
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                rest = fh.read().rpartition(")")[2].split()
+            out[int(tid)] = stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue  # the thread ended meanwhile
-        out[int(tid)] = (int(rest[11]) + int(rest[12])) / TICKS
     return out
 
 
